@@ -1,0 +1,75 @@
+"""Makes tests/fixtures/golden_smollm2.json: greedy references from Hugging Face transformers.
+
+Independent of actorllm: transformers reads the GGUF itself (gguf_file=, dequantized to f32)
+and its own tokenizer conversion. Run in a venv with torch, transformers and gguf:
+
+    python scripts/make_golden.py path/to/SmolLM2-135M-Instruct.Q4_1.gguf tests/fixtures/golden_smollm2.json
+"""
+import json
+import os
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+gguf, out = sys.argv[1], sys.argv[2]
+d, f = os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf)
+tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32)
+model.eval()
+torch.manual_seed(0)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at 100 degrees Celsius because",
+    "List of planets:\n1.",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the tallest mountain in the world?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Give me two words that rhyme with cat."},
+        {"role": "assistant", "content": "Hat, bat."},
+        {"role": "user", "content": "Two more, please."},
+    ],
+]
+TOKENIZER_TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\n\n\nnewlines   ",
+    "Numbers 1234567 and 3.14159, dates 2024-11-29.",
+    "Unicode: café naïve 日本語 中文 한국어 emoji 🎉🚀 Ünïcödé",
+    "def f(x):\n    return x ** 2  # square\n",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "don't won't I'm you're they've we'll he'd",
+    "    \n\t  \r\n mixed   whitespace",
+    "URL https://example.com/path?q=1&b=two#frag",
+    "ÀÉÎÕÜ ßẞ ﬁ ligatures and Ω≈ç√∫",
+]
+
+
+def greedy(ids, n=32):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, num_beams=1,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        )
+    return out[0, len(ids):].tolist()
+
+
+golden = {"model": f, "prompts": [], "chats": [], "tokenizer": []}
+for p in PROMPTS:
+    ids = tok(p, add_special_tokens=True)["input_ids"]
+    golden["prompts"].append({"text": p, "prompt_ids": ids, "output_ids": greedy(ids)})
+for msgs in CHATS:
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    golden["chats"].append({"messages": msgs, "prompt_text": text, "prompt_ids": ids, "output_ids": greedy(ids)})
+for t in TOKENIZER_TEXTS:
+    ids = tok(t, add_special_tokens=False)["input_ids"]
+    golden["tokenizer"].append({"text": t, "ids": ids, "decoded": tok.decode(ids)})
+with open(out, "w") as fh:
+    json.dump(golden, fh, ensure_ascii=False, indent=1)
+print("wrote", out)

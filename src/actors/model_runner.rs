@@ -1,0 +1,190 @@
+//! ModelRunner actor: one per device, on its own SyncArbiter thread. It owns that device's
+//! weights, KV cache and the per-sequence state sampling needs (token ids for penalties,
+//! seeds). The Scheduler sends it one [`ExecuteBatch`] per step; it turns the batch into
+//! flat inputs and attention metadata, runs the model's forward, samples, and returns token
+//! ids (and logprobs when asked).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::{Actor, Handler, Message, SyncContext};
+use rayon::prelude::*;
+
+use crate::core::block_pool::{BlockId, SeqId};
+use crate::kernels::Device;
+use crate::models::CausalLM;
+use crate::models::attn::AttnMetadata;
+use crate::request::{SamplingParams, TokenLogprobs};
+use crate::sampling::{SampleInput, sample};
+
+/// State a sequence brings on its first step (or after a preemption).
+#[derive(Debug, Clone)]
+pub struct NewSeq {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub params: Arc<SamplingParams>,
+    pub seed: u64,
+    /// Choice index within its request.
+    pub index: usize,
+}
+
+/// One sequence's part of a step: its tokens `start..start + len`.
+#[derive(Debug, Clone)]
+pub struct BatchSeq {
+    pub seq: SeqId,
+    pub new: Option<NewSeq>,
+    pub start: usize,
+    pub len: usize,
+    pub sample: bool,
+    pub block_table: Vec<BlockId>,
+}
+
+#[derive(Message)]
+#[rtype(result = "Result<StepOutput, RunnerError>")]
+pub struct ExecuteBatch {
+    pub seqs: Vec<BatchSeq>,
+    /// Sequences to forget before this step (finished, aborted, preempted).
+    pub dropped: Vec<SeqId>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sampled {
+    pub seq: SeqId,
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    pub sampled: Vec<Sampled>,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RunnerError {
+    #[error("sequence {0} was never registered with the model runner")]
+    UnknownSeq(SeqId),
+    #[error("sequence {seq}: tokens {start}..{end} requested but it has {have}")]
+    Range { seq: SeqId, start: usize, end: usize, have: usize },
+}
+
+struct RunnerSeq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    params: Arc<SamplingParams>,
+    seed: u64,
+    index: usize,
+}
+
+/// KV cache geometry the runner was started with.
+#[derive(Debug, Clone, Copy)]
+pub struct RunnerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+pub struct ModelRunner<D: Device> {
+    dev: D,
+    model: Box<dyn CausalLM<D>>,
+    caches: Vec<D::Cache>,
+    block_size: usize,
+    eos_ids: Arc<[u32]>,
+    seqs: HashMap<SeqId, RunnerSeq>,
+}
+
+impl<D: Device> ModelRunner<D> {
+    pub fn new(
+        dev: D,
+        model: Box<dyn CausalLM<D>>,
+        cfg: RunnerConfig,
+        eos_ids: Arc<[u32]>,
+    ) -> Result<Self, crate::kernels::DeviceError> {
+        let (layers, shape) = model.cache_shape(cfg.num_blocks, cfg.block_size);
+        let caches = (0..layers).map(|_| dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
+        Ok(Self { dev, model, caches, block_size: cfg.block_size, eos_ids, seqs: HashMap::new() })
+    }
+
+    /// Runs one step. Public so that benchmarks can drive a runner without actors.
+    pub fn execute(&mut self, batch: ExecuteBatch) -> Result<StepOutput, RunnerError> {
+        for id in &batch.dropped {
+            self.seqs.remove(id);
+        }
+        let mut ids = Vec::new();
+        let mut meta = AttnMetadata::default();
+        let mut sampled_seqs = Vec::new();
+        for (i, s) in batch.seqs.into_iter().enumerate() {
+            if let Some(n) = s.new {
+                let rs = RunnerSeq {
+                    tokens: n.tokens,
+                    prompt_len: n.prompt_len,
+                    params: n.params,
+                    seed: n.seed,
+                    index: n.index,
+                };
+                self.seqs.insert(s.seq, rs);
+            }
+            let rs = self.seqs.get(&s.seq).ok_or(RunnerError::UnknownSeq(s.seq))?;
+            let end = s.start + s.len;
+            if end > rs.tokens.len() {
+                return Err(RunnerError::Range { seq: s.seq, start: s.start, end, have: rs.tokens.len() });
+            }
+            ids.extend_from_slice(&rs.tokens[s.start..end]);
+            for pos in s.start..end {
+                meta.positions.push(pos as u32);
+                let block = s.block_table[pos / self.block_size] as i64;
+                meta.slot_mapping.push(block * self.block_size as i64 + (pos % self.block_size) as i64);
+                meta.token_seq.push(i as u32);
+            }
+            meta.block_tables.push(s.block_table);
+            if s.sample {
+                meta.last_token_rows.push(ids.len() - 1);
+                sampled_seqs.push(s.seq);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(StepOutput::default());
+        }
+        let positions = meta.positions.clone();
+        let hidden = self.model.forward(&self.dev, &ids, &positions, &mut self.caches, &meta);
+        if sampled_seqs.is_empty() {
+            return Ok(StepOutput::default());
+        }
+        let logits = self.dev.to_host(&self.model.compute_logits(&self.dev, &hidden, &meta)); // [seqs · vocab]
+        let vocab = logits.len() / sampled_seqs.len();
+        let eos = self.eos_ids.clone();
+        let results: Vec<(u32, Option<TokenLogprobs>)> = logits
+            .par_chunks(vocab)
+            .zip(&sampled_seqs)
+            .map(|(row, id)| {
+                let rs = &self.seqs[id];
+                let inp = SampleInput {
+                    params: &rs.params,
+                    seed: rs.seed,
+                    index: rs.index,
+                    tokens: &rs.tokens,
+                    prompt_len: rs.prompt_len,
+                    eos_ids: &eos,
+                };
+                sample(&mut row.to_vec(), &inp)
+            })
+            .collect();
+        let mut out = StepOutput { sampled: Vec::with_capacity(results.len()) };
+        for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
+            if let Some(rs) = self.seqs.get_mut(&seq) {
+                rs.tokens.push(token);
+            }
+            out.sampled.push(Sampled { seq, token, logprobs });
+        }
+        Ok(out)
+    }
+}
+
+impl<D: Device> Actor for ModelRunner<D> {
+    type Context = SyncContext<Self>;
+}
+
+impl<D: Device> Handler<ExecuteBatch> for ModelRunner<D> {
+    type Result = Result<StepOutput, RunnerError>;
+    fn handle(&mut self, msg: ExecuteBatch, _: &mut SyncContext<Self>) -> Self::Result {
+        self.execute(msg)
+    }
+}

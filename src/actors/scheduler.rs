@@ -1,0 +1,399 @@
+//! Scheduler actor: owns the waiting/running queues (through the plain
+//! [`crate::core::scheduler::Scheduler`]) and every live request's output state, and drives
+//! the step loop. Receives [`AddRequest`] / [`Abort`] / [`GetStats`] from the Engine handle
+//! (HTTP, WebSocket and CLI all go through it); sends [`Reserve`] to the BlockManager and
+//! [`ExecuteBatch`] to the ModelRunner, one of each per step. New requests and aborts are
+//! handled between steps, so an abort frees its blocks at the next step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use tokio::sync::mpsc;
+
+use super::block_manager::{Reserve, Reserved};
+use super::model_runner::{BatchSeq, ExecuteBatch, NewSeq, StepOutput};
+use crate::core::block_pool::{AllocStatus, BlockError, SeqId};
+use crate::core::output::{SeqOutput, StopLimits};
+use crate::core::scheduler::{ScheduledSeq, Scheduler, SchedulerConfig};
+use crate::engine::EngineError;
+use crate::metrics::Metrics;
+use crate::request::{AbortReason, FinishReason, SamplingParams, TokenEvent, Usage};
+use crate::tokenizer::Tokenizer;
+
+/// A validated request entering the engine.
+#[derive(Message)]
+#[rtype(result = "Result<(), EngineError>")]
+pub struct AddRequest {
+    pub id: Arc<str>,
+    pub prompt_ids: Vec<u32>,
+    pub params: Arc<SamplingParams>,
+    pub events: mpsc::UnboundedSender<TokenEvent>,
+}
+
+/// Aborts a request by id; returns whether it was live.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub struct Abort {
+    pub id: Arc<str>,
+    pub reason: AbortReason,
+}
+
+#[derive(Message)]
+#[rtype(result = "SchedulerStats")]
+pub struct GetStats;
+
+#[derive(Debug, Clone, Default)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub free_blocks: usize,
+    pub total_blocks: usize,
+    pub num_preemptions: u64,
+    /// When the last step finished (None before the first).
+    pub last_step: Option<Instant>,
+    /// A step is running now.
+    pub busy: bool,
+}
+
+/// Limits the scheduler enforces on admission.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionLimits {
+    pub max_model_len: usize,
+    pub vocab_size: usize,
+}
+
+struct Choice {
+    seq: SeqId,
+    out: SeqOutput,
+    done: bool,
+}
+
+struct LiveRequest {
+    id: Arc<str>,
+    params: Arc<SamplingParams>,
+    seed: u64,
+    max_tokens: usize,
+    prompt_len: usize,
+    choices: Vec<Choice>,
+    events: mpsc::UnboundedSender<TokenEvent>,
+    arrival: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    completion_tokens: usize,
+}
+
+pub struct SchedulerActor {
+    core: Scheduler,
+    block_manager: Recipient<Reserve>,
+    runner: Recipient<ExecuteBatch>,
+    tokenizer: Arc<Tokenizer>,
+    limits: AdmissionLimits,
+    metrics: Arc<Metrics>,
+    requests: HashMap<u64, LiveRequest>,
+    by_id: HashMap<Arc<str>, u64>,
+    /// seq → (group, choice index)
+    seq_owner: HashMap<SeqId, (u64, usize)>,
+    next_group: u64,
+    in_flight: bool,
+    last_step: Option<Instant>,
+    total_blocks: usize,
+}
+
+impl SchedulerActor {
+    pub fn new(
+        cfg: SchedulerConfig,
+        block_manager: Recipient<Reserve>,
+        runner: Recipient<ExecuteBatch>,
+        tokenizer: Arc<Tokenizer>,
+        limits: AdmissionLimits,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            core: Scheduler::new(cfg),
+            block_manager,
+            runner,
+            tokenizer,
+            limits,
+            metrics,
+            requests: HashMap::new(),
+            by_id: HashMap::new(),
+            seq_owner: HashMap::new(),
+            next_group: 0,
+            in_flight: false,
+            last_step: None,
+            total_blocks: cfg.num_blocks,
+        }
+    }
+
+    fn add(&mut self, msg: AddRequest) -> Result<(), EngineError> {
+        let prompt_len = msg.prompt_ids.len();
+        let max_len = self.limits.max_model_len;
+        if prompt_len == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt_len >= max_len {
+            return Err(EngineError::PromptTooLong { prompt_tokens: prompt_len, max_model_len: max_len });
+        }
+        if let Some(&bad) = msg.prompt_ids.iter().find(|&&t| t as usize >= self.limits.vocab_size) {
+            return Err(EngineError::TokenOutOfRange { token: bad, vocab_size: self.limits.vocab_size });
+        }
+        if self.core.check_prompt(prompt_len) == AllocStatus::Never {
+            return Err(EngineError::PromptTooLong { prompt_tokens: prompt_len, max_model_len: max_len });
+        }
+        if self.by_id.contains_key(&msg.id) {
+            return Err(EngineError::DuplicateId(msg.id.to_string()));
+        }
+        let group = self.next_group;
+        self.next_group += 1;
+        let n = msg.params.n;
+        let seqs = self.core.add(group, &msg.prompt_ids, n);
+        let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
+        let choices = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &seq)| {
+                self.seq_owner.insert(seq, (group, i));
+                Choice { seq, out: SeqOutput::new(prompt_len, &msg.params), done: false }
+            })
+            .collect();
+        let seed = msg.params.seed.unwrap_or_else(|| self.metrics.random_seed());
+        self.metrics.on_request_added(prompt_len);
+        self.by_id.insert(msg.id.clone(), group);
+        self.requests.insert(
+            group,
+            LiveRequest {
+                id: msg.id,
+                params: msg.params,
+                seed,
+                max_tokens,
+                prompt_len,
+                choices,
+                events: msg.events,
+                arrival: Instant::now(),
+                first_token: None,
+                last_token: None,
+                completion_tokens: 0,
+            },
+        );
+        Ok(())
+    }
+
+    fn abort(&mut self, id: &str, reason: AbortReason) -> bool {
+        let Some(&group) = self.by_id.get(id) else { return false };
+        if let Some(req) = self.requests.get_mut(&group) {
+            for c in req.choices.iter_mut().filter(|c| !c.done) {
+                c.done = true;
+                let _ = req.events.send(TokenEvent::Finished {
+                    index: self.seq_owner[&c.seq].1,
+                    reason: FinishReason::Abort,
+                    stop_reason: None,
+                });
+            }
+        }
+        self.metrics.on_abort(reason);
+        self.end_request(group, true);
+        true
+    }
+
+    /// Removes a request whose choices have all ended; sends `Done`.
+    fn end_request(&mut self, group: u64, aborted: bool) {
+        let Some(req) = self.requests.remove(&group) else { return };
+        self.by_id.remove(&req.id);
+        for c in &req.choices {
+            self.seq_owner.remove(&c.seq);
+        }
+        self.core.remove_group(group);
+        let usage = Usage {
+            prompt_tokens: req.prompt_len,
+            completion_tokens: req.completion_tokens,
+            total_tokens: req.prompt_len + req.completion_tokens,
+        };
+        if !aborted {
+            self.metrics.on_request_done(req.arrival, req.first_token, req.completion_tokens);
+        }
+        let _ = req.events.send(TokenEvent::Done { usage });
+    }
+
+    fn fail_all(&mut self, message: String) {
+        tracing::error!(%message, "engine step failed; failing every live request");
+        let groups: Vec<u64> = self.requests.keys().copied().collect();
+        for g in groups {
+            if let Some(req) = self.requests.get(&g) {
+                let _ = req.events.send(TokenEvent::Error { message: message.clone() });
+            }
+            self.metrics.on_abort(AbortReason::Engine);
+            self.end_request(g, true);
+        }
+    }
+
+    fn build_batch(&self, seqs: &[ScheduledSeq], dropped: Vec<SeqId>, reserved: Reserved) -> ExecuteBatch {
+        let seqs = seqs
+            .iter()
+            .zip(reserved.tables)
+            .map(|(s, block_table)| {
+                let seq = self.core.seq(s.seq).expect("scheduled sequences are live");
+                let new = (!seq.registered).then(|| {
+                    let (group, index) = self.seq_owner[&s.seq];
+                    let req = &self.requests[&group];
+                    NewSeq {
+                        tokens: seq.tokens.clone(),
+                        prompt_len: seq.prompt_len,
+                        params: req.params.clone(),
+                        seed: req.seed,
+                        index,
+                    }
+                });
+                BatchSeq { seq: s.seq, new, start: s.start, len: s.len, sample: s.sample, block_table }
+            })
+            .collect();
+        ExecuteBatch { seqs, dropped }
+    }
+
+    fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
+        for s in scheduled {
+            self.core.on_computed(s);
+        }
+        let now = Instant::now();
+        self.metrics.on_step(scheduled.iter().map(|s| s.len).sum(), out.sampled.len());
+        for sm in out.sampled {
+            // Aborted while the step ran: its result is dropped.
+            let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else { continue };
+            self.core.append_token(sm.seq, sm.token);
+            let Some(req) = self.requests.get_mut(&group) else { continue };
+            let seq = self.core.seq(sm.seq).expect("owned sequences are live");
+            let lim = StopLimits {
+                params: &req.params,
+                eos_ids: &self.tokenizer.eos_ids,
+                max_tokens: req.max_tokens,
+                max_model_len: self.limits.max_model_len,
+            };
+            let outcome =
+                match req.choices[index].out.push(&self.tokenizer, &seq.tokens, seq.prompt_len, &lim) {
+                    Ok(o) => o,
+                    Err(e) => {
+                        let _ = req.events.send(TokenEvent::Error { message: e.to_string() });
+                        self.metrics.on_abort(AbortReason::Engine);
+                        self.end_request(group, true);
+                        continue;
+                    }
+                };
+            req.completion_tokens += 1;
+            match req.first_token {
+                None => self.metrics.on_first_token(req.arrival, now),
+                Some(_) => self.metrics.on_inter_token(req.last_token.unwrap_or(now), now),
+            }
+            req.first_token.get_or_insert(now);
+            req.last_token = Some(now);
+            let sent = req.events.send(TokenEvent::Token {
+                index,
+                token_id: sm.token,
+                text: outcome.text,
+                logprobs: sm.logprobs,
+            });
+            if sent.is_err() {
+                // The client dropped its stream: abort the whole request now.
+                let id = req.id.clone();
+                self.abort(&id, AbortReason::ClientGone);
+                continue;
+            }
+            if let Some((reason, stop_reason)) = outcome.finish {
+                req.choices[index].done = true;
+                let _ = req.events.send(TokenEvent::Finished { index, reason, stop_reason });
+                self.metrics.on_finish(reason);
+                self.core.finish(sm.seq);
+                if req.choices.iter().all(|c| c.done) {
+                    self.end_request(group, false);
+                }
+            }
+        }
+    }
+
+    /// Starts a step unless one is running or there is nothing to do.
+    fn maybe_step(&mut self, ctx: &mut Context<Self>) {
+        if self.in_flight {
+            return;
+        }
+        let Some(plan) = self.core.schedule() else { return };
+        self.in_flight = true;
+        self.metrics.on_preemptions(plan.num_preempted);
+        let scheduled = plan.seqs;
+        let dropped = plan.dropped;
+        let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
+        let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, _| {
+            let reserved = match res {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
+                Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
+            };
+            let batch = act.build_batch(&scheduled, dropped, reserved);
+            act.runner
+                .send(batch)
+                .into_actor(act)
+                .map(move |res, _, _| match res {
+                    Ok(Ok(out)) => Ok((scheduled, out)),
+                    Ok(Err(e)) => Err(StepError::Runner(e.to_string())),
+                    Err(e) => Err(StepError::Mailbox(e.to_string())),
+                })
+                .boxed_local()
+        });
+        ctx.spawn(step.map(|res, act, ctx| {
+            act.in_flight = false;
+            act.last_step = Some(Instant::now());
+            match res {
+                Ok((scheduled, out)) => act.apply(&scheduled, out),
+                Err(e) => act.fail_all(e.to_string()),
+            }
+            act.maybe_step(ctx);
+        }));
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error("block manager: {0}")]
+    Blocks(BlockError),
+    #[error("model runner: {0}")]
+    Runner(String),
+    #[error("actor mailbox: {0}")]
+    Mailbox(String),
+}
+
+impl Actor for SchedulerActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<AddRequest> for SchedulerActor {
+    type Result = Result<(), EngineError>;
+    fn handle(&mut self, msg: AddRequest, ctx: &mut Context<Self>) -> Self::Result {
+        self.add(msg)?;
+        self.maybe_step(ctx);
+        Ok(())
+    }
+}
+
+impl Handler<Abort> for SchedulerActor {
+    type Result = bool;
+    fn handle(&mut self, msg: Abort, ctx: &mut Context<Self>) -> bool {
+        let found = self.abort(&msg.id, msg.reason);
+        // Deliver the frees even when nothing else is left to run.
+        self.maybe_step(ctx);
+        found
+    }
+}
+
+impl Handler<GetStats> for SchedulerActor {
+    type Result = MessageResult<GetStats>;
+    fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(SchedulerStats {
+            num_running: self.core.num_running(),
+            num_waiting: self.core.num_waiting(),
+            free_blocks: self.core.free_blocks(),
+            total_blocks: self.total_blocks,
+            num_preemptions: self.core.total_preemptions,
+            last_step: self.last_step,
+            busy: self.in_flight,
+        })
+    }
+}

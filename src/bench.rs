@@ -1,0 +1,162 @@
+//! `actorllm bench offline`: engine throughput without HTTP. Decode tokens/s at each batch
+//! size (sequences started together, EOS ignored) and prefill tokens/s for one long prompt.
+//! Figures go to stdout as text, or as JSON with `--json`.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde::Serialize;
+
+use crate::config::EngineArgs;
+use crate::engine::{Engine, RequestStream};
+use crate::request::{SamplingParams, TokenEvent};
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub mode: BenchMode,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchMode {
+    /// Decode tokens/s at several batch sizes and prefill tokens/s, through the Engine.
+    Offline {
+        #[command(flatten)]
+        engine: EngineArgs,
+        /// Concurrent sequences per run (comma separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        batch_sizes: Vec<usize>,
+        /// Prompt tokens of each decode sequence.
+        #[arg(long, default_value_t = 32)]
+        input_len: usize,
+        /// Generated tokens per sequence.
+        #[arg(long, default_value_t = 128)]
+        output_len: usize,
+        /// Prompt tokens of the prefill run.
+        #[arg(long, default_value_t = 500)]
+        prefill_len: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct DecodeFigure {
+    batch_size: usize,
+    /// Generated tokens / time from the last first-token to the end (decode only).
+    decode_tokens_per_s: f64,
+    /// All generated tokens / wall time including prefill.
+    total_tokens_per_s: f64,
+    ms_per_step: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct OfflineReport {
+    model: String,
+    dtype: String,
+    weight_mib: usize,
+    decode: Vec<DecodeFigure>,
+    prefill_tokens: usize,
+    prefill_tokens_per_s: f64,
+}
+
+/// Deterministic prompt ids of length `len` from the ordinary (non-special) vocabulary.
+fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| (1000 + (i * 7919 + salt * 104729) % (vocab - 1000)) as u32).collect()
+}
+
+/// Drains a stream; returns (time of first token, tokens).
+async fn drain(mut s: RequestStream) -> anyhow::Result<(Option<Instant>, usize)> {
+    let (mut first, mut n) = (None, 0);
+    while let Some(ev) = s.next().await {
+        match ev {
+            TokenEvent::Token { .. } => {
+                first.get_or_insert_with(Instant::now);
+                n += 1;
+            }
+            TokenEvent::Error { message } => anyhow::bail!(message),
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Finished { .. } => {}
+        }
+    }
+    Ok((first, n))
+}
+
+async fn decode_run(
+    engine: &Engine,
+    batch: usize,
+    input_len: usize,
+    output_len: usize,
+) -> anyhow::Result<DecodeFigure> {
+    let vocab = engine.model_config().vocab_size;
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(output_len),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut streams = Vec::new();
+    for b in 0..batch {
+        let id = engine.next_request_id("bench");
+        streams.push(engine.add_request(id, prompt(input_len, b, vocab), params.clone()).await?);
+    }
+    let results = futures::future::try_join_all(streams.into_iter().map(drain)).await?;
+    let end = Instant::now();
+    let tokens: usize = results.iter().map(|r| r.1).sum();
+    let last_first = results.iter().filter_map(|r| r.0).max().unwrap_or(start);
+    let decode_time = (end - last_first).max(Duration::from_micros(1)).as_secs_f64();
+    let decode_tokens = tokens - batch;
+    Ok(DecodeFigure {
+        batch_size: batch,
+        decode_tokens_per_s: decode_tokens as f64 / decode_time,
+        total_tokens_per_s: tokens as f64 / (end - start).as_secs_f64(),
+        ms_per_step: decode_time * 1e3 / (output_len - 1).max(1) as f64,
+    })
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let BenchMode::Offline { engine: eargs, batch_sizes, input_len, output_len, prefill_len, json } =
+        args.mode;
+    let engine = Engine::start(eargs).await?;
+    // Warm-up: touches every weight page and the allocator.
+    decode_run(&engine, 1, 16, 4).await?;
+    let mut decode = Vec::new();
+    for &b in &batch_sizes {
+        let f = decode_run(&engine, b, input_len, output_len).await?;
+        if !json {
+            println!(
+                "decode batch {:>3}: {:>8.1} tok/s decode, {:>8.1} tok/s incl. prefill, {:>6.1} ms/step",
+                b, f.decode_tokens_per_s, f.total_tokens_per_s, f.ms_per_step
+            );
+        }
+        decode.push(f);
+    }
+    let vocab = engine.model_config().vocab_size;
+    let params =
+        SamplingParams { temperature: 0.0, max_tokens: Some(1), ignore_eos: true, ..Default::default() };
+    let start = Instant::now();
+    let s =
+        engine.add_request(engine.next_request_id("bench"), prompt(prefill_len, 99, vocab), params).await?;
+    let (first, _) = drain(s).await?;
+    let ttft = (first.unwrap_or_else(Instant::now) - start).as_secs_f64();
+    let report = OfflineReport {
+        model: engine.config().model_dir.display().to_string(),
+        dtype: format!("{:?}", engine.config().dtype),
+        weight_mib: engine.weight_bytes() >> 20,
+        decode,
+        prefill_tokens: prefill_len,
+        prefill_tokens_per_s: prefill_len as f64 / ttft,
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "prefill {prefill_len} tokens: {:.1} tok/s ({:.0} ms)",
+            report.prefill_tokens_per_s,
+            ttft * 1e3
+        );
+    }
+    actix::System::current().stop();
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! Engine arguments with vLLM's flag names ([`EngineArgs`], parsed by clap), resolved and
+//! validated once into [`EngineConfig`] when the model's shape is known.
+
+use std::path::PathBuf;
+
+use crate::kernels::DType;
+use crate::models::config::ModelConfig;
+
+/// Where the README's commands put the default model.
+pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DTypeArg {
+    Auto,
+    #[value(alias = "float", alias = "f32")]
+    Float32,
+    #[value(alias = "bf16")]
+    Bfloat16,
+    #[value(alias = "half", alias = "f16")]
+    Float16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// The CPU (the only device this build drives).
+    Auto,
+    Cpu,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long, default_value = DEFAULT_MODEL_DIR)]
+    pub model: PathBuf,
+    /// Weight dtype; `auto` keeps the checkpoint's.
+    #[arg(long, value_enum, default_value_t = DTypeArg::Auto)]
+    pub dtype: DTypeArg,
+    /// Context length (prompt + output); defaults to the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (longer prompts are prefilled in chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size in GiB on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    #[arg(long, default_value_t = 4.0)]
+    pub kv_cache_space: f64,
+    /// Exact number of KV cache blocks, overriding the size computed from memory.
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+}
+
+impl Default for EngineArgs {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::from(DEFAULT_MODEL_DIR),
+            dtype: DTypeArg::Auto,
+            max_model_len: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            block_size: 16,
+            kv_cache_space: 4.0,
+            num_gpu_blocks_override: None,
+            device: DeviceArg::Auto,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--block-size must be a power of two between 1 and 256, got {0}")]
+    BlockSize(usize),
+    #[error("--max-num-seqs must be at least 1, got {0}")]
+    MaxNumSeqs(usize),
+    #[error("--max-num-batched-tokens ({tokens}) must be at least --max-num-seqs ({seqs})")]
+    BatchedTokens { tokens: usize, seqs: usize },
+    #[error("--max-model-len ({given}) is larger than the model's max_position_embeddings ({limit})")]
+    MaxModelLen { given: usize, limit: usize },
+    #[error(
+        "The model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be stored in KV cache ({capacity}); raise the KV cache size (--kv-cache-space / --num-gpu-blocks-override) or lower --max-model-len"
+    )]
+    KvCacheTooSmall { max_model_len: usize, capacity: usize },
+    #[error("the KV cache holds no block: --kv-cache-space {0} GiB is too small")]
+    NoBlocks(f64),
+}
+
+/// Resolved engine settings: no Options, validated against the model.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_dir: PathBuf,
+    pub dtype: DType,
+    pub max_model_len: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl EngineConfig {
+    pub fn resolve(args: &EngineArgs, model: &ModelConfig) -> Result<Self, ConfigError> {
+        let bs = args.block_size;
+        if !bs.is_power_of_two() || bs > 256 {
+            return Err(ConfigError::BlockSize(bs));
+        }
+        if args.max_num_seqs == 0 {
+            return Err(ConfigError::MaxNumSeqs(0));
+        }
+        if args.max_num_batched_tokens < args.max_num_seqs {
+            return Err(ConfigError::BatchedTokens {
+                tokens: args.max_num_batched_tokens,
+                seqs: args.max_num_seqs,
+            });
+        }
+        let limit = model.max_position_embeddings;
+        let max_model_len = args.max_model_len.unwrap_or(limit);
+        if max_model_len > limit {
+            return Err(ConfigError::MaxModelLen { given: max_model_len, limit });
+        }
+        // f32 cache on the CPU: K and V per layer per token.
+        let bytes_per_block = 2 * model.num_layers * bs * model.num_kv_heads * model.head_dim * 4;
+        let num_blocks = match args.num_gpu_blocks_override {
+            Some(n) => n,
+            None => (args.kv_cache_space * (1u64 << 30) as f64) as usize / bytes_per_block,
+        };
+        if num_blocks == 0 {
+            return Err(ConfigError::NoBlocks(args.kv_cache_space));
+        }
+        let capacity = num_blocks * bs;
+        if max_model_len > capacity {
+            return Err(ConfigError::KvCacheTooSmall { max_model_len, capacity });
+        }
+        let dtype = match args.dtype {
+            DTypeArg::Float32 => DType::F32,
+            DTypeArg::Bfloat16 => DType::BF16,
+            DTypeArg::Float16 => DType::F16,
+            DTypeArg::Auto => match model.checkpoint_dtype.as_deref() {
+                Some("bfloat16") => DType::BF16,
+                Some("float16") => DType::F16,
+                _ => DType::F32,
+            },
+        };
+        Ok(Self {
+            model_dir: args.model.clone(),
+            dtype,
+            max_model_len,
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            block_size: bs,
+            num_blocks,
+        })
+    }
+}

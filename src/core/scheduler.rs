@@ -1,0 +1,408 @@
+//! Continuous batching, as a plain struct: waiting and running queues, a token budget per
+//! step, first come first served, chunked prefill, and preemption by recompute when the KV
+//! cache runs out. It plans block operations against an exact mirror of the pool's free
+//! count (it is the pool's only client), so that the BlockManager can apply each step's
+//! plan in one message.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::block_pool::{AllocStatus, BlockOp, SeqId};
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// A request's sequences (n > 1 gives several) share its full prompt blocks when admitted
+/// together; the group tracks who still holds them.
+#[derive(Debug)]
+struct Group {
+    seqs: Vec<SeqId>,
+    shared_blocks: usize,
+    shared_holders: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    Finished,
+}
+
+#[derive(Debug)]
+pub struct Sequence {
+    pub id: SeqId,
+    pub group: u64,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V are in the cache.
+    pub num_computed: usize,
+    pub status: SeqStatus,
+    /// Whether the ModelRunner holds this sequence's state (set false on preemption).
+    pub registered: bool,
+    blocks: usize,
+    shared: usize,
+    /// Never preempted: may share its group's prompt blocks on admission.
+    fresh: bool,
+}
+
+impl Sequence {
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// One sequence's work in a step: tokens `start..start + len` of its token list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub seq: SeqId,
+    pub start: usize,
+    pub len: usize,
+    /// The chunk reaches the end of the sequence: a token is sampled.
+    pub sample: bool,
+}
+
+/// A step's plan: block operations to apply first, then the sequences to run.
+#[derive(Debug, Default)]
+pub struct StepPlan {
+    pub ops: Vec<BlockOp>,
+    pub seqs: Vec<ScheduledSeq>,
+    /// Sequences the runner should forget (finished, aborted or preempted).
+    pub dropped: Vec<SeqId>,
+    pub num_preempted: usize,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    seqs: HashMap<SeqId, Sequence>,
+    groups: HashMap<u64, Group>,
+    free_blocks: usize,
+    pending_ops: Vec<BlockOp>,
+    pending_dropped: Vec<SeqId>,
+    next_seq: SeqId,
+    /// Preemptions since start.
+    pub total_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: HashMap::new(),
+            groups: HashMap::new(),
+            free_blocks: cfg.num_blocks,
+            pending_ops: Vec::new(),
+            pending_dropped: Vec::new(),
+            next_seq: 0,
+            total_preemptions: 0,
+        }
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Whether a prompt can ever be admitted.
+    pub fn check_prompt(&self, prompt_len: usize) -> AllocStatus {
+        if self.blocks_for(prompt_len + 1) > self.cfg.num_blocks {
+            AllocStatus::Never
+        } else {
+            AllocStatus::Ok
+        }
+    }
+
+    /// Queues a group of `n` sequences with the same prompt; returns their ids.
+    pub fn add(&mut self, group: u64, prompt: &[u32], n: usize) -> Vec<SeqId> {
+        let ids: Vec<SeqId> = (0..n as u64).map(|i| self.next_seq + i).collect();
+        self.next_seq += n as u64;
+        for &id in &ids {
+            self.seqs.insert(
+                id,
+                Sequence {
+                    id,
+                    group,
+                    tokens: prompt.to_vec(),
+                    prompt_len: prompt.len(),
+                    num_computed: 0,
+                    status: SeqStatus::Waiting,
+                    registered: false,
+                    blocks: 0,
+                    shared: 0,
+                    fresh: true,
+                },
+            );
+            self.waiting.push_back(id);
+        }
+        self.groups.insert(group, Group { seqs: ids.clone(), shared_blocks: 0, shared_holders: 0 });
+        ids
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&id)
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free_blocks
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Pending block operations or runner drops that a step must deliver even with no work.
+    pub fn has_pending(&self) -> bool {
+        !self.pending_ops.is_empty() || !self.pending_dropped.is_empty()
+    }
+
+    /// Returns a sequence's blocks to the mirror count and queues the pool operation.
+    fn release(&mut self, id: SeqId) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        if seq.blocks == 0 {
+            return;
+        }
+        let (owned, shared) = (seq.blocks - seq.shared, seq.shared);
+        seq.blocks = 0;
+        seq.shared = 0;
+        self.free_blocks += owned;
+        if shared > 0
+            && let Some(g) = self.groups.get_mut(&seq.group)
+        {
+            g.shared_holders -= 1;
+            if g.shared_holders == 0 {
+                self.free_blocks += g.shared_blocks;
+            }
+        }
+        self.pending_ops.push(BlockOp::Free(id));
+    }
+
+    fn forget_on_runner(&mut self, id: SeqId) {
+        if let Some(seq) = self.seqs.get_mut(&id)
+            && seq.registered
+        {
+            seq.registered = false;
+            self.pending_dropped.push(id);
+        }
+    }
+
+    /// Ends a sequence (stop condition or abort): frees its blocks at the next step.
+    pub fn finish(&mut self, id: SeqId) {
+        self.release(id);
+        self.forget_on_runner(id);
+        self.running.retain(|&s| s != id);
+        self.waiting.retain(|&s| s != id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.status = SeqStatus::Finished;
+        }
+    }
+
+    /// Forgets a group whose sequences have all finished.
+    pub fn remove_group(&mut self, group: u64) {
+        if let Some(g) = self.groups.remove(&group) {
+            for id in g.seqs {
+                self.finish(id);
+                self.seqs.remove(&id);
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        self.release(id);
+        self.forget_on_runner(id);
+        self.running.retain(|&s| s != id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.num_computed = 0;
+            seq.status = SeqStatus::Waiting;
+            seq.fresh = false;
+        }
+        self.waiting.push_front(id);
+        self.total_preemptions += 1;
+    }
+
+    /// Reserves `tokens` of cache for `id`; false if the pool lacks the blocks.
+    fn reserve(&mut self, id: SeqId, tokens: usize, ops: &mut Vec<BlockOp>) -> bool {
+        let have = self.seqs[&id].blocks;
+        let need = self.blocks_for(tokens).saturating_sub(have);
+        if need > self.free_blocks {
+            return false;
+        }
+        self.free_blocks -= need;
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.blocks += need;
+        }
+        ops.push(BlockOp::Grow { seq: id, num_tokens: tokens });
+        true
+    }
+
+    /// Plans the next step. Returns None when there is nothing to run or deliver.
+    pub fn schedule(&mut self) -> Option<StepPlan> {
+        let mut plan = StepPlan { ops: std::mem::take(&mut self.pending_ops), ..Default::default() };
+        let mut budget = self.cfg.max_num_batched_tokens;
+        self.schedule_running(&mut plan, &mut budget);
+        if plan.num_preempted == 0 {
+            self.schedule_waiting(&mut plan, &mut budget);
+        }
+        plan.ops.append(&mut self.pending_ops);
+        plan.dropped = std::mem::take(&mut self.pending_dropped);
+        if plan.seqs.is_empty() && plan.ops.is_empty() && plan.dropped.is_empty() {
+            return None;
+        }
+        Some(plan)
+    }
+
+    fn schedule_running(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        let mut i = 0;
+        while i < self.running.len() && *budget > 0 {
+            let id = self.running[i];
+            let (start, total) = (self.seqs[&id].num_computed, self.seqs[&id].tokens.len());
+            let len = (total - start).min(*budget);
+            let mut scheduled = false;
+            loop {
+                let mut ops = Vec::new();
+                if self.reserve(id, start + len, &mut ops) {
+                    plan.ops.append(&mut self.pending_ops);
+                    plan.ops.extend(ops);
+                    scheduled = true;
+                    break;
+                }
+                // Out of blocks: preempt the lowest-priority (last) running sequence.
+                let victim = *self.running.last().expect("running holds at least `id`");
+                self.preempt(victim);
+                plan.num_preempted += 1;
+                if victim == id {
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total });
+            *budget -= len;
+            i += 1;
+        }
+    }
+
+    fn schedule_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
+        while let Some(&id) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_num_seqs || *budget == 0 {
+                break;
+            }
+            if self.try_admit_group(id, plan, budget) {
+                continue;
+            }
+            let seq = &self.seqs[&id];
+            let total = seq.tokens.len();
+            let len = total.min(*budget);
+            // A prompt whose first chunk cannot fit now waits (FCFS: nobody overtakes it).
+            if self.blocks_for(len) > self.free_blocks {
+                break;
+            }
+            let mut ops = Vec::new();
+            self.reserve(id, len, &mut ops);
+            plan.ops.extend(ops);
+            self.admit(id);
+            plan.seqs.push(ScheduledSeq { seq: id, start: 0, len, sample: len == total });
+            *budget -= len;
+        }
+    }
+
+    fn admit(&mut self, id: SeqId) {
+        self.waiting.retain(|&s| s != id);
+        self.running.push(id);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.status = SeqStatus::Running;
+        }
+    }
+
+    /// Admits a fresh n > 1 group at once, the children sharing the parent's full prompt
+    /// blocks and computing only the prompt's tail. Only when the whole group fits this step
+    /// (the parent writes the shared blocks in the same forward the children read them).
+    fn try_admit_group(&mut self, parent: SeqId, plan: &mut StepPlan, budget: &mut usize) -> bool {
+        let seq = &self.seqs[&parent];
+        let group = &self.groups[&seq.group];
+        let n = group.seqs.len();
+        if n < 2 || group.seqs[0] != parent || !group.seqs.iter().all(|s| self.seqs[s].fresh) {
+            return false;
+        }
+        let p = seq.prompt_len;
+        // Full blocks strictly before the last prompt token: each child computes at least
+        // that token, whose logits it samples from.
+        let shared = (p - 1) / self.cfg.block_size;
+        let tail = p - shared * self.cfg.block_size;
+        let tokens = p + (n - 1) * tail;
+        let blocks = self.blocks_for(p) + (n - 1) * (self.blocks_for(p) - shared);
+        if shared == 0
+            || tokens > *budget
+            || blocks > self.free_blocks
+            || self.running.len() + n > self.cfg.max_num_seqs
+        {
+            return false;
+        }
+        let ids = group.seqs.clone();
+        let gid = seq.group;
+        let mut ops = Vec::new();
+        self.reserve(parent, p, &mut ops);
+        for &child in &ids[1..] {
+            ops.push(BlockOp::Fork { parent, child, num_blocks: shared });
+            if let Some(c) = self.seqs.get_mut(&child) {
+                c.blocks = shared;
+                c.shared = shared;
+                c.num_computed = shared * self.cfg.block_size;
+            }
+            self.reserve(child, p, &mut ops);
+        }
+        if let Some(s) = self.seqs.get_mut(&parent) {
+            s.shared = shared;
+        }
+        if let Some(g) = self.groups.get_mut(&gid) {
+            g.shared_blocks = shared;
+            g.shared_holders = n;
+        }
+        // The shared blocks count once: reserve() charged them to the parent only.
+        plan.ops.extend(ops);
+        for &id in &ids {
+            self.admit(id);
+            let start = self.seqs[&id].num_computed;
+            plan.seqs.push(ScheduledSeq { seq: id, start, len: p - start, sample: true });
+        }
+        *budget -= tokens;
+        true
+    }
+
+    /// Records that a step ran: each scheduled chunk is now in the cache.
+    pub fn on_computed(&mut self, s: &ScheduledSeq) {
+        if let Some(seq) = self.seqs.get_mut(&s.seq)
+            && seq.status == SeqStatus::Running
+        {
+            seq.num_computed = s.start + s.len;
+            seq.registered = true;
+        }
+    }
+
+    /// Appends a sampled token to a running sequence.
+    pub fn append_token(&mut self, id: SeqId, token: u32) {
+        if let Some(seq) = self.seqs.get_mut(&id)
+            && seq.status == SeqStatus::Running
+        {
+            seq.tokens.push(token);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,131 @@
+//! The scheduler driven with a handful of fake blocks; every plan is applied to a real
+//! BlockPool, whose free count must always equal the scheduler's mirror.
+
+use super::*;
+use crate::core::block_pool::BlockPool;
+
+struct Harness {
+    s: Scheduler,
+    pool: BlockPool,
+}
+
+impl Harness {
+    fn new(num_blocks: usize, block_size: usize, max_num_seqs: usize, budget: usize) -> Self {
+        let cfg = SchedulerConfig { max_num_seqs, max_num_batched_tokens: budget, block_size, num_blocks };
+        Self { s: Scheduler::new(cfg), pool: BlockPool::new(num_blocks, block_size) }
+    }
+
+    /// Plans a step, applies its block ops, marks it computed and appends `token` to each
+    /// sampled sequence.
+    fn step(&mut self, token: u32) -> StepPlan {
+        let plan = self.s.schedule().expect("work to do");
+        self.pool.apply(&plan.ops).expect("the plan fits the pool");
+        assert_eq!(self.pool.num_free(), self.s.free_blocks(), "mirror of the free count");
+        for sq in &plan.seqs {
+            let table = self.pool.table(sq.seq).expect("scheduled sequences have blocks");
+            assert!(table.len() * self.pool.block_size() >= sq.start + sq.len);
+            self.s.on_computed(sq);
+            if sq.sample {
+                self.s.append_token(sq.seq, token);
+            }
+        }
+        plan
+    }
+}
+
+fn lens(plan: &StepPlan) -> Vec<(SeqId, usize, usize)> {
+    plan.seqs.iter().map(|s| (s.seq, s.start, s.len)).collect()
+}
+
+#[test]
+fn requests_join_and_leave_between_steps() {
+    let mut h = Harness::new(16, 4, 8, 64);
+    let a = h.s.add(0, &[1, 2, 3, 4, 5], 1)[0];
+    assert_eq!(lens(&h.step(9)), vec![(a, 0, 5)]);
+    let b = h.s.add(1, &[7, 8], 1)[0];
+    assert_eq!(lens(&h.step(9)), vec![(a, 5, 1), (b, 0, 2)]);
+    h.s.finish(a);
+    let plan = h.step(9);
+    assert_eq!(lens(&plan), vec![(b, 2, 1)]);
+    assert!(plan.ops.contains(&BlockOp::Free(a)));
+    assert!(plan.dropped.contains(&a));
+    h.s.remove_group(1);
+    h.s.remove_group(0);
+    let last = h.s.schedule().expect("the frees are delivered");
+    h.pool.apply(&last.ops).unwrap();
+    assert_eq!(h.pool.num_free(), 16);
+    assert!(h.s.schedule().is_none());
+}
+
+#[test]
+fn long_prompts_are_prefilled_in_chunks_within_the_budget() {
+    let mut h = Harness::new(16, 4, 8, 8);
+    let a = h.s.add(0, &(0..20).collect::<Vec<_>>(), 1)[0];
+    let p1 = h.step(1);
+    assert_eq!(lens(&p1), vec![(a, 0, 8)]);
+    assert!(!p1.seqs[0].sample);
+    assert_eq!(lens(&h.step(1)), vec![(a, 8, 8)]);
+    let p3 = h.step(1);
+    assert_eq!(lens(&p3), vec![(a, 16, 4)]);
+    assert!(p3.seqs[0].sample);
+    assert_eq!(lens(&h.step(1)), vec![(a, 20, 1)]);
+}
+
+#[test]
+fn running_out_of_blocks_preempts_the_newest_by_recompute() {
+    // 4 blocks of 4 tokens; two sequences of 7 tokens take 2 blocks each.
+    let mut h = Harness::new(4, 4, 8, 64);
+    let a = h.s.add(0, &[1; 7], 1)[0];
+    let b = h.s.add(1, &[2; 7], 1)[0];
+    h.step(5); // both prefill (8 tokens after sampling each)
+    h.step(5); // both decode the 8th token: still 2 blocks each
+    let plan = h.step(5); // a needs a third block: b is preempted
+    assert_eq!(plan.num_preempted, 1);
+    assert_eq!(lens(&plan), vec![(a, 8, 1)]);
+    let free_b = plan.ops.iter().position(|o| *o == BlockOp::Free(b)).expect("b's blocks freed");
+    let grow_a = plan.ops.iter().position(|o| matches!(o, BlockOp::Grow { seq, .. } if *seq == a)).unwrap();
+    assert!(free_b < grow_a, "blocks are freed before they are reused");
+    assert_eq!(h.s.seq(b).unwrap().num_computed, 0);
+    assert_eq!(h.s.seq(b).unwrap().tokens.len(), 9, "generated tokens survive preemption");
+    h.s.finish(a);
+    // b comes back and recomputes its prompt and generated tokens in one chunk.
+    let plan = h.step(5);
+    assert_eq!(lens(&plan), vec![(b, 0, 9)]);
+}
+
+#[test]
+fn n_greater_than_one_shares_the_prompt_blocks() {
+    let mut h = Harness::new(32, 4, 8, 64);
+    let ids = h.s.add(0, &(0..10).collect::<Vec<_>>(), 3);
+    let plan = h.step(1);
+    // The parent computes all 10 tokens; children share 2 full blocks and compute 2 each.
+    assert_eq!(lens(&plan), vec![(ids[0], 0, 10), (ids[1], 8, 2), (ids[2], 8, 2)]);
+    assert!(
+        plan.ops.iter().any(|o| matches!(o, BlockOp::Fork { child, num_blocks: 2, .. } if *child == ids[1]))
+    );
+    assert_eq!(h.pool.num_free(), 32 - 3 - 1 - 1);
+    assert_eq!(h.pool.table(ids[1]).unwrap()[..2], h.pool.table(ids[0]).unwrap()[..2]);
+    // Shared blocks return only when the last holder ends.
+    h.s.finish(ids[0]);
+    h.s.finish(ids[1]);
+    let plan = h.step(1);
+    assert_eq!(lens(&plan), vec![(ids[2], 10, 1)]);
+    h.s.finish(ids[2]);
+    h.s.remove_group(0);
+    let last = h.s.schedule().unwrap();
+    h.pool.apply(&last.ops).unwrap();
+    assert_eq!(h.pool.num_free(), 32);
+    assert_eq!(h.s.free_blocks(), 32);
+}
+
+#[test]
+fn max_num_seqs_bounds_the_batch_and_waiting_is_fcfs() {
+    let mut h = Harness::new(64, 4, 2, 64);
+    let a = h.s.add(0, &[1, 2], 1)[0];
+    let b = h.s.add(1, &[1, 2], 1)[0];
+    let c = h.s.add(2, &[1, 2], 1)[0];
+    assert_eq!(lens(&h.step(3)), vec![(a, 0, 2), (b, 0, 2)]);
+    assert_eq!(h.s.num_waiting(), 1);
+    h.s.finish(a);
+    assert_eq!(lens(&h.step(3)), vec![(b, 2, 1), (c, 0, 2)]);
+}

@@ -1,0 +1,225 @@
+//! The Engine handle: starts the actors (Scheduler, BlockManager, one ModelRunner per
+//! device), then takes requests and hands back their event streams. Everything that
+//! reaches the engine (HTTP, WebSocket, the `generate` CLI, benchmarks) goes through it.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context as TaskContext, Poll};
+
+use actix::prelude::*;
+use futures::Stream;
+use tokio::sync::mpsc;
+
+use crate::actors::block_manager::{BlockManager, BlockStats, GetBlockStats};
+use crate::actors::model_runner::{ModelRunner, RunnerConfig};
+use crate::actors::scheduler::{
+    Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
+};
+use crate::config::{ConfigError, EngineArgs, EngineConfig};
+use crate::core::scheduler::SchedulerConfig;
+use crate::kernels::cpu::CpuDevice;
+use crate::metrics::Metrics;
+use crate::models::ModelError;
+use crate::models::config::ModelConfig;
+use crate::models::registry::ModelRegistry;
+use crate::request::{AbortReason, SamplingParams, TokenEvent, ValidationError};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    InvalidParams(#[from] ValidationError),
+    #[error("Input prompt ({prompt_tokens} tokens) is too long and exceeds limit of {max_model_len}")]
+    PromptTooLong { prompt_tokens: usize, max_model_len: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("token id {token} is out of vocabulary (size {vocab_size})")]
+    TokenOutOfRange { token: u32, vocab_size: usize },
+    #[error("a request with id {0:?} is already running")]
+    DuplicateId(String),
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error("device: {0}")]
+    Device(String),
+}
+
+struct Inner {
+    scheduler: Addr<SchedulerActor>,
+    block_manager: Addr<BlockManager>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    metrics: Arc<Metrics>,
+    weight_bytes: usize,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// Cheap to clone; every clone talks to the same actors.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// Loads the model and starts the actors. Must be called inside an actix System.
+    pub async fn start(args: EngineArgs) -> Result<Engine, EngineError> {
+        Self::start_with(args, ModelRegistry::default()).await
+    }
+
+    /// As [`Engine::start`], with a registry that may hold out-of-tree architectures.
+    pub async fn start_with(
+        args: EngineArgs,
+        registry: ModelRegistry<CpuDevice>,
+    ) -> Result<Engine, EngineError> {
+        let model_config = ModelRegistry::<CpuDevice>::read_config(&args.model)?;
+        let config = EngineConfig::resolve(&args, &model_config)?;
+        let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
+        let (dir, dtype) = (config.model_dir.clone(), config.dtype);
+        let loaded = actix_rt::task::spawn_blocking(move || registry.load(&CpuDevice, &dir, dtype))
+            .await
+            .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
+        let weight_bytes = loaded.model.weight_bytes();
+        tracing::info!(
+            model = %config.model_dir.display(),
+            dtype = ?config.dtype,
+            weights_mib = weight_bytes >> 20,
+            kv_blocks = config.num_blocks,
+            block_size = config.block_size,
+            max_model_len = config.max_model_len,
+            "model loaded on {}",
+            crate::kernels::Device::name(&CpuDevice)
+        );
+        let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
+        let runner_cfg = RunnerConfig { num_blocks: config.num_blocks, block_size: config.block_size };
+        let runner = ModelRunner::new(CpuDevice, loaded.model, runner_cfg, eos)
+            .map_err(|e| EngineError::Device(e.to_string()))?;
+        // A SyncArbiter with one thread calls the factory once; the runner moves into it.
+        let slot = Mutex::new(Some(runner));
+        let runner_addr = SyncArbiter::start(1, move || {
+            slot.lock().ok().and_then(|mut s| s.take()).expect("the one runner thread builds its actor once")
+        });
+        let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();
+        let metrics = Arc::new(Metrics::default());
+        let sched_cfg = SchedulerConfig {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+        };
+        let limits =
+            AdmissionLimits { max_model_len: config.max_model_len, vocab_size: model_config.vocab_size };
+        let scheduler = SchedulerActor::new(
+            sched_cfg,
+            block_manager.clone().recipient(),
+            runner_addr.recipient(),
+            tokenizer.clone(),
+            limits,
+            metrics.clone(),
+        )
+        .start();
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                scheduler,
+                block_manager,
+                tokenizer,
+                config,
+                model_config,
+                metrics,
+                weight_bytes,
+                next_id: std::sync::atomic::AtomicU64::new(0),
+            }),
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.inner.model_config
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes
+    }
+
+    /// A fresh request id (`cmpl-<n>`), unique within this engine.
+    pub fn next_request_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{prefix}-{n:x}")
+    }
+
+    /// Submits a request; its events arrive on the returned stream. Dropping the stream
+    /// before it ends aborts the request.
+    pub async fn add_request(
+        &self,
+        id: String,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RequestStream, EngineError> {
+        params.validate()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id: Arc<str> = id.into();
+        let msg = AddRequest { id: id.clone(), prompt_ids, params: Arc::new(params), events: tx };
+        self.inner.scheduler.send(msg).await.map_err(|_| EngineError::Stopped)??;
+        Ok(RequestStream { id, rx, scheduler: self.inner.scheduler.clone(), ended: false })
+    }
+
+    /// Aborts a live request; returns whether it was live.
+    pub async fn abort(&self, id: &str, reason: AbortReason) -> bool {
+        self.inner.scheduler.send(Abort { id: id.into(), reason }).await.unwrap_or(false)
+    }
+
+    pub async fn stats(&self) -> Result<(SchedulerStats, BlockStats), EngineError> {
+        let s = self.inner.scheduler.send(GetStats).await.map_err(|_| EngineError::Stopped)?;
+        let b = self.inner.block_manager.send(GetBlockStats).await.map_err(|_| EngineError::Stopped)?;
+        Ok((s, b))
+    }
+}
+
+/// The events of one request. Dropping it before `Done` aborts the request in the engine.
+pub struct RequestStream {
+    id: Arc<str>,
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    scheduler: Addr<SchedulerActor>,
+    ended: bool,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl Stream for RequestStream {
+    type Item = TokenEvent;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<TokenEvent>> {
+        let ev = self.rx.poll_recv(cx);
+        if let Poll::Ready(Some(TokenEvent::Done { .. } | TokenEvent::Error { .. }) | None) = &ev {
+            self.ended = true;
+        }
+        ev
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.scheduler.do_send(Abort { id: self.id.clone(), reason: AbortReason::ClientGone });
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! `actorllm import-gguf`: turns a llama.cpp GGUF file of a Llama-family model into a
+//! standard Hugging Face model directory (config.json, model.safetensors, tokenizer.json,
+//! tokenizer_config.json, generation_config.json).
+//!
+//! Two things llama.cpp changes on the way in are undone here: tensor names (`blk.N.attn_q`
+//! → `model.layers.N.self_attn.q_proj`) and the row permutation of q/k projections that
+//! its converter applies for its interleaved RoPE (HF uses rotate-half).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::bf16;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value as Json, json};
+
+use super::{GgufError, GgufFile, Value};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("architecture {0:?} is not supported by import-gguf (supported: llama)")]
+    Architecture(String),
+    #[error("tokenizer model {0:?} is not supported (supported: gpt2-style byte-level BPE)")]
+    TokenizerModel(String),
+    #[error(
+        "pre-tokenizer {0:?} is unknown (known: smollm, starcoder, refact, gpt2, default, llama-bpe, qwen2)"
+    )]
+    PreTokenizer(String),
+    #[error("tensor {name} has shape {got:?}, expected {expected:?}")]
+    Shape { name: String, expected: Vec<usize>, got: Vec<usize> },
+    #[error("cannot write {path}: {source}")]
+    Write { path: String, source: std::io::Error },
+    #[error("writing safetensors: {0}")]
+    Safetensors(#[from] safetensors::SafeTensorError),
+    #[error("the tokenizer built from the GGUF vocabulary does not load: {0}")]
+    Tokenizer(String),
+}
+
+/// Output dtype of the dequantized weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ImportDtype {
+    #[value(name = "f32", alias = "float32")]
+    F32,
+    #[value(name = "bf16", alias = "bfloat16")]
+    Bf16,
+}
+
+/// Hyper-parameters read from the `llama.*` metadata keys.
+struct LlamaMeta {
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    ffn: usize,
+    vocab: usize,
+    ctx: usize,
+    theta: f64,
+    eps: f32,
+}
+
+impl LlamaMeta {
+    fn read(g: &GgufFile, vocab: usize) -> Result<Self, GgufError> {
+        let u = |k: &str| g.get_u64(&format!("llama.{k}")).map(|v| v as usize);
+        let heads = u("attention.head_count")?;
+        Ok(Self {
+            hidden: u("embedding_length")?,
+            layers: u("block_count")?,
+            heads,
+            kv_heads: u("attention.head_count_kv").unwrap_or(heads),
+            ffn: u("feed_forward_length")?,
+            vocab: u("vocab_size").unwrap_or(vocab),
+            ctx: u("context_length")?,
+            theta: g.get_f64("llama.rope.freq_base").unwrap_or(10000.0),
+            eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32,
+        })
+    }
+    fn head_dim(&self) -> usize {
+        self.hidden / self.heads
+    }
+}
+
+/// Maps a GGUF tensor name to its HF name and, for q/k, the head count of the permutation.
+fn hf_name(name: &str, m: &LlamaMeta) -> Option<(String, Option<usize>)> {
+    let fixed = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some((f.to_string(), None));
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, leaf) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (hf, permute) = match leaf {
+        "attn_norm.weight" => ("input_layernorm.weight", None),
+        "ffn_norm.weight" => ("post_attention_layernorm.weight", None),
+        "attn_q.weight" => ("self_attn.q_proj.weight", Some(m.heads)),
+        "attn_k.weight" => ("self_attn.k_proj.weight", Some(m.kv_heads)),
+        "attn_v.weight" => ("self_attn.v_proj.weight", None),
+        "attn_output.weight" => ("self_attn.o_proj.weight", None),
+        "attn_q.bias" => ("self_attn.q_proj.bias", Some(m.heads)),
+        "attn_k.bias" => ("self_attn.k_proj.bias", Some(m.kv_heads)),
+        "attn_v.bias" => ("self_attn.v_proj.bias", None),
+        "ffn_gate.weight" => ("mlp.gate_proj.weight", None),
+        "ffn_up.weight" => ("mlp.up_proj.weight", None),
+        "ffn_down.weight" => ("mlp.down_proj.weight", None),
+        _ => return None,
+    };
+    Some((format!("model.layers.{layer}.{hf}"), permute))
+}
+
+/// Undoes llama.cpp's q/k row permutation: GGUF row `h·d + 2i + j` holds HF row
+/// `h·d + j·d/2 + i` (d = head_dim, i < d/2, j ∈ {0, 1}).
+fn unpermute_rows(w: &[f32], rows: usize, n_head: usize) -> Vec<f32> {
+    let cols = w.len() / rows;
+    let hd = rows / n_head;
+    let mut out = vec![0.0; w.len()];
+    for h in 0..n_head {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let src = h * hd + 2 * i + j;
+                let dst = h * hd + j * (hd / 2) + i;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+pub(super) fn unpermute_rows_for_test(w: &[f32], rows: usize, n_head: usize) -> Vec<f32> {
+    unpermute_rows(w, rows, n_head)
+}
+
+fn write_json(dir: &Path, name: &str, v: &Json) -> Result<(), ImportError> {
+    let path = dir.join(name);
+    let text = serde_json::to_string_pretty(v).expect("JSON values always serialize");
+    std::fs::write(&path, text + "\n")
+        .map_err(|source| ImportError::Write { path: path.display().to_string(), source })
+}
+
+/// Imports `gguf` into the directory `out` (created if missing).
+pub fn import_gguf(gguf: &Path, out: &Path, dtype: ImportDtype) -> Result<(), ImportError> {
+    let g = GgufFile::open(gguf)?;
+    let arch = g.get_str("general.architecture")?;
+    if arch != "llama" {
+        return Err(ImportError::Architecture(arch.to_string()));
+    }
+    std::fs::create_dir_all(out)
+        .map_err(|source| ImportError::Write { path: out.display().to_string(), source })?;
+    let tokens = string_array(&g, "tokenizer.ggml.tokens")?;
+    let meta = LlamaMeta::read(&g, tokens.len())?;
+    let tied = g.tensor("output.weight").is_none();
+
+    write_tokenizer(&g, &tokens, out)?;
+    let special = |k: &str| g.get_u64(k).ok();
+    let (bos, eos) = (special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id"));
+    let pad = special("tokenizer.ggml.padding_token_id");
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": meta.hidden,
+        "intermediate_size": meta.ffn,
+        "num_hidden_layers": meta.layers,
+        "num_attention_heads": meta.heads,
+        "num_key_value_heads": meta.kv_heads,
+        "head_dim": meta.head_dim(),
+        "max_position_embeddings": meta.ctx,
+        "rms_norm_eps": meta.eps,
+        "rope_theta": meta.theta,
+        "vocab_size": meta.vocab,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied,
+        "attention_bias": g.tensor("blk.0.attn_q.bias").is_some(),
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "torch_dtype": match dtype { ImportDtype::F32 => "float32", ImportDtype::Bf16 => "bfloat16" },
+    });
+    write_json(out, "config.json", &config)?;
+    write_json(
+        out,
+        "generation_config.json",
+        &json!({ "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad }),
+    )?;
+    write_weights(&g, &meta, out, dtype)
+}
+
+fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
+    let arr = g.get(key)?.as_array().ok_or_else(|| GgufError::Malformed(format!("{key} is not an array")))?;
+    arr.iter()
+        .map(|v| {
+            v.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| GgufError::Malformed(format!("{key} holds a non-string")))
+        })
+        .collect()
+}
+
+fn write_weights(g: &GgufFile, meta: &LlamaMeta, out: &Path, dtype: ImportDtype) -> Result<(), ImportError> {
+    let bar = ProgressBar::new(g.tensors.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("importing {bar:40} {pos}/{len} tensors {msg}")
+            .expect("static progress template is valid"),
+    );
+    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for t in &g.tensors {
+        bar.set_message(t.name.clone());
+        bar.inc(1);
+        let Some((name, permute)) = hf_name(&t.name, meta) else {
+            tracing::warn!(tensor = %t.name, "skipping tensor with no Hugging Face counterpart");
+            continue;
+        };
+        let shape = t.shape();
+        let mut w = g.dequantize(t);
+        if let Some(n_head) = permute {
+            w = unpermute_rows(&w, shape[0], n_head);
+        }
+        let bytes = match dtype {
+            ImportDtype::F32 => bytemuck::cast_slice::<f32, u8>(&w).to_vec(),
+            ImportDtype::Bf16 => w.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+        };
+        tensors.insert(name, (shape, bytes));
+    }
+    bar.finish_with_message("done");
+    let st_dtype = match dtype {
+        ImportDtype::F32 => safetensors::Dtype::F32,
+        ImportDtype::Bf16 => safetensors::Dtype::BF16,
+    };
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (shape, bytes))| {
+            safetensors::tensor::TensorView::new(st_dtype, shape.clone(), bytes).map(|v| (n.clone(), v))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut info = std::collections::HashMap::new();
+    info.insert("format".to_string(), "pt".to_string());
+    safetensors::tensor::serialize_to_file(views, &Some(info), &out.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// The pre-tokenizer of a `tokenizer.ggml.pre` family, as HF's tokenizer.json spells it.
+fn pre_tokenizer(pre: &str) -> Result<Json, ImportError> {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    Ok(match pre {
+        // StarCoder lineage (SmolLM, SmolLM2): every digit is its own pre-token.
+        "smollm" | "starcoder" | "refact" | "codeshell" => json!({
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
+        }),
+        "gpt2" | "default" => byte_level(true),
+        "llama-bpe" | "llama3" | "qwen2" => {
+            let pattern = if pre == "qwen2" {
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            } else {
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            };
+            json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                    byte_level(false)
+                ]
+            })
+        }
+        other => return Err(ImportError::PreTokenizer(other.to_string())),
+    })
+}
+
+fn write_tokenizer(g: &GgufFile, tokens: &[String], out: &Path) -> Result<(), ImportError> {
+    let model = g.get_str("tokenizer.ggml.model")?;
+    if model != "gpt2" {
+        return Err(ImportError::TokenizerModel(model.to_string()));
+    }
+    let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let merges = string_array(g, "tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
+        Ok(Value::Array(a)) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+        _ => vec![1; tokens.len()],
+    };
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    let mut added_decoder = serde_json::Map::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        vocab.insert(tok.clone(), json!(id));
+        // 3 = control (special), 4 = user-defined (added, not special).
+        let ty = types.get(id).copied().unwrap_or(1);
+        if ty == 3 || ty == 4 {
+            let entry = json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty == 3
+            });
+            added_decoder.insert(id.to_string(), entry.clone());
+            added.push(entry);
+        }
+    }
+    let add_bos = g.get("tokenizer.ggml.add_bos_token").ok().and_then(Value::as_bool).unwrap_or(false);
+    let tok_name = |key: &str| g.get_u64(key).ok().and_then(|id| tokens.get(id as usize)).cloned();
+    let bos = tok_name("tokenizer.ggml.bos_token_id");
+    let post_processor = match (&bos, add_bos) {
+        (Some(b), true) => json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {b.as_str(): {"id": b, "ids": [g.get_u64("tokenizer.ggml.bos_token_id")?], "tokens": [b]}}
+        }),
+        _ => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}),
+    };
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(pre)?,
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false, "vocab": vocab, "merges": merges
+        }
+    });
+    let text = serde_json::to_string(&tokenizer).expect("JSON values always serialize");
+    tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| ImportError::Tokenizer(e.to_string()))?;
+    let path = out.join("tokenizer.json");
+    std::fs::write(&path, text)
+        .map_err(|source| ImportError::Write { path: path.display().to_string(), source })?;
+
+    let mut cfg = json!({
+        "add_bos_token": add_bos,
+        "add_eos_token": false,
+        "added_tokens_decoder": added_decoder,
+        "bos_token": bos,
+        "eos_token": tok_name("tokenizer.ggml.eos_token_id"),
+        "pad_token": tok_name("tokenizer.ggml.padding_token_id"),
+        "unk_token": tok_name("tokenizer.ggml.unknown_token_id"),
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": g.get_u64("llama.context_length").unwrap_or(2048),
+        "tokenizer_class": "GPT2Tokenizer",
+    });
+    if let Ok(t) = g.get_str("tokenizer.chat_template") {
+        cfg["chat_template"] = json!(t);
+    }
+    write_json(out, "tokenizer_config.json", &cfg)
+}

@@ -1,0 +1,126 @@
+//! GGUF parsing and dequantization on files built in memory.
+
+use super::*;
+use std::io::Write;
+
+/// A minimal GGUF v3 writer for tests: metadata strings/u32s and raw tensors.
+fn build(meta: &[(&str, Value)], tensors: &[(&str, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
+    let mut b = Vec::new();
+    let s = |b: &mut Vec<u8>, t: &str| {
+        b.extend((t.len() as u64).to_le_bytes());
+        b.extend(t.as_bytes());
+    };
+    b.extend(0x4655_4747u32.to_le_bytes());
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        s(&mut b, k);
+        match v {
+            Value::U32(x) => {
+                b.extend(4u32.to_le_bytes());
+                b.extend(x.to_le_bytes());
+            }
+            Value::Str(x) => {
+                b.extend(8u32.to_le_bytes());
+                s(&mut b, x);
+            }
+            _ => unimplemented!("test writer"),
+        }
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, data) in tensors {
+        s(&mut b, name);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += (data.len() as u64).div_ceil(32) * 32;
+    }
+    while b.len() % 32 != 0 {
+        b.push(0);
+    }
+    for (_, _, _, data) in tensors {
+        b.extend(data);
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+    }
+    b
+}
+
+fn open(bytes: &[u8]) -> Result<GgufFile, GgufError> {
+    let path =
+        std::env::temp_dir().join(format!("actorllm-gguf-{}-{}.gguf", std::process::id(), rand_name(bytes)));
+    std::fs::File::create(&path).unwrap().write_all(bytes).unwrap();
+    let r = GgufFile::open(&path);
+    std::fs::remove_file(&path).ok();
+    r
+}
+
+fn rand_name(b: &[u8]) -> u64 {
+    b.iter().fold(1469598103934665603u64, |h, &x| (h ^ x as u64).wrapping_mul(1099511628211)) ^ b.len() as u64
+}
+
+fn q4_1_block(d: f32, m: f32, q: &[u8; 32]) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend(f16::from_f32(d).to_le_bytes());
+    v.extend(f16::from_f32(m).to_le_bytes());
+    for j in 0..16 {
+        v.push(q[j] | (q[j + 16] << 4));
+    }
+    v
+}
+
+#[test]
+fn q4_1_and_q8_0_dequantize_exactly() {
+    let q: [u8; 32] = std::array::from_fn(|i| (i % 16) as u8);
+    let q4 = q4_1_block(0.5, -1.0, &q);
+    let mut q8 = Vec::new();
+    q8.extend(f16::from_f32(0.25).to_le_bytes());
+    q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+    let bytes = build(
+        &[("general.architecture", Value::Str("llama".into())), ("x.count", Value::U32(7))],
+        &[("a", vec![32], 3, q4), ("b", vec![32], 8, q8)],
+    );
+    let g = open(&bytes).unwrap();
+    assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(g.get_u64("x.count").unwrap(), 7);
+    let a = g.dequantize(g.tensor("a").unwrap());
+    let want: Vec<f32> = (0..32).map(|i| 0.5 * (i % 16) as f32 - 1.0).collect();
+    assert_eq!(a, want);
+    let b = g.dequantize(g.tensor("b").unwrap());
+    assert_eq!(b, (0..32).map(|i| 0.25 * (i as f32 - 16.0)).collect::<Vec<_>>());
+}
+
+#[test]
+fn malformed_files_are_refused_with_a_clear_error() {
+    let good = build(&[("k", Value::Str("v".into()))], &[("t", vec![32], 0, vec![0; 128])]);
+    assert!(open(&good).is_ok());
+    for cut in [3, 10, 30, good.len() - 1] {
+        let e = open(&good[..cut]).err().expect("truncated file refused");
+        assert!(matches!(e, GgufError::Truncated { .. } | GgufError::BadMagic(_)), "cut at {cut}: {e}");
+        assert!(e.to_string().contains("truncated") || e.to_string().contains("magic"), "{e}");
+    }
+    let mut bad = good.clone();
+    bad[0] = b'X';
+    assert!(matches!(open(&bad), Err(GgufError::BadMagic(_))));
+    let mut bad = good.clone();
+    bad[4] = 9;
+    assert!(matches!(open(&bad), Err(GgufError::BadVersion(9))));
+    // A huge element count in the header must not allocate or panic.
+    let mut bad = good.clone();
+    bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(open(&bad).is_err());
+    let unsupported = build(&[], &[("t", vec![32], 12, vec![0; 144])]);
+    assert!(matches!(open(&unsupported), Err(GgufError::UnsupportedType { ty: 12, .. })));
+}
+
+#[test]
+fn q_and_k_rows_are_unpermuted_back_to_rotate_half() {
+    // One head of dim 4: GGUF rows [r0, r2, r1, r3] (interleaved) → HF rows [r0, r1, r2, r3].
+    let w: Vec<f32> = vec![0., 0., 2., 2., 1., 1., 3., 3.];
+    assert_eq!(import::unpermute_rows_for_test(&w, 4, 1), vec![0., 0., 1., 1., 2., 2., 3., 3.]);
+}

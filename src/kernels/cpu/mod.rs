@@ -1,0 +1,245 @@
+//! The CPU device: f32 activations in `Vec`s, weights in their checkpoint dtype, the paged
+//! KV cache as f32 blocks `[num_blocks, block_size, kv_heads, head_dim]`. Work is split over
+//! the rayon pool (both cores of a small machine).
+
+mod attention;
+pub mod matmul;
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::{AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, RopeSpec};
+use crate::models::attn::AttnMetadata;
+pub use matmul::WeightData;
+
+/// Row-major `[rows, cols]` f32 activations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    pub fn new(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        Self { data, rows, cols }
+    }
+    fn zeros(rows: usize, cols: usize) -> Self {
+        Self::new(vec![0.0; rows * cols], rows, cols)
+    }
+}
+
+pub struct CpuWeight {
+    pub shape: Vec<usize>,
+    pub data: WeightData,
+}
+
+impl CpuWeight {
+    /// Element `i` widened to f32 (norm weights, biases, embedding rows).
+    fn row_f32(&self, start: usize, out: &mut [f32]) {
+        let n = out.len();
+        match &self.data {
+            WeightData::F32(v) => out.copy_from_slice(&v[start..start + n]),
+            WeightData::Bf16(v) => {
+                for (o, &b) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            WeightData::F16(v) => {
+                for (o, h) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = h.to_f32();
+                }
+            }
+        }
+    }
+    fn to_f32(&self) -> Vec<f32> {
+        let n: usize = self.shape.iter().product();
+        let mut v = vec![0.0; n];
+        self.row_f32(0, &mut v);
+        v
+    }
+}
+
+/// One layer's paged cache: K and V, each `[num_blocks, block_size, kv_heads, head_dim]`.
+pub struct CpuCache {
+    pub shape: CacheShape,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuDevice;
+
+impl Device for CpuDevice {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Cache = CpuCache;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn upload(&self, t: HostTensor) -> Result<CpuWeight, DeviceError> {
+        let numel: usize = t.shape.iter().product();
+        let need = numel * t.dtype.size();
+        if t.data.len() != need {
+            return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
+        }
+        let b = &t.data;
+        let data = match t.dtype {
+            DType::F32 => WeightData::F32(bytemuck::pod_collect_to_vec(b)),
+            DType::BF16 => WeightData::Bf16(bytemuck::pod_collect_to_vec(b)),
+            DType::F16 => {
+                WeightData::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
+            }
+        };
+        Ok(CpuWeight { shape: t.shape, data })
+    }
+
+    fn alloc_cache(&self, shape: CacheShape) -> Result<CpuCache, DeviceError> {
+        let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        Ok(CpuCache { shape, k: vec![0.0; n], v: vec![0.0; n] })
+    }
+
+    fn to_host(&self, t: &CpuTensor) -> Vec<f32> {
+        t.data.clone()
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+        let hidden = table.shape[1];
+        let mut out = CpuTensor::zeros(ids.len(), hidden);
+        for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
+            table.row_f32(id as usize * hidden, row);
+        }
+        out
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
+        let (n, k) = (w.shape[0], w.shape[1]);
+        assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
+        let mut out = CpuTensor::zeros(x.rows, n);
+        matmul::matmul(&x.data, x.rows, k, &w.data, n, &mut out.data);
+        if let Some(b) = bias {
+            let b = b.to_f32();
+            for row in out.data.chunks_mut(n) {
+                for (o, bi) in row.iter_mut().zip(&b) {
+                    *o += bi;
+                }
+            }
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuWeight, eps: f32) -> CpuTensor {
+        let w = w.to_f32();
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        out.data
+            .par_chunks_mut(x.cols)
+            .zip(x.data.par_chunks(x.cols))
+            .for_each(|(o, xi)| rms_row(xi, &w, eps, o));
+        out
+    }
+
+    fn add_rms_norm(&self, x: &CpuTensor, residual: &mut CpuTensor, w: &CpuWeight, eps: f32) -> CpuTensor {
+        self.add_inplace(residual, x);
+        self.rms_norm(residual, w, eps)
+    }
+
+    fn add_inplace(&self, acc: &mut CpuTensor, x: &CpuTensor) {
+        assert_eq!((acc.rows, acc.cols), (x.rows, x.cols), "add: shape mismatch");
+        for (a, b) in acc.data.iter_mut().zip(&x.data) {
+            *a += b;
+        }
+    }
+
+    fn silu_mul(&self, gate_up: &CpuTensor) -> CpuTensor {
+        let i = gate_up.cols / 2;
+        let mut out = CpuTensor::zeros(gate_up.rows, i);
+        out.data.par_chunks_mut(i).zip(gate_up.data.par_chunks(gate_up.cols)).for_each(|(o, gu)| {
+            let (g, u) = gu.split_at(i);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+        out
+    }
+
+    fn split_qkv_rope(
+        &self,
+        qkv: &CpuTensor,
+        s: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+    ) -> (CpuTensor, CpuTensor, CpuTensor) {
+        let (qn, kn) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+        let n = qkv.rows;
+        let (mut q, mut k, mut v) =
+            (CpuTensor::zeros(n, qn), CpuTensor::zeros(n, kn), CpuTensor::zeros(n, kn));
+        let half = rope.inv_freq.len();
+        let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
+        for (t, &pos) in positions.iter().enumerate().take(n) {
+            let row = &qkv.data[t * qkv.cols..(t + 1) * qkv.cols];
+            q.data[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
+            k.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
+            v.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
+            // Angles in f32 as HF computes them (position · inv_freq), then cos/sin.
+            let p = pos as f32;
+            for (i, f) in rope.inv_freq.iter().enumerate() {
+                let a = p * f;
+                cos[i] = a.cos();
+                sin[i] = a.sin();
+            }
+            rotate_half(&mut q.data[t * qn..(t + 1) * qn], s.head_dim, &cos, &sin);
+            rotate_half(&mut k.data[t * kn..(t + 1) * kn], s.head_dim, &cos, &sin);
+        }
+        (q, k, v)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        cache: &mut CpuCache,
+        shape: AttnShape,
+        meta: &AttnMetadata,
+    ) -> CpuTensor {
+        attention::write_kv(cache, k, v, &meta.slot_mapping);
+        attention::attend(q, cache, shape, meta)
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let mut out = CpuTensor::zeros(rows.len(), x.cols);
+        for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {
+            o.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+        }
+        out
+    }
+}
+
+/// HF's LlamaRMSNorm: `w · (x / sqrt(mean(x²) + eps))`, in f32.
+fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let r = 1.0 / (ss + eps).sqrt();
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = wi * (xi * r);
+    }
+}
+
+/// Rotary embedding in HF's rotate-half layout over each head of `x` (`[heads · head_dim]`):
+/// the first rotary half pairs with the second, `x₁' = x₁·cos − x₂·sin`, `x₂' = x₂·cos + x₁·sin`.
+fn rotate_half(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for h in x.chunks_mut(head_dim) {
+        for i in 0..half {
+            let (a, b) = (h[i], h[i + half]);
+            h[i] = a * cos[i] - b * sin[i];
+            h[i + half] = b * cos[i] + a * sin[i];
+        }
+    }
+}

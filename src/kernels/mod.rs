@@ -1,0 +1,145 @@
+//! Device code. Model files are written once against the [`Device`] trait; each device
+//! (the CPU here, CUDA through cudarc later) implements its operations.
+//!
+//! Activations are 2-D `[rows, cols]` f32 tensors: rows are the flattened tokens of a batch.
+//! Weights keep the checkpoint's dtype (f32, bf16, f16) and are multiplied with f32
+//! accumulation. The paged KV cache of one layer is owned by the device as [`Device::Cache`].
+
+pub mod cpu;
+
+use crate::models::attn::AttnMetadata;
+
+/// A host-side tensor in a checkpoint dtype, ready to be uploaded as a weight.
+pub struct HostTensor {
+    pub dtype: DType,
+    /// Row-major, outermost first (`[out_features, in_features]` for a linear weight).
+    pub shape: Vec<usize>,
+    /// Little-endian element bytes.
+    pub data: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+    /// Converts little-endian elements of `src_dtype` into `self`, appending to `out`.
+    pub fn convert_from(self, src_dtype: DType, src: &[u8], out: &mut Vec<u8>) {
+        if self == src_dtype {
+            out.extend_from_slice(src);
+            return;
+        }
+        let n = src.len() / src_dtype.size();
+        out.reserve(n * self.size());
+        for i in 0..n {
+            let b = &src[i * src_dtype.size()..(i + 1) * src_dtype.size()];
+            let v = match src_dtype {
+                DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            };
+            match self {
+                DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+            }
+        }
+    }
+}
+
+/// Geometry of one layer's paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheShape {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Rotary embedding geometry shared by every layer: `inv_freq` has `rotary_dim / 2` entries.
+#[derive(Debug, Clone)]
+pub struct RopeSpec {
+    pub inv_freq: Vec<f32>,
+    pub head_dim: usize,
+}
+
+/// Shape of an attention call: query heads, kv heads, head size and softmax scale.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("weight has {got} bytes, shape {shape:?} of {dtype:?} needs {need}")]
+    WeightSize { shape: Vec<usize>, dtype: DType, got: usize, need: usize },
+    #[error("device error: {0}")]
+    Other(String),
+}
+
+/// The operations a model's forward needs. Every method works on whole flat batches.
+pub trait Device: Send + Unpin + 'static {
+    /// `[rows, cols]` f32 activations living on the device.
+    type Tensor: Send;
+    /// An immutable parameter living on the device.
+    type Weight: Send + Sync;
+    /// One layer's paged K and V cache.
+    type Cache: Send + Unpin;
+
+    fn name(&self) -> String;
+    fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
+    fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
+    fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+
+    /// `out[i] = table[ids[i]]` → `[ids.len(), hidden]`.
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// `x @ w^T (+ bias)`: `[n, in] × [out, in]` → `[n, out]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Tensor;
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> Self::Tensor;
+    /// Fused residual add and norm: `residual += x; return rms_norm(residual)`.
+    fn add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        residual: &mut Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Self::Tensor;
+    fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor);
+    /// `[n, 2·i]` holding gate then up → `silu(gate) · up` of shape `[n, i]`.
+    fn silu_mul(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+    /// Splits the fused `[n, q + k + v]` projection and applies rotary embedding (HF's
+    /// rotate-half layout) to q and k at each token's position. Returns (q, k, v).
+    fn split_qkv_rope(
+        &self,
+        qkv: &Self::Tensor,
+        shape: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+    ) -> (Self::Tensor, Self::Tensor, Self::Tensor);
+    /// Writes k and v into the cache at `meta.slot_mapping`, then attends each query token
+    /// over its sequence's cached context (causal: positions ≤ its own).
+    fn paged_attention(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::Cache,
+        shape: AttnShape,
+        meta: &AttnMetadata,
+    ) -> Self::Tensor;
+    /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+}

@@ -1,0 +1,34 @@
+//! actorllm: an LLM serving engine built from actix actors, in the spirit of vLLM. It loads
+//! Hugging Face checkpoints, batches requests continuously over a paged KV cache and streams
+//! tokens to clients.
+//!
+//! # Layout
+//!
+//! - `engine`: the [`Engine`] handle: starts the actors, `add_request` → token stream, abort.
+//! - `actors/`: one actor per file: `scheduler` (queues, step loop), `block_manager` (KV
+//!   blocks), `model_runner` (one per device, on its own thread).
+//! - `core/`: the plain structs under the actors: block pool, scheduler, output processing.
+//! - `models/`: the forward contract, HF config, safetensors loader, shared `layers/`,
+//!   `llama.rs`, and the `registry` of architectures.
+//! - `kernels/`: the `Device` trait and its CPU implementation (`cpu/`).
+//! - `request`, `sampling`, `tokenizer`: sampling parameters and events, the sampler, the
+//!   tokenizer with chat templates and incremental detokenization.
+//! - `config`: engine arguments with vLLM's flag names, resolved once.
+//! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
+//! - `metrics`: counters and histograms for `/metrics`.
+
+pub mod actors;
+pub mod bench;
+pub mod config;
+pub mod core;
+pub mod engine;
+pub mod gguf;
+pub mod kernels;
+pub mod metrics;
+pub mod models;
+pub mod request;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use engine::{Engine, EngineError, RequestStream};
+pub use request::{FinishReason, SamplingParams, TokenEvent};

@@ -1,0 +1,196 @@
+//! The `actorllm` command line: import-gguf, generate, bench.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use actorllm::config::EngineArgs;
+use actorllm::gguf::import::{ImportDtype, import_gguf};
+use actorllm::request::SamplingParams;
+use actorllm::tokenizer::ChatMessage;
+use actorllm::{Engine, TokenEvent};
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+
+#[derive(Parser)]
+#[command(name = "actorllm", version, about = "An LLM serving engine built from actix actors")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Convert a llama.cpp GGUF file into a Hugging Face model directory.
+    ImportGguf {
+        file: PathBuf,
+        out: PathBuf,
+        /// Dtype of the dequantized weights.
+        #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
+        dtype: ImportDtype,
+    },
+    /// Generate text from a prompt (or a chat message) and print it as it is produced.
+    Generate(GenerateArgs),
+    /// Write a model directory of a known architecture's shapes with random weights.
+    MakeRandomModel {
+        #[arg(long, value_enum)]
+        like: actorllm::models::random::Preset,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = actorllm::config::DTypeArg::Bfloat16)]
+        dtype: actorllm::config::DTypeArg,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Offline engine benchmarks (no HTTP).
+    Bench(actorllm::bench::BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Raw prompt text (completion).
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// A user message, sent through the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// vLLM's SamplingParams as flags.
+#[derive(clap::Args)]
+struct SamplingArgs {
+    #[arg(long, default_value_t = 1)]
+    n: usize,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = -1)]
+    top_k: i32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
+    #[arg(long)]
+    stop: Vec<String>,
+    #[arg(long, value_delimiter = ',')]
+    stop_token_ids: Vec<u32>,
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> SamplingParams {
+        SamplingParams {
+            n: self.n,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            max_tokens: Some(self.max_tokens),
+            min_tokens: self.min_tokens,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "actorllm=info,warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::ImportGguf { file, out, dtype } => {
+            import_gguf(&file, &out, dtype).with_context(|| format!("importing {}", file.display()))?;
+            eprintln!("wrote {}", out.display());
+            Ok(())
+        }
+        Cmd::MakeRandomModel { like, out, dtype, seed } => {
+            use actorllm::config::DTypeArg;
+            use actorllm::kernels::DType;
+            let dtype = match dtype {
+                DTypeArg::Float32 => DType::F32,
+                DTypeArg::Float16 => DType::F16,
+                DTypeArg::Bfloat16 | DTypeArg::Auto => DType::BF16,
+            };
+            actorllm::models::random::make_random_model(like.shape(), &out, dtype, seed, 1.0)?;
+            eprintln!("wrote {}", out.display());
+            Ok(())
+        }
+        Cmd::Generate(args) => actix::System::new().block_on(generate(args)),
+        Cmd::Bench(args) => actix::System::new().block_on(actorllm::bench::run(args)),
+    }
+}
+
+async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let engine = Engine::start(args.engine).await?;
+    let tok = engine.tokenizer().clone();
+    let prompt_ids = match (&args.prompt, &args.chat) {
+        (Some(p), _) => tok.encode(p, true)?,
+        (None, Some(c)) => {
+            let mut msgs = Vec::new();
+            if let Some(s) = &args.system {
+                msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+            }
+            msgs.push(ChatMessage { role: "user".into(), content: c.clone() });
+            tok.encode(&tok.apply_chat_template(&msgs, true)?, false)?
+        }
+        (None, None) => bail!("give --prompt or --chat"),
+    };
+    let params = args.sampling.params();
+    let n = params.n;
+    let id = engine.next_request_id("gen");
+    let mut stream = engine.add_request(id, prompt_ids, params).await?;
+    let mut texts = vec![String::new(); n];
+    let mut stdout = std::io::stdout();
+    while let Some(ev) = stream.next().await {
+        match ev {
+            TokenEvent::Token { index, text, .. } => {
+                if n == 1 {
+                    write!(stdout, "{text}")?;
+                    stdout.flush()?;
+                }
+                texts[index].push_str(&text);
+            }
+            TokenEvent::Finished { index, reason, .. } => {
+                if n > 1 {
+                    println!("--- choice {index} ({}) ---\n{}", reason.as_str(), texts[index]);
+                }
+            }
+            TokenEvent::Done { usage } => {
+                println!();
+                eprintln!("[{} prompt + {} generated tokens]", usage.prompt_tokens, usage.completion_tokens);
+                break;
+            }
+            TokenEvent::Error { message } => bail!("generation failed: {message}"),
+        }
+    }
+    Ok(())
+}

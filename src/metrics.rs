@@ -1,0 +1,208 @@
+//! Engine metrics: lock-free counters and fixed-bucket histograms written by the Scheduler
+//! and read by `/metrics` (Prometheus text, vLLM's names where they exist).
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+
+use crate::request::{AbortReason, FinishReason};
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0,
+];
+
+/// A Prometheus histogram over fixed buckets (seconds), updated without locks.
+pub struct Histogram {
+    counts: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new() -> Self {
+        Self {
+            counts: LATENCY_BUCKETS.iter().map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+    pub fn observe(&self, seconds: f64) {
+        if let Some(i) = LATENCY_BUCKETS.iter().position(|&b| seconds <= b) {
+            self.counts[i].fetch_add(1, Relaxed);
+        }
+        self.sum_micros.fetch_add((seconds * 1e6) as u64, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+    }
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cum = 0;
+        for (b, c) in LATENCY_BUCKETS.iter().zip(&self.counts) {
+            cum += c.load(Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{b}\"}} {cum}");
+        }
+        let count = self.count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels}le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum{{{}}} {}",
+            labels.trim_end_matches(','),
+            self.sum_micros.load(Relaxed) as f64 / 1e6
+        );
+        let _ = writeln!(out, "{name}_count{{{}}} {count}", labels.trim_end_matches(','));
+    }
+}
+
+pub struct Metrics {
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub requests_added: AtomicU64,
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    pub aborts_client: AtomicU64,
+    pub aborts_cancelled: AtomicU64,
+    pub aborts_engine: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub steps: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    seed_state: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Self {
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            requests_added: AtomicU64::new(0),
+            finished_stop: AtomicU64::new(0),
+            finished_length: AtomicU64::new(0),
+            aborts_client: AtomicU64::new(0),
+            aborts_cancelled: AtomicU64::new(0),
+            aborts_engine: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
+            steps: AtomicU64::new(0),
+            ttft: Histogram::new(),
+            itl: Histogram::new(),
+            e2e: Histogram::new(),
+            seed_state: AtomicU64::new(t),
+        }
+    }
+}
+
+impl Metrics {
+    /// A fresh seed for a request that set none.
+    pub fn random_seed(&self) -> u64 {
+        let s = self.seed_state.fetch_add(0x9E37_79B9_7F4A_7C15, Relaxed);
+        crate::sampling::uniform(s, 0, 0).to_bits()
+    }
+    pub fn on_request_added(&self, prompt_tokens: usize) {
+        self.requests_added.fetch_add(1, Relaxed);
+        self.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
+    }
+    pub fn on_step(&self, _tokens: usize, sampled: usize) {
+        self.steps.fetch_add(1, Relaxed);
+        self.generation_tokens.fetch_add(sampled as u64, Relaxed);
+    }
+    pub fn on_first_token(&self, arrival: Instant, now: Instant) {
+        self.ttft.observe((now - arrival).as_secs_f64());
+    }
+    pub fn on_inter_token(&self, last: Instant, now: Instant) {
+        self.itl.observe((now - last).as_secs_f64());
+    }
+    pub fn on_finish(&self, reason: FinishReason) {
+        match reason {
+            FinishReason::Stop => self.finished_stop.fetch_add(1, Relaxed),
+            FinishReason::Length => self.finished_length.fetch_add(1, Relaxed),
+            FinishReason::Abort => 0,
+        };
+    }
+    pub fn on_request_done(&self, arrival: Instant, _first: Option<Instant>, _tokens: usize) {
+        self.e2e.observe(arrival.elapsed().as_secs_f64());
+    }
+    pub fn on_abort(&self, reason: AbortReason) {
+        match reason {
+            AbortReason::ClientGone => &self.aborts_client,
+            AbortReason::Cancelled => &self.aborts_cancelled,
+            AbortReason::Engine => &self.aborts_engine,
+        }
+        .fetch_add(1, Relaxed);
+    }
+    pub fn on_preemptions(&self, n: usize) {
+        self.preemptions.fetch_add(n as u64, Relaxed);
+    }
+    pub fn aborts(&self, reason: AbortReason) -> u64 {
+        match reason {
+            AbortReason::ClientGone => &self.aborts_client,
+            AbortReason::Cancelled => &self.aborts_cancelled,
+            AbortReason::Engine => &self.aborts_engine,
+        }
+        .load(Relaxed)
+    }
+
+    /// Prometheus text for the counters and histograms (gauges are added by the caller).
+    pub fn render(&self, model: &str, out: &mut String) {
+        let l = format!("model_name=\"{model}\"");
+        let counter = |out: &mut String, name: &str, help: &str, v: u64, extra: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}{extra}}} {v}");
+        };
+        counter(
+            out,
+            "vllm:prompt_tokens_total",
+            "Prefill tokens processed.",
+            self.prompt_tokens.load(Relaxed),
+            "",
+        );
+        counter(
+            out,
+            "vllm:generation_tokens_total",
+            "Generation tokens produced.",
+            self.generation_tokens.load(Relaxed),
+            "",
+        );
+        counter(
+            out,
+            "vllm:num_preemptions_total",
+            "Sequences preempted (recompute).",
+            self.preemptions.load(Relaxed),
+            "",
+        );
+        let _ = writeln!(
+            out,
+            "# HELP vllm:request_success_total Finished requests by finish reason.\n# TYPE vllm:request_success_total counter"
+        );
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{{l},finished_reason=\"stop\"}} {}",
+            self.finished_stop.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
+            self.finished_length.load(Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP actorllm:request_aborts_total Aborted requests by reason.\n# TYPE actorllm:request_aborts_total counter"
+        );
+        for r in [AbortReason::ClientGone, AbortReason::Cancelled, AbortReason::Engine] {
+            let _ = writeln!(
+                out,
+                "actorllm:request_aborts_total{{{l},reason=\"{}\"}} {}",
+                r.as_str(),
+                self.aborts(r)
+            );
+        }
+        let lbl = format!("{l},");
+        self.ttft.render(out, "vllm:time_to_first_token_seconds", "Time to first token.", &lbl);
+        self.itl.render(out, "vllm:inter_token_latency_seconds", "Time between tokens.", &lbl);
+        self.e2e.render(out, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", &lbl);
+    }
+}

@@ -1,0 +1,243 @@
+//! Checkpoint loading: safetensors files (one, or sharded through
+//! `model.safetensors.index.json`) memory-mapped, their tensors mapped onto model
+//! parameters by a stacked-params table (vLLM's `load_weights`), and read back by layers
+//! through a prefix-scoped view (`w.pp("model.layers").pp(i)`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::ModelError;
+use crate::kernels::{DType, HostTensor};
+
+/// One stacked parameter entry: checkpoint tensors named `*.{shard}.*` are loaded as shard
+/// `index` of the fused parameter `*.{param}.*` (q/k/v → qkv_proj, gate/up → gate_up_proj).
+#[derive(Debug, Clone, Copy)]
+pub struct StackedParam {
+    pub param: &'static str,
+    pub shard: &'static str,
+    pub index: usize,
+}
+
+/// A tensor inside a mapped checkpoint file.
+#[derive(Clone, Copy)]
+pub struct TensorRef<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+/// A tensor's entry in a file header: name, dtype, shape, byte range in the data section.
+struct Entry {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    range: (usize, usize),
+}
+
+struct MappedFile {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    tensors: Vec<Entry>,
+}
+
+/// The memory-mapped safetensors files of a model directory.
+pub struct Checkpoint {
+    files: Vec<MappedFile>,
+}
+
+fn dtype_of(d: safetensors::Dtype, name: &str, path: &Path) -> Result<DType, ModelError> {
+    Ok(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        other => {
+            return Err(ModelError::Weights(format!(
+                "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
+                path.display()
+            )));
+        }
+    })
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors`, or every shard listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let index = dir.join("model.safetensors.index.json");
+        let paths: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::Weights(format!("{}: {e}", index.display())))?;
+            let map = v["weight_map"]
+                .as_object()
+                .ok_or_else(|| ModelError::Weights(format!("{}: no weight_map object", index.display())))?;
+            let mut files: Vec<String> =
+                map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+            files.sort();
+            files.dedup();
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(ModelError::MissingFile {
+                    path: single,
+                    hint: "a model directory needs model.safetensors or model.safetensors.index.json \
+                           (for a GGUF file, run `actorllm import-gguf FILE DIR` first)",
+                });
+            }
+            vec![single]
+        };
+        let files = paths.into_iter().map(Self::map_file).collect::<Result<_, _>>()?;
+        Ok(Self { files })
+    }
+
+    fn map_file(path: PathBuf) -> Result<MappedFile, ModelError> {
+        let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
+        // SAFETY: mapped read-only; checkpoints are not modified while the engine runs.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
+        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
+        let mut tensors = Vec::new();
+        for (name, info) in meta.tensors() {
+            let dtype = dtype_of(info.dtype, &name, &path)?;
+            tensors.push(Entry { name, dtype, shape: info.shape.clone(), range: info.data_offsets });
+        }
+        Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors })
+    }
+
+    /// Every tensor of every file: (checkpoint name, tensor).
+    pub fn tensors(&self) -> impl Iterator<Item = (&str, TensorRef<'_>)> {
+        self.files.iter().flat_map(|f| {
+            f.tensors.iter().map(move |e| {
+                let bytes = &f.mmap[f.header_len + e.range.0..f.header_len + e.range.1];
+                (e.name.as_str(), TensorRef { dtype: e.dtype, shape: &e.shape, bytes })
+            })
+        })
+    }
+
+    pub fn paths(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(|f| f.path.as_path())
+    }
+}
+
+/// Checkpoint tensors keyed by model parameter name; a stacked parameter holds its shards
+/// by index.
+pub struct WeightStore<'a> {
+    params: HashMap<String, BTreeMap<usize, TensorRef<'a>>>,
+    /// The dtype every weight is converted to on load.
+    pub dtype: DType,
+}
+
+impl<'a> WeightStore<'a> {
+    /// vLLM's `load_weights`: routes each checkpoint tensor to its parameter, through the
+    /// model's stacked-params table. `skip` names tensors the model does not use.
+    pub fn load_weights(
+        tensors: impl Iterator<Item = (&'a str, TensorRef<'a>)>,
+        stacked: &[StackedParam],
+        skip: impl Fn(&str) -> bool,
+        dtype: DType,
+    ) -> Self {
+        let mut params: HashMap<String, BTreeMap<usize, TensorRef<'a>>> = HashMap::new();
+        for (name, t) in tensors {
+            if skip(name) {
+                continue;
+            }
+            let routed = stacked.iter().find_map(|s| {
+                let pat = format!(".{}.", s.shard);
+                name.contains(&pat).then(|| (name.replacen(&pat, &format!(".{}.", s.param), 1), s.index))
+            });
+            let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
+            params.entry(param).or_default().insert(index, t);
+        }
+        Self { params, dtype }
+    }
+
+    pub fn root(&self) -> ParamView<'_, 'a> {
+        ParamView { store: self, prefix: String::new() }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.params.contains_key(name)
+    }
+}
+
+/// A prefix-scoped view of the store.
+pub struct ParamView<'s, 'a> {
+    store: &'s WeightStore<'a>,
+    prefix: String,
+}
+
+impl<'s, 'a> ParamView<'s, 'a> {
+    /// Pushes one path component: `pp("model").pp(3)` → `model.3.`.
+    pub fn pp(&self, part: impl std::fmt::Display) -> Self {
+        Self { store: self.store, prefix: format!("{}{part}.", self.prefix) }
+    }
+
+    fn shards(&self, name: &str) -> Result<(String, &BTreeMap<usize, TensorRef<'a>>), ModelError> {
+        let full = format!("{}{name}", self.prefix);
+        match self.store.params.get(&full) {
+            Some(s) => Ok((full, s)),
+            None => Err(ModelError::MissingTensor(full)),
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.store.contains(&format!("{}{name}", self.prefix))
+    }
+
+    /// A plain parameter, checked against the expected shape, in the store's dtype.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor, ModelError> {
+        let (full, shards) = self.shards(name)?;
+        let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
+        check_shape(&full, shape, t.shape)?;
+        let mut data = Vec::new();
+        self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
+        Ok(HostTensor { dtype: self.store.dtype, shape: shape.to_vec(), data })
+    }
+
+    /// A stacked parameter: the shards' rows concatenated in order; `rows[i]` is the
+    /// expected row count of shard i (names in `shard_names` for error messages).
+    pub fn get_stacked(
+        &self,
+        name: &str,
+        shard_names: &[&str],
+        rows: &[usize],
+        cols: Option<usize>,
+    ) -> Result<HostTensor, ModelError> {
+        let (full, shards) = self.shards(name)?;
+        let mut data = Vec::new();
+        for (i, (&r, shard)) in rows.iter().zip(shard_names).enumerate() {
+            let shard_name = full.replacen(
+                &format!(".{}", name.split('.').next().unwrap_or(name)),
+                &format!(".{shard}"),
+                1,
+            );
+            let t = shards.get(&i).ok_or_else(|| ModelError::MissingTensor(shard_name.clone()))?;
+            let want: Vec<usize> = match cols {
+                Some(c) => vec![r, c],
+                None => vec![r],
+            };
+            check_shape(&shard_name, &want, t.shape)?;
+            self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
+        }
+        let total: usize = rows.iter().sum();
+        let shape = match cols {
+            Some(c) => vec![total, c],
+            None => vec![total],
+        };
+        Ok(HostTensor { dtype: self.store.dtype, shape, data })
+    }
+}
+
+fn check_shape(name: &str, expected: &[usize], got: &[usize]) -> Result<(), ModelError> {
+    if expected != got {
+        return Err(ModelError::Shape {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            got: got.to_vec(),
+        });
+    }
+    Ok(())
+}

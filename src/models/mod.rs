@@ -1,0 +1,61 @@
+//! Model code: the forward contract every architecture implements, the HF config, the
+//! checkpoint loader, the shared layers and the registry of architectures.
+
+pub mod attn;
+pub mod config;
+pub mod layers;
+pub mod llama;
+pub mod loader;
+pub mod random;
+pub mod registry;
+
+use std::path::{Path, PathBuf};
+
+use crate::kernels::{CacheShape, Device, DeviceError};
+use attn::AttnMetadata;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("missing file {}: {hint}", path.display())]
+    MissingFile { path: PathBuf, hint: &'static str },
+    #[error("invalid config: {0}")]
+    Config(String),
+    #[error("architecture {arch:?} is not registered (registered: {known})")]
+    UnknownArchitecture { arch: String, known: String },
+    #[error("checkpoint: {0}")]
+    Weights(String),
+    #[error("checkpoint has no tensor {0}")]
+    MissingTensor(String),
+    #[error("tensor {name} has shape {got:?}, expected {expected:?}")]
+    Shape { name: String, expected: Vec<usize>, got: Vec<usize> },
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+impl ModelError {
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io { path: path.to_path_buf(), source }
+    }
+}
+
+/// The forward contract (vLLM's): flat tokens of any mix of prefill and decode sequences.
+/// Models never see paging: the attention layer hides it behind `kv_caches` and `meta`.
+pub trait CausalLM<D: Device>: Send {
+    /// `[num_tokens]` ids and positions → `[num_tokens, hidden]` hidden states.
+    fn forward(
+        &self,
+        dev: &D,
+        input_ids: &[u32],
+        positions: &[u32],
+        kv_caches: &mut [D::Cache],
+        meta: &AttnMetadata,
+    ) -> D::Tensor;
+    /// Hidden states → `[num_seqs, vocab]` logits of each sequence's last token.
+    fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> D::Tensor;
+    /// Geometry of one layer's KV cache for `num_blocks` blocks, and the layer count.
+    fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape);
+    /// Bytes of weights on the device.
+    fn weight_bytes(&self) -> usize;
+}

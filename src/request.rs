@@ -1,0 +1,249 @@
+//! Requests as the engine takes them: validated [`SamplingParams`] (vLLM's names and range
+//! checks), the events a request's stream carries, and how it finished.
+
+use serde::{Deserialize, Serialize};
+
+/// Limits on a request's shape that protect every other user of the server.
+pub const MAX_N: usize = 128;
+pub const MAX_STOP_STRINGS: usize = 16;
+pub const MAX_LOGPROBS: usize = 20;
+
+/// vLLM's `SamplingParams`, with its defaults. Build with struct update syntax from
+/// `SamplingParams::default()`, then [`SamplingParams::validate`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    pub n: usize,
+    /// 0 = greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// -1 (or 0) = off.
+    pub top_k: i32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub seed: Option<u64>,
+    /// None = up to the model's context length.
+    pub max_tokens: Option<usize>,
+    pub min_tokens: usize,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub include_stop_str_in_output: bool,
+    pub ignore_eos: bool,
+    /// Number of top logprobs to return per token (None = no logprobs).
+    pub logprobs: Option<usize>,
+    pub skip_special_tokens: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: Some(16),
+            min_tokens: 0,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            include_stop_str_in_output: false,
+            ignore_eos: false,
+            logprobs: None,
+            skip_special_tokens: true,
+        }
+    }
+}
+
+/// A sampling field outside its range: names the field, the rule and the value given.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{param} {rule}, got {value}")]
+pub struct ValidationError {
+    pub param: &'static str,
+    pub rule: String,
+    pub value: String,
+}
+
+fn check(
+    ok: bool,
+    param: &'static str,
+    rule: &str,
+    value: impl std::fmt::Display,
+) -> Result<(), ValidationError> {
+    if ok { Ok(()) } else { Err(ValidationError { param, rule: rule.to_string(), value: value.to_string() }) }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        check((1..=MAX_N).contains(&self.n), "n", &format!("must be between 1 and {MAX_N}"), self.n)?;
+        check(
+            self.temperature.is_finite() && self.temperature >= 0.0,
+            "temperature",
+            "must be non-negative",
+            self.temperature,
+        )?;
+        check(self.top_p > 0.0 && self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)?;
+        check(
+            self.top_k == -1 || self.top_k >= 0,
+            "top_k",
+            "must be -1 (disable), 0 (disable) or at least 1",
+            self.top_k,
+        )?;
+        check((0.0..=1.0).contains(&self.min_p), "min_p", "must be in [0, 1]", self.min_p)?;
+        check(
+            self.repetition_penalty.is_finite()
+                && self.repetition_penalty > 0.0
+                && self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            "must be in (0, 2]",
+            self.repetition_penalty,
+        )?;
+        check(
+            (-2.0..=2.0).contains(&self.presence_penalty),
+            "presence_penalty",
+            "must be in [-2, 2]",
+            self.presence_penalty,
+        )?;
+        check(
+            (-2.0..=2.0).contains(&self.frequency_penalty),
+            "frequency_penalty",
+            "must be in [-2, 2]",
+            self.frequency_penalty,
+        )?;
+        if let Some(m) = self.max_tokens {
+            check(m >= 1, "max_tokens", "must be at least 1", m)?;
+            check(
+                self.min_tokens <= m,
+                "min_tokens",
+                &format!("must be less than or equal to max_tokens={m}"),
+                self.min_tokens,
+            )?;
+        }
+        check(
+            self.stop.len() <= MAX_STOP_STRINGS,
+            "stop",
+            &format!("may hold at most {MAX_STOP_STRINGS} strings"),
+            self.stop.len(),
+        )?;
+        check(self.stop.iter().all(|s| !s.is_empty()), "stop", "must not contain empty strings", "\"\"")?;
+        if let Some(l) = self.logprobs {
+            check(l <= MAX_LOGPROBS, "logprobs", &format!("must be between 0 and {MAX_LOGPROBS}"), l)?;
+        }
+        Ok(())
+    }
+
+    pub fn greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn uses_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// max_tokens or the context length.
+    Length,
+    /// Cancelled by the client or the server.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Why a request was aborted (counted in metrics by reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbortReason {
+    /// The client closed its connection or dropped the stream.
+    ClientGone,
+    /// An explicit cancel (WebSocket frame, HTTP cancel endpoint, `Engine::abort`).
+    Cancelled,
+    /// The engine could not serve it (for example a prompt larger than the whole KV cache).
+    Engine,
+}
+
+impl AbortReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AbortReason::ClientGone => "client_disconnected",
+            AbortReason::Cancelled => "cancelled",
+            AbortReason::Engine => "engine",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// The logprob of the chosen token and the top alternatives at one position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// (token id, logprob), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a request's stream carries, in order, for each of its `n` choices.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    /// A new token of choice `index`, with the text it made stable (may be empty while a
+    /// multi-byte character or a possible stop string is incomplete).
+    Token { index: usize, token_id: u32, text: String, logprobs: Option<TokenLogprobs> },
+    /// Choice `index` ended (its last text came with its last Token event).
+    Finished { index: usize, reason: FinishReason, stop_reason: Option<StopReason> },
+    /// Every choice has ended.
+    Done { usage: Usage },
+    /// The engine failed the request.
+    Error { message: String },
+}
+
+/// What stopped a choice, when it was a stop string or token (vLLM's `stop_reason`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopReason {
+    Eos,
+    Token(u32),
+    Text(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_errors_name_field_limit_and_value() {
+        SamplingParams::default().validate().unwrap();
+        let e = SamplingParams { top_p: 1.5, ..Default::default() }.validate().unwrap_err();
+        assert_eq!(e.to_string(), "top_p must be in (0, 1], got 1.5");
+        let e = SamplingParams { temperature: -0.1, ..Default::default() }.validate().unwrap_err();
+        assert_eq!(e.param, "temperature");
+        let e = SamplingParams { min_tokens: 5, max_tokens: Some(2), ..Default::default() }
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("max_tokens=2"));
+        let e = SamplingParams { n: 1000, ..Default::default() }.validate().unwrap_err();
+        assert!(e.to_string().contains("128"));
+        let e = SamplingParams { logprobs: Some(21), ..Default::default() }.validate().unwrap_err();
+        assert_eq!(e.param, "logprobs");
+    }
+}

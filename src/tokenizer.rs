@@ -1,0 +1,205 @@
+//! Tokenizer of a model directory: `tokenizer.json` through the `tokenizers` crate, the chat
+//! template (tokenizer_config.json's `chat_template` or `chat_template.jinja`) rendered by
+//! minijinja with Hugging Face's semantics, the EOS ids of generation_config.json, and an
+//! incremental detokenizer for streaming.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("missing file {0}: a model directory needs tokenizer.json")]
+    Missing(String),
+    #[error("{path}: {message}")]
+    Load { path: String, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenize(String),
+    #[error(
+        "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use the completions endpoint"
+    )]
+    NoChatTemplate,
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// One chat turn as OpenAI clients send it (content already flattened to text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: String,
+    eos_token: String,
+    /// Ids that end generation: generation_config.json's, else the config's, else eos_token's.
+    pub eos_ids: Vec<u32>,
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` in tokenizer_config.json.
+fn token_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let err = |message: String| TokenizerError::Load { path: path.display().to_string(), message };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| err(e.to_string()))
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    match v {
+        Value::Number(n) => n.as_u64().map(|i| vec![i as u32]).unwrap_or_default(),
+        Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|i| i as u32)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl Tokenizer {
+    /// Loads the tokenizer files of `dir`; `config_eos` is config.json's `eos_token_id`.
+    pub fn load(dir: &Path, config_eos: &[u32]) -> Result<Self, TokenizerError> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Err(TokenizerError::Missing(path.display().to_string()));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| TokenizerError::Load { path: path.display().to_string(), message: e.to_string() })?;
+        let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let mut chat_template = match &cfg["chat_template"] {
+            Value::String(s) => Some(s.clone()),
+            // A list of named templates: take "default".
+            Value::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str().map(str::to_string)),
+            _ => None,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        if chat_template.is_none() && jinja.exists() {
+            chat_template = Some(std::fs::read_to_string(&jinja).map_err(|e| TokenizerError::Load {
+                path: jinja.display().to_string(),
+                message: e.to_string(),
+            })?);
+        }
+        let bos_token = token_text(&cfg["bos_token"]).unwrap_or_default();
+        let eos_token = token_text(&cfg["eos_token"]).unwrap_or_default();
+        let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let mut eos_ids = ids_of(&generation["eos_token_id"]);
+        if eos_ids.is_empty() {
+            eos_ids = config_eos.to_vec();
+        }
+        if eos_ids.is_empty()
+            && let Some(id) = inner.token_to_id(&eos_token)
+        {
+            eos_ids.push(id);
+        }
+        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids })
+    }
+
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| TokenizerError::Tokenize(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Tokenize(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The token's text (for logprobs), or "" for an unknown id.
+    pub fn id_to_token(&self, id: u32) -> String {
+        self.decode(&[id], false).unwrap_or_default()
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders the chat template as HF's `apply_chat_template(tokenize=False)` does.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        let mut env = Environment::new();
+        // HF renders with trim_blocks and lstrip_blocks, and exposes raise_exception.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+    }
+}
+
+/// Streams text from a growing token list without ever emitting a broken UTF-8 sequence:
+/// text is released only once the tokens decoded so far end on a whole character. The
+/// concatenation of everything released equals a full decode of the generated tokens.
+#[derive(Debug, Clone)]
+pub struct IncrementalDetokenizer {
+    prefix_offset: usize,
+    read_offset: usize,
+    skip_special_tokens: bool,
+}
+
+impl IncrementalDetokenizer {
+    /// `prompt_len` tokens precede the generated ones; a few of them are kept as left
+    /// context so that tokenizers that strip a leading space decode correctly.
+    pub fn new(prompt_len: usize, skip_special_tokens: bool) -> Self {
+        Self { prefix_offset: prompt_len.saturating_sub(5), read_offset: prompt_len, skip_special_tokens }
+    }
+
+    /// Text made stable by the last token of `tokens` (prompt + generated so far).
+    pub fn step(&mut self, tok: &Tokenizer, tokens: &[u32]) -> Result<String, TokenizerError> {
+        let skip = self.skip_special_tokens;
+        let prefix = tok.decode(&tokens[self.prefix_offset..self.read_offset], skip)?;
+        let full = tok.decode(&tokens[self.prefix_offset..], skip)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
+            let delta = match full.get(prefix.len()..) {
+                Some(d) if full.starts_with(&prefix) => d.to_string(),
+                // The left context decoded differently once joined: emit what differs.
+                _ => {
+                    let common =
+                        prefix.char_indices().zip(full.chars()).take_while(|((_, a), b)| a == b).count();
+                    full.chars().skip(common).collect()
+                }
+            };
+            self.prefix_offset = self.read_offset;
+            self.read_offset = tokens.len();
+            return Ok(delta);
+        }
+        Ok(String::new())
+    }
+}

@@ -1,0 +1,100 @@
+//! Helpers shared by the integration tests: model locations, a tiny random model written
+//! by the test itself, and collecting a request's stream.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use actorllm::config::EngineArgs;
+use actorllm::kernels::DType;
+use actorllm::models::random::{Preset, make_random_model};
+use actorllm::request::{FinishReason, StopReason, TokenEvent, Usage};
+use actorllm::{Engine, RequestStream, SamplingParams};
+use futures::StreamExt;
+
+/// The default model, imported by `scripts/fetch_model.sh` (CI runs it first).
+pub fn default_model() -> PathBuf {
+    let dir = std::env::var_os("ACTORLLM_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct"));
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "default model missing at {}: run scripts/fetch_model.sh first",
+        dir.display()
+    );
+    dir
+}
+
+/// Writes the tiny random Llama into a fresh temp dir (kept for the test's life).
+pub fn tiny_model(seed: u64) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("actorllm-tiny-{}-{seed}", std::process::id()));
+    if !dir.join("model.safetensors").exists() {
+        make_random_model(Preset::Tiny.shape(), &dir, DType::F32, seed, 4.0).expect("write tiny model");
+    }
+    dir
+}
+
+pub fn args(model: &Path) -> EngineArgs {
+    EngineArgs { model: model.to_path_buf(), ..EngineArgs::default() }
+}
+
+/// What one request produced: per choice tokens, text, finish reason and stop reason.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<Vec<u32>>,
+    pub text: Vec<String>,
+    pub finish: Vec<Option<FinishReason>>,
+    pub stop: Vec<Option<StopReason>>,
+    pub usage: Option<Usage>,
+}
+
+pub async fn collect(mut s: RequestStream, n: usize) -> Outcome {
+    let mut o = Outcome {
+        tokens: vec![Vec::new(); n],
+        text: vec![String::new(); n],
+        finish: vec![None; n],
+        stop: vec![None; n],
+        usage: None,
+    };
+    while let Some(ev) = s.next().await {
+        match ev {
+            TokenEvent::Token { index, token_id, text, .. } => {
+                o.tokens[index].push(token_id);
+                o.text[index].push_str(&text);
+            }
+            TokenEvent::Finished { index, reason, stop_reason } => {
+                o.finish[index] = Some(reason);
+                o.stop[index] = stop_reason;
+            }
+            TokenEvent::Done { usage } => {
+                o.usage = Some(usage);
+                break;
+            }
+            TokenEvent::Error { message } => panic!("request failed: {message}"),
+        }
+    }
+    o
+}
+
+pub fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..SamplingParams::default() }
+}
+
+pub async fn run(engine: &Engine, prompt: Vec<u32>, params: SamplingParams) -> Outcome {
+    let n = params.n;
+    let s = engine.add_request(engine.next_request_id("t"), prompt, params).await.expect("request accepted");
+    collect(s, n).await
+}
+
+/// Waits until every KV block is back in the pool (frees are applied at the next step).
+pub async fn wait_all_blocks_free(engine: &Engine) -> (usize, usize) {
+    let mut last = (0, 0);
+    for _ in 0..200 {
+        let (_, b) = engine.stats().await.expect("engine alive");
+        last = (b.num_free, b.num_total);
+        if b.num_free == b.num_total {
+            return last;
+        }
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    last
+}

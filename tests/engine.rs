@@ -1,0 +1,235 @@
+//! The engine through its actors on a tiny random Llama the test writes itself: batching,
+//! preemption, block accounting, seeds, stop conditions, n > 1 and admission errors.
+
+mod common;
+
+use actorllm::config::EngineArgs;
+use actorllm::request::{AbortReason, FinishReason, StopReason};
+use actorllm::{Engine, SamplingParams};
+use common::{Outcome, collect, greedy, run, tiny_model, wait_all_blocks_free};
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..6u32).map(|i| (0..(5 + 7 * i)).map(|j| (i * 31 + j * 17) % 250 + 3).collect()).collect()
+}
+
+fn long(max_tokens: usize) -> SamplingParams {
+    SamplingParams { ignore_eos: true, ..greedy(max_tokens) }
+}
+
+async fn solo_outputs(engine: &Engine, params: &SamplingParams) -> Vec<Outcome> {
+    let mut out = Vec::new();
+    for p in prompts() {
+        out.push(run(engine, p, params.clone()).await);
+    }
+    out
+}
+
+#[actix_rt::test]
+async fn a_batch_gives_each_request_its_solo_output() {
+    let engine = Engine::start(common::args(&tiny_model(1))).await.unwrap();
+    let params = long(24);
+    let solo = solo_outputs(&engine, &params).await;
+    let together =
+        futures::future::join_all(prompts().into_iter().map(|p| run(&engine, p, params.clone()))).await;
+    for (s, t) in solo.iter().zip(&together) {
+        assert_eq!(s.tokens, t.tokens);
+        assert_eq!(s.tokens[0].len(), 24);
+        assert_eq!(t.finish[0], Some(FinishReason::Length));
+    }
+    assert_eq!(wait_all_blocks_free(&engine).await.0, wait_all_blocks_free(&engine).await.1);
+}
+
+#[actix_rt::test]
+async fn a_pool_too_small_for_everyone_preempts_and_still_completes_identically() {
+    let model = tiny_model(2);
+    let reference = Engine::start(common::args(&model)).await.unwrap();
+    let params = long(60);
+    let solo = solo_outputs(&reference, &params).await;
+    // 12 blocks × 16 tokens = 192 slots for six sequences of up to 100 tokens.
+    let args =
+        EngineArgs { num_gpu_blocks_override: Some(12), max_model_len: Some(128), ..common::args(&model) };
+    let small = Engine::start(args).await.unwrap();
+    let together =
+        futures::future::join_all(prompts().into_iter().map(|p| run(&small, p, params.clone()))).await;
+    for (s, t) in solo.iter().zip(&together) {
+        assert_eq!(s.tokens, t.tokens, "output unchanged by preemption");
+    }
+    let preempted = small.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(preempted > 0, "the small pool must have preempted");
+    let (free, total) = wait_all_blocks_free(&small).await;
+    assert_eq!((free, total), (12, 12));
+}
+
+#[actix_rt::test]
+async fn blocks_come_back_after_abort_and_dropped_streams() {
+    let engine = Engine::start(common::args(&tiny_model(3))).await.unwrap();
+    let p = prompts();
+    let keep = engine.add_request("keep".into(), p[1].clone(), long(40)).await.unwrap();
+    let cancelled = engine.add_request("cancel-me".into(), p[2].clone(), long(2000)).await.unwrap();
+    let dropped = engine.add_request("drop-me".into(), p[3].clone(), long(2000)).await.unwrap();
+    drop(dropped);
+    assert!(engine.abort("cancel-me", AbortReason::Cancelled).await);
+    let c = collect(cancelled, 1).await;
+    assert_eq!(c.finish[0], Some(FinishReason::Abort));
+    let k = collect(keep, 1).await;
+    assert_eq!(k.tokens[0].len(), 40, "the other request is undisturbed");
+    let (free, total) = wait_all_blocks_free(&engine).await;
+    assert_eq!(free, total);
+    assert_eq!(engine.metrics().aborts(AbortReason::Cancelled), 1);
+    assert_eq!(engine.metrics().aborts(AbortReason::ClientGone), 1);
+    assert!(!engine.abort("cancel-me", AbortReason::Cancelled).await, "already gone");
+}
+
+#[actix_rt::test]
+async fn the_same_seed_gives_the_same_output_whatever_else_is_running() {
+    let engine = Engine::start(common::args(&tiny_model(4))).await.unwrap();
+    let sampled = |seed| SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..long(32) };
+    let p = prompts();
+    let alone = run(&engine, p[0].clone(), sampled(7)).await;
+    let others = p[1..].iter().map(|q| run(&engine, q.clone(), sampled(99)));
+    let (mut batch, _) = futures::future::join(
+        futures::future::join_all([run(&engine, p[0].clone(), sampled(7))]),
+        futures::future::join_all(others),
+    )
+    .await;
+    assert_eq!(alone.tokens, batch.remove(0).tokens);
+    let other_seed = run(&engine, p[0].clone(), sampled(8)).await;
+    assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
+}
+
+#[actix_rt::test]
+async fn stop_strings_and_stop_token_ids_end_the_output() {
+    let engine = Engine::start(common::args(&tiny_model(5))).await.unwrap();
+    let prompt = prompts()[4].clone();
+    let full = run(&engine, prompt.clone(), long(30)).await;
+    let tok = engine.tokenizer();
+    // A stop token: the output ends with it, finish reason stop.
+    let stop_tok = full.tokens[0][6];
+    let first = full.tokens[0].iter().position(|&t| t == stop_tok).unwrap();
+    let o = run(&engine, prompt.clone(), SamplingParams { stop_token_ids: vec![stop_tok], ..long(30) }).await;
+    assert_eq!(o.tokens[0], full.tokens[0][..=first]);
+    assert_eq!(
+        (o.finish[0], o.stop[0].clone()),
+        (Some(FinishReason::Stop), Some(StopReason::Token(stop_tok)))
+    );
+    // A stop string taken from the middle of the text: cut before it, never streamed.
+    let text = tok.decode(&full.tokens[0], true).unwrap();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let cut = &text[..text.find(&stop).unwrap()];
+    let o = run(&engine, prompt.clone(), SamplingParams { stop: vec![stop.clone()], ..long(30) }).await;
+    assert_eq!(o.text[0], cut);
+    assert_eq!(o.stop[0], Some(StopReason::Text(stop.clone())));
+    let o = run(
+        &engine,
+        prompt,
+        SamplingParams { stop: vec![stop.clone()], include_stop_str_in_output: true, ..long(30) },
+    )
+    .await;
+    assert_eq!(o.text[0], format!("{cut}{stop}"));
+}
+
+#[actix_rt::test]
+async fn n_choices_share_a_prompt_and_each_is_reproducible() {
+    let engine = Engine::start(common::args(&tiny_model(6))).await.unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 13) % 250 + 3).collect();
+    let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(11), ..long(16) };
+    let a = run(&engine, prompt.clone(), params.clone()).await;
+    let b = run(&engine, prompt, params).await;
+    assert_eq!(a.tokens, b.tokens);
+    assert!(a.tokens.iter().all(|t| t.len() == 16));
+    assert_ne!(a.tokens[0], a.tokens[1], "choices draw independently");
+    assert_eq!(a.usage.unwrap().completion_tokens, 48);
+    let (free, total) = wait_all_blocks_free(&engine).await;
+    assert_eq!(free, total);
+}
+
+#[actix_rt::test]
+async fn chunked_prefill_gives_the_same_output() {
+    let model = tiny_model(7);
+    let whole = Engine::start(common::args(&model)).await.unwrap();
+    let args = EngineArgs { max_num_batched_tokens: 16, max_num_seqs: 4, ..common::args(&model) };
+    let chunked = Engine::start(args).await.unwrap();
+    let prompt: Vec<u32> = (0..45).map(|i| (i * 7) % 250 + 3).collect();
+    let a = run(&whole, prompt.clone(), long(10)).await;
+    let b = run(&chunked, prompt, long(10)).await;
+    assert_eq!(a.tokens, b.tokens);
+}
+
+#[actix_rt::test]
+async fn admission_errors_say_the_limit_and_the_fix() {
+    let model = tiny_model(8);
+    let args = EngineArgs { max_model_len: Some(64), ..common::args(&model) };
+    let engine = Engine::start(args).await.unwrap();
+    let e = engine.add_request("x".into(), vec![5; 70], greedy(4)).await.err().unwrap();
+    assert_eq!(e.to_string(), "Input prompt (70 tokens) is too long and exceeds limit of 64");
+    let e = engine
+        .add_request("y".into(), vec![5; 4], SamplingParams { top_p: 0.0, ..greedy(4) })
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("top_p"), "{e}");
+    let e = engine.add_request("z".into(), vec![999; 4], greedy(4)).await.err().unwrap();
+    assert!(e.to_string().contains("out of vocabulary"), "{e}");
+    let args =
+        EngineArgs { num_gpu_blocks_override: Some(4), max_model_len: Some(1000), ..common::args(&model) };
+    let e = Engine::start(args).await.err().unwrap().to_string();
+    assert!(
+        e.contains("larger than the maximum number of tokens that can be stored in KV cache (64)"),
+        "{e}"
+    );
+    assert!(e.contains("lower --max-model-len"), "{e}");
+    let e = Engine::start(common::args(std::path::Path::new("/nonexistent/model")))
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("config.json"), "{e}");
+}
+
+fn copy_model(
+    src: &std::path::Path,
+    name: &str,
+    edit: impl Fn(&mut serde_json::Value),
+) -> std::path::PathBuf {
+    let dst = std::env::temp_dir().join(format!("actorllm-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in std::fs::read_dir(src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dst.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+    dst
+}
+
+#[actix_rt::test]
+async fn unknown_architectures_and_wrong_shapes_are_named() {
+    use actorllm::kernels::cpu::CpuDevice;
+    use actorllm::models::registry::{ModelEntry, ModelRegistry};
+    let base = tiny_model(9);
+    let foo = copy_model(&base, "foo", |c| c["architectures"] = serde_json::json!(["FooForCausalLM"]));
+    let e = Engine::start(common::args(&foo)).await.err().unwrap().to_string();
+    assert!(e.contains("FooForCausalLM") && e.contains("LlamaForCausalLM"), "{e}");
+    // Out-of-tree registration (the seed's ModelRegistry.register_model).
+    let mut registry = ModelRegistry::<CpuDevice>::default();
+    let llama = ModelRegistry::<CpuDevice>::default();
+    let known = llama.architectures();
+    assert!(known.contains(&"Qwen2ForCausalLM"));
+    registry.register_model(
+        "FooForCausalLM",
+        ModelEntry {
+            construct: |d, c, w| Ok(Box::new(actorllm::models::llama::LlamaForCausalLM::load(d, c, w)?)),
+            stacked_params: actorllm::models::llama::STACKED_PARAMS,
+            skip: actorllm::models::llama::skip_tensor,
+        },
+    );
+    let engine = Engine::start_with(common::args(&foo), registry).await.unwrap();
+    let want = run(&Engine::start(common::args(&base)).await.unwrap(), vec![5, 6, 7], long(8)).await;
+    assert_eq!(run(&engine, vec![5, 6, 7], long(8)).await.tokens, want.tokens);
+    let bad = copy_model(&base, "badshape", |c| c["intermediate_size"] = serde_json::json!(100));
+    let e = Engine::start(common::args(&bad)).await.err().unwrap().to_string();
+    assert!(e.contains("model.layers.0.mlp.gate_proj.weight has shape [128, 64], expected [100, 64]"), "{e}");
+}

@@ -1,0 +1,83 @@
+//! The default model against Hugging Face transformers: greedy output token-identical with
+//! the references in tests/fixtures/golden_smollm2.json (made by scripts/make_golden.py),
+//! prompts submitted together so that batching is exercised too; tokenizer parity on
+//! varied text; the chat template rendered as HF renders it.
+
+mod common;
+
+use actorllm::Engine;
+use actorllm::tokenizer::ChatMessage;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Prompt {
+    text: String,
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct Chat {
+    messages: Vec<ChatMessage>,
+    prompt_text: String,
+    prompt_ids: Vec<u32>,
+    output_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct TokCase {
+    text: String,
+    ids: Vec<u32>,
+    decoded: String,
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    prompts: Vec<Prompt>,
+    chats: Vec<Chat>,
+    tokenizer: Vec<TokCase>,
+}
+
+fn golden() -> Golden {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[actix_rt::test]
+async fn greedy_output_matches_transformers() {
+    let g = golden();
+    let engine = Engine::start(common::args(&common::default_model())).await.unwrap();
+    let tok = engine.tokenizer().clone();
+    let mut cases = Vec::new();
+    for p in &g.prompts {
+        assert_eq!(tok.encode(&p.text, true).unwrap(), p.prompt_ids, "prompt encoding of {:?}", p.text);
+        cases.push((p.text.clone(), p.prompt_ids.clone(), p.output_ids.clone()));
+    }
+    for c in &g.chats {
+        let text = tok.apply_chat_template(&c.messages, true).unwrap();
+        assert_eq!(text, c.prompt_text, "chat template rendering");
+        assert_eq!(tok.encode(&text, false).unwrap(), c.prompt_ids, "chat prompt encoding");
+        cases.push((text, c.prompt_ids.clone(), c.output_ids.clone()));
+    }
+    assert!(g.prompts.len() >= 5 && g.chats.len() >= 2);
+    // All at once: the engine batches them; each must still equal HF's solo greedy run.
+    let runs = cases.iter().map(|(_, ids, _)| common::run(&engine, ids.clone(), common::greedy(32)));
+    let outcomes = futures::future::join_all(runs).await;
+    for ((text, _, want), got) in cases.iter().zip(outcomes) {
+        assert_eq!(got.tokens[0], *want, "greedy continuation of {text:?}");
+        let decoded = tok.decode(want, true).unwrap();
+        assert_eq!(got.text[0], decoded, "streamed text equals a full decode for {text:?}");
+    }
+}
+
+#[test]
+fn tokenizer_matches_transformers_on_varied_text() {
+    let g = golden();
+    let dir = common::default_model();
+    let tok = actorllm::tokenizer::Tokenizer::load(&dir, &[]).unwrap();
+    assert!(g.tokenizer.len() >= 8);
+    for case in &g.tokenizer {
+        assert_eq!(tok.encode(&case.text, false).unwrap(), case.ids, "encoding {:?}", case.text);
+        assert_eq!(tok.decode(&case.ids, false).unwrap(), case.decoded, "decoding {:?}", case.text);
+    }
+}

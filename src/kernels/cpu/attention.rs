@@ -2,10 +2,12 @@
 //! slots; then every query token attends over its sequence's cached positions `0..=pos`
 //! through the block table. One path serves prefill (causal over the prompt, including any
 //! already-cached prefix) and decode (one query over the whole context).
+//!
+//! Work is split per (token, head). Scores are a first pass over K, softmax in place, then a
+//! second pass accumulates V; both inner loops use AVX-512 when the CPU has it.
 
 use rayon::prelude::*;
 
-use super::matmul::dot_f32;
 use super::{CpuCache, CpuTensor};
 use crate::kernels::AttnShape;
 use crate::models::attn::AttnMetadata;
@@ -27,6 +29,23 @@ pub fn write_kv(cache: &mut CpuCache, k: &CpuTensor, v: &CpuTensor, slot_mapping
     }
 }
 
+/// Where one (token, head) reads: cache offsets of its context positions, in order.
+struct Context<'a> {
+    table: &'a [u32],
+    block_size: usize,
+    width: usize,
+    head_off: usize,
+    len: usize,
+}
+
+impl Context<'_> {
+    #[inline]
+    fn offset(&self, p: usize) -> usize {
+        (self.table[p / self.block_size] as usize * self.block_size + p % self.block_size) * self.width
+            + self.head_off
+    }
+}
+
 /// `softmax(q·Kᵀ · scale) · V` per (token, head) over the token's causal context.
 pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> CpuTensor {
     let (hd, nh) = (s.head_dim, s.num_heads);
@@ -34,34 +53,103 @@ pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata
     let width = s.num_kv_heads * hd;
     let bs = cache.shape.block_size;
     let mut out = vec![0f32; q.rows * nh * hd];
+    #[cfg(target_arch = "x86_64")]
+    let simd = std::arch::is_x86_feature_detected!("avx512f") && hd % 16 == 0;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
         let (t, h) = (i / nh, i % nh);
-        let kvh = h / group;
-        let ctx = meta.positions[t] as usize + 1;
-        let table = &meta.block_tables[meta.token_seq[t] as usize];
+        let ctx = Context {
+            table: &meta.block_tables[meta.token_seq[t] as usize],
+            block_size: bs,
+            width,
+            head_off: (h / group) * hd,
+            len: meta.positions[t] as usize + 1,
+        };
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
-        let slot = |p: usize| (table[p / bs] as usize * bs + p % bs) * width + kvh * hd;
         scores.clear();
-        let mut max = f32::NEG_INFINITY;
-        for p in 0..ctx {
-            let at = slot(p);
-            let sc = dot_f32(qv, &cache.k[at..at + hd]) * s.scale;
-            max = max.max(sc);
-            scores.push(sc);
+        scores.resize(ctx.len, 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            // SAFETY: AVX-512F is present and head_dim is a multiple of 16 (checked above).
+            unsafe { avx512::head(qv, cache, &ctx, s.scale, scores, o) };
+            return;
         }
-        let mut sum = 0f32;
-        for sc in scores.iter_mut() {
-            *sc = (*sc - max).exp();
-            sum += *sc;
-        }
-        let inv = 1.0 / sum;
-        for (p, &w) in scores.iter().enumerate() {
-            let at = slot(p);
-            let w = w * inv;
-            for (oi, vi) in o.iter_mut().zip(&cache.v[at..at + hd]) {
-                *oi += w * vi;
-            }
-        }
+        portable_head(qv, cache, &ctx, s.scale, scores, o);
     });
     CpuTensor::new(out, q.rows, nh * hd)
+}
+
+fn softmax_in_place(scores: &mut [f32]) {
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for sc in scores.iter_mut() {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    let inv = 1.0 / sum;
+    scores.iter_mut().for_each(|s| *s *= inv);
+}
+
+fn portable_head(q: &[f32], cache: &CpuCache, ctx: &Context, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+    let hd = q.len();
+    for (p, sc) in scores.iter_mut().enumerate() {
+        let at = ctx.offset(p);
+        *sc = q.iter().zip(&cache.k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * scale;
+    }
+    softmax_in_place(scores);
+    for (p, &w) in scores.iter().enumerate() {
+        let at = ctx.offset(p);
+        for (oi, vi) in o.iter_mut().zip(&cache.v[at..at + hd]) {
+            *oi += w * vi;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Context, CpuCache, softmax_in_place};
+
+    /// One (token, head) with head_dim a multiple of 16.
+    ///
+    /// # Safety
+    /// AVX-512F is available and `q.len()` is a multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn head(
+        q: &[f32],
+        cache: &CpuCache,
+        ctx: &Context,
+        scale: f32,
+        scores: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let hd = q.len();
+        let chunks = hd / 16;
+        assert!(o.len() == hd && scores.len() == ctx.len);
+        for (p, sc) in scores.iter_mut().enumerate() {
+            let at = ctx.offset(p);
+            let k = &cache.k[at..at + hd];
+            let mut acc = _mm512_setzero_ps();
+            for c in 0..chunks {
+                // SAFETY: c·16 + 16 <= hd for both slices.
+                unsafe {
+                    let qv = _mm512_loadu_ps(q.as_ptr().add(c * 16));
+                    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k.as_ptr().add(c * 16)), acc);
+                }
+            }
+            *sc = _mm512_reduce_add_ps(acc) * scale;
+        }
+        softmax_in_place(scores);
+        for c in 0..chunks {
+            let mut acc = _mm512_setzero_ps();
+            for (p, &w) in scores.iter().enumerate() {
+                let at = ctx.offset(p) + c * 16;
+                let v = &cache.v[at..at + 16];
+                // SAFETY: the slice holds 16 elements.
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(w), unsafe { _mm512_loadu_ps(v.as_ptr()) }, acc);
+            }
+            // SAFETY: c·16 + 16 <= hd = o.len().
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * 16), acc) };
+        }
+    }
 }

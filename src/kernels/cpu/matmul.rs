@@ -1,10 +1,8 @@
 //! `y = x · Wᵀ` on the CPU, for weights in f32, bf16 or f16 with f32 accumulation.
 //!
-//! Two regimes. Few rows (decode) are bound by reading W once: a streaming kernel walks
-//! each weight row once and dots it with every input row while it is in registers
-//! (AVX-512 when the CPU has it). Many rows (prefill) are bound by arithmetic: the `gemm`
-//! crate's blocked kernel does it, with bf16/f16 weights widened to f32 one panel of rows
-//! at a time so that the widened copy stays in cache.
+//! The portable path for row-major weights (CPUs without AVX-512; AVX-512 CPUs use the
+//! packed layout of `packed.rs`): the `gemm` crate's blocked kernel, with bf16/f16 weights
+//! widened to f32 one panel of rows at a time so that the widened copy stays in cache.
 
 use gemm::Parallelism;
 use half::f16;
@@ -18,8 +16,6 @@ pub enum WeightData {
     F16(Vec<f16>),
 }
 
-/// Rows at or above which the blocked GEMM beats the streaming kernel.
-const GEMM_MIN_ROWS: usize = 6;
 /// Weight rows widened to f32 per GEMM panel (bf16/f16 weights).
 const PANEL_ROWS: usize = 512;
 
@@ -27,11 +23,7 @@ const PANEL_ROWS: usize = 512;
 pub fn matmul(x: &[f32], m: usize, k: usize, w: &WeightData, n: usize, out: &mut [f32]) {
     debug_assert_eq!(x.len(), m * k);
     debug_assert_eq!(out.len(), m * n);
-    if m >= GEMM_MIN_ROWS {
-        blocked(x, m, k, w, n, out);
-    } else {
-        streaming(x, m, k, w, n, out);
-    }
+    blocked(x, m, k, w, n, out);
 }
 
 fn threads() -> usize {
@@ -108,181 +100,6 @@ fn widen_row(w: &WeightData, start: usize, row: &mut [f32]) {
                 *o = h.to_f32();
             }
         }
-    }
-}
-
-/// Streams W once: output columns are split across threads, each weight row is dotted with
-/// all `m` input rows while it is in registers.
-fn streaming(x: &[f32], m: usize, k: usize, w: &WeightData, n: usize, out: &mut [f32]) {
-    let chunk = n.div_ceil(threads() * 8).max(16);
-    // Transposed result [n, m] so that each thread writes one contiguous range.
-    let mut t = vec![0f32; n * m];
-    t.par_chunks_mut(chunk * m).enumerate().for_each(|(ci, dst)| {
-        let r0 = ci * chunk;
-        for (i, o) in dst.chunks_mut(m).enumerate() {
-            dot_row(x, m, k, w, r0 + i, o);
-        }
-    });
-    for j in 0..n {
-        for i in 0..m {
-            out[i * n + j] = t[j * m + i];
-        }
-    }
-}
-
-/// `o[i] = dot(x[i, :], w[row, :])` for every input row i.
-fn dot_row(x: &[f32], m: usize, k: usize, w: &WeightData, row: usize, o: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU supports AVX-512F (checked above); slices are bounds-checked inside.
-        unsafe { avx512::dot_row(x, m, k, w, row, o) };
-        return;
-    }
-    let start = row * k;
-    for (i, oi) in o.iter_mut().enumerate() {
-        let xi = &x[i * k..(i + 1) * k];
-        *oi = match w {
-            WeightData::F32(w) => dot_f32(xi, &w[start..start + k]),
-            WeightData::Bf16(w) => {
-                xi.iter().zip(&w[start..start + k]).map(|(a, &b)| a * f32::from_bits((b as u32) << 16)).sum()
-            }
-            WeightData::F16(w) => xi.iter().zip(&w[start..start + k]).map(|(a, b)| a * b.to_f32()).sum(),
-        };
-    }
-}
-
-/// Portable dot product with eight independent accumulators (vectorizes without AVX-512).
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU supports AVX-512F (checked above).
-        return unsafe { avx512::dot(a, b) };
-    }
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::WeightData;
-    use std::arch::x86_64::*;
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_w(w: &WeightData, at: usize) -> __m512 {
-        // SAFETY: callers pass `at + 16 <= len` of the weight buffer.
-        unsafe {
-            match w {
-                WeightData::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
-                WeightData::Bf16(v) => {
-                    let h = _mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i);
-                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-                }
-                WeightData::F16(v) => {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i))
-                }
-            }
-        }
-    }
-
-    fn w_at(w: &WeightData, at: usize) -> f32 {
-        match w {
-            WeightData::F32(v) => v[at],
-            WeightData::Bf16(v) => f32::from_bits((v[at] as u32) << 16),
-            WeightData::F16(v) => v[at].to_f32(),
-        }
-    }
-
-    /// Up to `M` input rows against one weight row.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn rows<const M: usize>(
-        x: &[f32],
-        x0: usize,
-        k: usize,
-        w: &WeightData,
-        start: usize,
-        o: &mut [f32],
-    ) {
-        let mut acc = [_mm512_setzero_ps(); M];
-        let full = k / 16 * 16;
-        let mut kk = 0;
-        while kk < full {
-            // SAFETY: kk + 16 <= k, so both the weight row and each x row are in bounds.
-            unsafe {
-                let wv = load_w(w, start + kk);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add((x0 + i) * k + kk));
-                    *a = _mm512_fmadd_ps(xv, wv, *a);
-                }
-            }
-            kk += 16;
-        }
-        for (i, a) in acc.iter().enumerate() {
-            let mut s = _mm512_reduce_add_ps(*a);
-            for j in full..k {
-                s += x[(x0 + i) * k + j] * w_at(w, start + j);
-            }
-            o[x0 + i] = s;
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot_row(x: &[f32], m: usize, k: usize, w: &WeightData, row: usize, o: &mut [f32]) {
-        let start = row * k;
-        let len = match w {
-            WeightData::F32(v) => v.len(),
-            WeightData::Bf16(v) => v.len(),
-            WeightData::F16(v) => v.len(),
-        };
-        assert!(start + k <= len && x.len() >= m * k && o.len() >= m);
-        let mut i = 0;
-        // SAFETY (all calls): bounds asserted above; AVX-512F enabled on this function.
-        unsafe {
-            while i + 4 <= m {
-                rows::<4>(x, i, k, w, start, o);
-                i += 4;
-            }
-            while i + 2 <= m {
-                rows::<2>(x, i, k, w, start, o);
-                i += 2;
-            }
-            if i < m {
-                rows::<1>(x, i, k, w, start, o);
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let full = n / 16 * 16;
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i < full {
-            // SAFETY: i + 16 <= n for both slices.
-            unsafe {
-                acc = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(a.as_ptr().add(i)),
-                    _mm512_loadu_ps(b.as_ptr().add(i)),
-                    acc,
-                );
-            }
-            i += 16;
-        }
-        let mut s = _mm512_reduce_add_ps(acc);
-        for j in full..n {
-            s += a[j] * b[j];
-        }
-        s
     }
 }
 

@@ -4,6 +4,8 @@
 
 mod attention;
 pub mod matmul;
+#[cfg(target_arch = "x86_64")]
+pub mod packed;
 
 use half::f16;
 use rayon::prelude::*;
@@ -30,27 +32,50 @@ impl CpuTensor {
     }
 }
 
+/// A weight in the layout its matmul wants.
+pub enum Layout {
+    /// Row-major `[out, in]` (1-D weights, and every weight on CPUs without AVX-512).
+    Rows(WeightData),
+    /// AVX-512 panel layout of a 2-D weight.
+    #[cfg(target_arch = "x86_64")]
+    Packed(PackedData),
+}
+
+#[cfg(target_arch = "x86_64")]
+pub enum PackedData {
+    F32(packed::Packed<f32>),
+    Bf16(packed::Packed<u16>),
+    F16(packed::Packed<f16>),
+}
+
 pub struct CpuWeight {
     pub shape: Vec<usize>,
-    pub data: WeightData,
+    pub layout: Layout,
 }
 
 impl CpuWeight {
-    /// Element `i` widened to f32 (norm weights, biases, embedding rows).
-    fn row_f32(&self, start: usize, out: &mut [f32]) {
+    /// Row `r` of a 2-D weight (or the whole of a 1-D one) widened to f32.
+    fn row_f32(&self, r: usize, out: &mut [f32]) {
         let n = out.len();
-        match &self.data {
-            WeightData::F32(v) => out.copy_from_slice(&v[start..start + n]),
-            WeightData::Bf16(v) => {
+        let start = r * n;
+        match &self.layout {
+            Layout::Rows(WeightData::F32(v)) => out.copy_from_slice(&v[start..start + n]),
+            Layout::Rows(WeightData::Bf16(v)) => {
                 for (o, &b) in out.iter_mut().zip(&v[start..start + n]) {
                     *o = f32::from_bits((b as u32) << 16);
                 }
             }
-            WeightData::F16(v) => {
+            Layout::Rows(WeightData::F16(v)) => {
                 for (o, h) in out.iter_mut().zip(&v[start..start + n]) {
                     *o = h.to_f32();
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::F32(p)) => p.row_f32(r, out),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::Bf16(p)) => p.row_f32(r, out),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::F16(p)) => p.row_f32(r, out),
         }
     }
     fn to_f32(&self) -> Vec<f32> {
@@ -58,6 +83,18 @@ impl CpuWeight {
         let mut v = vec![0.0; n];
         self.row_f32(0, &mut v);
         v
+    }
+}
+
+fn use_packed(shape: &[usize]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        shape.len() == 2 && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = shape;
+        false
     }
 }
 
@@ -94,7 +131,17 @@ impl Device for CpuDevice {
                 WeightData::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
             }
         };
-        Ok(CpuWeight { shape: t.shape, data })
+        #[cfg(target_arch = "x86_64")]
+        if use_packed(&t.shape) {
+            let (n, k) = (t.shape[0], t.shape[1]);
+            let packed = match data {
+                WeightData::F32(v) => PackedData::F32(packed::Packed::pack(&v, n, k)),
+                WeightData::Bf16(v) => PackedData::Bf16(packed::Packed::pack(&v, n, k)),
+                WeightData::F16(v) => PackedData::F16(packed::Packed::pack(&v, n, k)),
+            };
+            return Ok(CpuWeight { shape: t.shape, layout: Layout::Packed(packed) });
+        }
+        Ok(CpuWeight { shape: t.shape, layout: Layout::Rows(data) })
     }
 
     fn alloc_cache(&self, shape: CacheShape) -> Result<CpuCache, DeviceError> {
@@ -114,7 +161,7 @@ impl Device for CpuDevice {
         let hidden = table.shape[1];
         let mut out = CpuTensor::zeros(ids.len(), hidden);
         for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
-            table.row_f32(id as usize * hidden, row);
+            table.row_f32(id as usize, row);
         }
         out
     }
@@ -123,7 +170,15 @@ impl Device for CpuDevice {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
         let mut out = CpuTensor::zeros(x.rows, n);
-        matmul::matmul(&x.data, x.rows, k, &w.data, n, &mut out.data);
+        match &w.layout {
+            Layout::Rows(data) => matmul::matmul(&x.data, x.rows, k, data, n, &mut out.data),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::F32(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::Bf16(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Packed(PackedData::F16(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+        }
         if let Some(b) = bias {
             let b = b.to_f32();
             for row in out.data.chunks_mut(n) {

@@ -233,3 +233,25 @@ async fn unknown_architectures_and_wrong_shapes_are_named() {
     let e = Engine::start(common::args(&bad)).await.err().unwrap().to_string();
     assert!(e.contains("model.layers.0.mlp.gate_proj.weight has shape [128, 64], expected [100, 64]"), "{e}");
 }
+
+#[actix_rt::test]
+async fn logprobs_come_with_each_token_when_asked() {
+    use actorllm::TokenEvent;
+    use futures::StreamExt;
+    let engine = Engine::start(common::args(&tiny_model(10))).await.unwrap();
+    let params = SamplingParams { logprobs: Some(3), ..long(6) };
+    let mut s = engine.add_request("lp".into(), vec![5, 6, 7, 8], params).await.unwrap();
+    let mut seen = 0;
+    while let Some(ev) = s.next().await {
+        if let TokenEvent::Token { token_id, logprobs, .. } = ev {
+            let lp = logprobs.expect("logprobs requested");
+            assert_eq!(lp.token_id, token_id);
+            assert_eq!(lp.top.len(), 3);
+            assert_eq!(lp.top[0].0, token_id, "greedy picks the most likely token");
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(lp.logprob <= 0.0 && (lp.logprob - lp.top[0].1).abs() < 1e-6);
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, 6);
+}

@@ -81,3 +81,22 @@ fn tokenizer_matches_transformers_on_varied_text() {
         assert_eq!(tok.decode(&case.ids, false).unwrap(), case.decoded, "decoding {:?}", case.text);
     }
 }
+
+#[test]
+fn incremental_detokenization_never_splits_a_character() {
+    let tok = actorllm::tokenizer::Tokenizer::load(&common::default_model(), &[]).unwrap();
+    let text = "Grüße aus Köln! 日本語のテキスト, emoji 🎉🚀👩‍👩‍👧 and code: fn main() { println!(\"ok\"); }";
+    let prompt = tok.encode("Say:", false).unwrap();
+    let out = tok.encode(text, false).unwrap();
+    let mut all = prompt.clone();
+    let mut detok = actorllm::tokenizer::IncrementalDetokenizer::new(prompt.len(), true);
+    let mut streamed = String::new();
+    for &t in &out {
+        all.push(t);
+        let piece = detok.step(&tok, &all).unwrap();
+        assert!(!piece.contains('\u{FFFD}'), "broken UTF-8 emitted: {piece:?}");
+        streamed.push_str(&piece);
+    }
+    assert_eq!(streamed, tok.decode(&out, true).unwrap());
+    assert_eq!(streamed, text);
+}

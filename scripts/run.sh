@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# The main job: fetches the default model if missing, then runs actorllm on it.
-# Extra arguments go to `actorllm generate`.
+# The main job: fetches the default model if missing, then serves it on
+# http://127.0.0.1:8000 (OpenAI API, WebSocket, playground). Extra arguments go to
+# `actorllm serve` (vLLM's flag names: --port, --max-model-len, --api-key, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch_model.sh
-if [ $# -eq 0 ]; then
-  set -- --chat "Write a haiku about the sea."
-fi
-exec cargo run --release --quiet -- generate "$@"
+exec cargo run --release --quiet -- serve "$@"

@@ -16,6 +16,8 @@
 //! - `config`: engine arguments with vLLM's flag names, resolved once.
 //! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
 //! - `metrics`: counters and histograms for `/metrics`.
+//! - `web/`: the actix-web server: OpenAI routes with SSE, the WebSocket session actor,
+//!   errors in OpenAI's shape, health, metrics and the API key.
 
 pub mod actors;
 pub mod bench;
@@ -29,6 +31,7 @@ pub mod models;
 pub mod request;
 pub mod sampling;
 pub mod tokenizer;
+pub mod web;
 
 pub use engine::{Engine, EngineError, RequestStream};
 pub use request::{FinishReason, SamplingParams, TokenEvent};

@@ -29,6 +29,8 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
         dtype: ImportDtype,
     },
+    /// Serve the OpenAI-compatible API, the WebSocket protocol and the playground.
+    Serve(actorllm::web::ServeArgs),
     /// Generate text from a prompt (or a chat message) and print it as it is produced.
     Generate(GenerateArgs),
     /// Write a model directory of a known architecture's shapes with random weights.
@@ -144,6 +146,11 @@ fn main() -> anyhow::Result<()> {
             eprintln!("wrote {}", out.display());
             Ok(())
         }
+        Cmd::Serve(args) => actix::System::new().block_on(async move {
+            let (server, _) = actorllm::web::start(args).await?;
+            server.await?;
+            Ok(())
+        }),
         Cmd::Generate(args) => actix::System::new().block_on(generate(args)),
         Cmd::Bench(args) => actix::System::new().block_on(actorllm::bench::run(args)),
     }

@@ -2,6 +2,8 @@
 //! by the test itself, and collecting a request's stream.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::{Path, PathBuf};
 
 use actorllm::config::EngineArgs;
@@ -28,7 +30,16 @@ pub fn default_model() -> PathBuf {
 pub fn tiny_model(seed: u64) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("actorllm-tiny-{}-{seed}", std::process::id()));
     if !dir.join("model.safetensors").exists() {
-        make_random_model(Preset::Tiny.shape(), &dir, DType::F32, seed, 4.0).expect("write tiny model");
+        // Tests run in parallel threads: write aside, then move into place atomically.
+        let tmp = std::env::temp_dir().join(format!(
+            "actorllm-tiny-{}-{seed}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        make_random_model(Preset::Tiny.shape(), &tmp, DType::F32, seed, 4.0).expect("write tiny model");
+        if std::fs::rename(&tmp, &dir).is_err() {
+            std::fs::remove_dir_all(&tmp).ok();
+        }
     }
     dir
 }

@@ -1,0 +1,108 @@
+//! The HTTP and WebSocket server (actix-web): OpenAI-compatible routes with SSE streaming,
+//! the WebSocket protocol, operations routes and the playground. Handlers validate at the
+//! edge (`protocol`) and only talk to the [`Engine`].
+
+pub mod errors;
+pub mod openai;
+pub mod ops;
+pub mod protocol;
+pub mod responses;
+pub mod ws;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use actix_web::{App, HttpServer, middleware, web};
+use dashmap::DashMap;
+
+use crate::config::EngineArgs;
+use crate::engine::{Engine, EngineError};
+
+/// Request bodies larger than this get 413.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in `model` (defaults to the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer <key>` on every route but /health and the playground.
+    #[arg(long, env = "VLLM_API_KEY")]
+    pub api_key: Option<String>,
+}
+
+/// Shared by every handler.
+pub struct AppState {
+    pub engine: Engine,
+    pub served_model_name: String,
+    pub api_key: Option<String>,
+    /// Response id → engine request ids, while the response is live (for cancellation).
+    pub live: DashMap<String, Vec<String>>,
+    pub started_unix: u64,
+    id_salt: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(engine: Engine, served_model_name: String, api_key: Option<String>) -> Self {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        Self {
+            engine,
+            served_model_name,
+            api_key,
+            live: DashMap::new(),
+            started_unix: now.as_secs(),
+            id_salt: crate::sampling::uniform(now.as_nanos() as u64, 0, 0).to_bits(),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// A unique, hard-to-guess request id (`cmpl-…`, `chatcmpl-…`).
+    pub fn new_request_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let r = crate::sampling::uniform(self.id_salt, n as usize, 0).to_bits();
+        format!("{prefix}-{r:016x}{n:x}")
+    }
+}
+
+/// Registers every route on an actix-web app.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.app_data(web::JsonConfig::default().limit(MAX_BODY_BYTES).error_handler(errors::json_error))
+        .app_data(web::PayloadConfig::default().limit(MAX_BODY_BYTES))
+        .route("/v1/completions", web::post().to(openai::completions))
+        .route("/v1/chat/completions", web::post().to(openai::chat_completions))
+        .route("/v1/models", web::get().to(openai::models))
+        .route("/tokenize", web::post().to(openai::tokenize))
+        .route("/detokenize", web::post().to(openai::detokenize))
+        .route("/v1/requests/{id}/cancel", web::post().to(openai::cancel))
+        .route("/v1/ws", web::get().to(ws::connect))
+        .route("/health", web::get().to(ops::health))
+        .route("/metrics", web::get().to(ops::metrics))
+        .default_service(web::to(openai::not_found));
+}
+
+/// Loads the model, binds, and returns the running server and its address (port 0 picks
+/// a free port). The server is ready when this returns.
+pub async fn start(args: ServeArgs) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.engine.model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let engine = Engine::start(args.engine.clone()).await?;
+    let state = web::Data::new(AppState::new(engine, name.clone(), args.api_key.clone()));
+    let server = HttpServer::new(move || {
+        App::new().app_data(state.clone()).wrap(middleware::from_fn(ops::auth_and_log)).configure(configure)
+    })
+    .workers(2)
+    .bind((args.host.as_str(), args.port))
+    .map_err(|e| EngineError::Device(format!("cannot bind {}:{}: {e}", args.host, args.port)))?;
+    let addr =
+        server.addrs().first().copied().ok_or_else(|| EngineError::Device("no bound address".into()))?;
+    tracing::info!(model = %name, "listening on http://{addr}");
+    Ok((server.run(), addr))
+}

@@ -1,0 +1,91 @@
+//! Operations routes and middleware: `/health`, `/metrics` (Prometheus text), API-key
+//! checking and one structured log line per request.
+
+use std::time::{Duration, Instant};
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::middleware::Next;
+use actix_web::{HttpResponse, ResponseError, web};
+
+use super::AppState;
+use super::errors::ApiError;
+
+/// A step running longer than this means the step loop is stuck.
+const STUCK_STEP: Duration = Duration::from_secs(120);
+
+pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    let stats = actix_rt::time::timeout(Duration::from_secs(2), state.engine.stats()).await;
+    match stats {
+        Ok(Ok((s, _))) if !(s.busy && s.last_step.is_some_and(|t| t.elapsed() > STUCK_STEP)) => {
+            HttpResponse::Ok().finish()
+        }
+        Ok(Ok(_)) => ApiError::Unavailable("the engine's step loop is stuck".into()).error_response(),
+        _ => ApiError::Unavailable("the engine is not responding".into()).error_response(),
+    }
+}
+
+pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let (s, b) = state.engine.stats().await?;
+    let model = &state.served_model_name;
+    let mut out = String::new();
+    let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{model_name=\"{model}\"}} {v}\n"
+        ));
+    };
+    gauge(&mut out, "vllm:num_requests_running", "Sequences in the running batch.", s.num_running as f64);
+    gauge(&mut out, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting as f64);
+    let usage = 1.0 - b.num_free as f64 / b.num_total.max(1) as f64;
+    gauge(&mut out, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", usage);
+    gauge(&mut out, "actorllm:kv_cache_blocks_total", "KV cache blocks in the pool.", b.num_total as f64);
+    gauge(&mut out, "actorllm:kv_cache_blocks_free", "KV cache blocks free.", b.num_free as f64);
+    state.engine.metrics().render(model, &mut out);
+    Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(out))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Routes open without a key: health and the playground's static files.
+fn is_public(path: &str) -> bool {
+    path == "/health" || path == "/" || path.starts_with("/static/")
+}
+
+fn authorized(req: &ServiceRequest, key: &str) -> bool {
+    let header = req.headers().get("authorization").and_then(|h| h.to_str().ok());
+    if let Some(token) = header.and_then(|h| h.strip_prefix("Bearer ")) {
+        return constant_time_eq(token.as_bytes(), key.as_bytes());
+    }
+    // Browsers cannot set headers on a WebSocket handshake: /v1/ws also takes ?api_key=.
+    if req.path() == "/v1/ws" {
+        let q = web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string());
+        if let Some(k) = q.ok().and_then(|q| q.get("api_key").cloned()) {
+            return constant_time_eq(k.as_bytes(), key.as_bytes());
+        }
+    }
+    false
+}
+
+/// Checks the API key (when configured) and logs each request once it is answered.
+pub async fn auth_and_log(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let start = Instant::now();
+    let (method, path) = (req.method().to_string(), req.path().to_string());
+    let key = req.app_data::<web::Data<AppState>>().and_then(|s| s.api_key.clone());
+    if let Some(key) = key
+        && !is_public(&path)
+        && !authorized(&req, &key)
+    {
+        tracing::info!(%method, %path, status = 401, "request refused: bad or missing API key");
+        return Err(ApiError::Unauthorized.into());
+    }
+    let res = next.call(req).await?;
+    let request_id =
+        res.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string();
+    tracing::info!(%method, %path, status = res.status().as_u16(), ms = start.elapsed().as_millis() as u64, %request_id, "http");
+    Ok(res)
+}

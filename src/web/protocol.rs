@@ -1,0 +1,350 @@
+//! OpenAI request bodies with vLLM's extra fields, validated at the edge into a
+//! [`Prepared`] request: prompt token ids per prompt, checked [`SamplingParams`] and the
+//! response options. Only prepared requests go inward, over HTTP and WebSocket alike.
+
+use serde::Deserialize;
+
+use super::errors::ApiError;
+use crate::engine::Engine;
+use crate::request::{MAX_LOGPROBS, SamplingParams};
+use crate::tokenizer::ChatMessage;
+
+/// Prompts in every shape `/v1/completions` accepts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+    #[serde(default)]
+    pub continuous_usage_stats: bool,
+}
+
+/// Sampling fields shared by both endpoints (vLLM's names).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    pub n: Option<usize>,
+    pub best_of: Option<usize>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub min_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<StopInput>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    #[serde(default)]
+    pub echo: bool,
+    pub logprobs: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub suffix: Option<String>,
+}
+
+/// Message content: a string or a list of parts (only text parts are accepted).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct MessageIn {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<MessageIn>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+/// Which response shape a request gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// A request validated at the edge, ready for the engine.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub endpoint: Endpoint,
+    pub model: String,
+    /// Token ids of each prompt (one per choice group).
+    pub prompts: Vec<Vec<u32>>,
+    /// Text echoed before the output (completions `echo`, chat `echo` of the last message).
+    pub echo: Vec<Option<String>>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub stream_options: StreamOptions,
+}
+
+fn check_n(f: &SamplingFields) -> Result<usize, ApiError> {
+    let n = f.n.unwrap_or(1);
+    if let Some(b) = f.best_of
+        && b != n
+    {
+        return Err(ApiError::bad(
+            format!("best_of must equal n ({n}), got {b}: beam search is not supported"),
+            Some("best_of"),
+        ));
+    }
+    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::bad("logit_bias is not supported", Some("logit_bias")));
+    }
+    Ok(n)
+}
+
+/// SamplingParams from the request's fields; `logprobs` is the per-token top count.
+fn sampling(
+    f: &SamplingFields,
+    default_max: Option<usize>,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    let d = SamplingParams::default();
+    let params = SamplingParams {
+        n: check_n(f)?,
+        temperature: f.temperature.unwrap_or(d.temperature),
+        top_p: f.top_p.unwrap_or(d.top_p),
+        top_k: f.top_k.unwrap_or(d.top_k),
+        min_p: f.min_p.unwrap_or(d.min_p),
+        repetition_penalty: f.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
+        seed: f.seed,
+        max_tokens: f.max_completion_tokens.or(f.max_tokens).or(default_max),
+        min_tokens: f.min_tokens.unwrap_or(0),
+        stop: match &f.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        },
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs,
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+    };
+    params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))?;
+    Ok(params)
+}
+
+/// The served model's name, or 404 for any other.
+fn resolve_model(engine_name: &str, requested: &Option<String>) -> Result<String, ApiError> {
+    match requested {
+        Some(m) if m != engine_name => Err(ApiError::ModelNotFound(m.clone())),
+        _ => Ok(engine_name.to_string()),
+    }
+}
+
+/// Rejects a request whose prompt plus completion cannot fit the context.
+fn check_context(
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    max_model_len: usize,
+) -> Result<(), ApiError> {
+    for p in prompts {
+        if p.is_empty() {
+            return Err(ApiError::bad("The prompt is empty.", Some("prompt")));
+        }
+        if p.len() >= max_model_len {
+            return Err(ApiError::context_length(p.len(), 0, max_model_len));
+        }
+        if let Some(m) = params.max_tokens
+            && p.len() + m > max_model_len
+        {
+            return Err(ApiError::context_length(p.len(), m, max_model_len));
+        }
+    }
+    Ok(())
+}
+
+/// Bounds on a request's size that protect the other users.
+pub const MAX_PROMPTS: usize = 64;
+
+pub fn prepare_completion(
+    engine: &Engine,
+    served: &str,
+    req: CompletionRequest,
+) -> Result<Prepared, ApiError> {
+    let model = resolve_model(served, &req.model)?;
+    if req.suffix.is_some() {
+        return Err(ApiError::bad("suffix is not supported", Some("suffix")));
+    }
+    if req.logprobs.is_some_and(|l| l > MAX_LOGPROBS) {
+        return Err(ApiError::bad(
+            format!("logprobs must be between 0 and {MAX_LOGPROBS}"),
+            Some("logprobs"),
+        ));
+    }
+    let params = sampling(&req.sampling, Some(16), req.logprobs)?;
+    let tok = engine.tokenizer();
+    let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
+        PromptInput::Text(t) => (vec![tok.encode(&t, true)?], vec![Some(t)]),
+        PromptInput::Texts(ts) => {
+            let ids = ts.iter().map(|t| tok.encode(t, true)).collect::<Result<_, _>>()?;
+            (ids, ts.into_iter().map(Some).collect())
+        }
+        PromptInput::Ids(ids) => (vec![ids], vec![None]),
+        PromptInput::IdLists(l) => {
+            let n = l.len();
+            (l, vec![None; n])
+        }
+    };
+    if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
+        return Err(ApiError::bad(
+            format!("prompt must hold between 1 and {MAX_PROMPTS} prompts"),
+            Some("prompt"),
+        ));
+    }
+    let vocab = engine.model_config().vocab_size;
+    if let Some(bad) = prompts.iter().flatten().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad(
+            format!("token id {bad} is out of vocabulary (size {vocab})"),
+            Some("prompt"),
+        ));
+    }
+    check_context(&prompts, &params, engine.config().max_model_len)?;
+    let echo = match req.echo {
+        true => prompts
+            .iter()
+            .zip(texts)
+            .map(|(ids, t)| {
+                Ok(Some(match t {
+                    Some(t) => t,
+                    None => tok.decode(ids, false)?,
+                }))
+            })
+            .collect::<Result<_, ApiError>>()?,
+        false => vec![None; prompts.len()],
+    };
+    Ok(Prepared {
+        endpoint: Endpoint::Completions,
+        model,
+        prompts,
+        echo,
+        params,
+        stream: req.stream,
+        stream_options: req.stream_options.unwrap_or_default(),
+    })
+}
+
+fn message_text(m: &MessageIn, i: usize) -> Result<String, ApiError> {
+    match &m.content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => out.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::bad(
+                            format!("messages[{i}].content: part type {kind:?} is not supported (text only)"),
+                            Some("messages"),
+                        ));
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Chat messages with their content flattened to text (text parts only).
+pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: message_text(m, i)? }))
+        .collect()
+}
+
+pub fn prepare_chat(engine: &Engine, served: &str, req: ChatRequest) -> Result<Prepared, ApiError> {
+    let model = resolve_model(served, &req.model)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad("messages must not be empty", Some("messages")));
+    }
+    let messages = chat_messages(&req.messages)?;
+    let top = match (req.logprobs, req.top_logprobs) {
+        (false, Some(t)) if t > 0 => {
+            return Err(ApiError::bad("top_logprobs requires logprobs to be true", Some("top_logprobs")));
+        }
+        (true, t) => Some(t.unwrap_or(0)),
+        (false, _) => None,
+    };
+    if top.is_some_and(|t| t > MAX_LOGPROBS) {
+        return Err(ApiError::bad(
+            format!("top_logprobs must be between 0 and {MAX_LOGPROBS}"),
+            Some("top_logprobs"),
+        ));
+    }
+    let params = sampling(&req.sampling, None, top)?;
+    let tok = engine.tokenizer();
+    let text = tok.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+    let ids = tok.encode(&text, false)?;
+    let prompts = vec![ids];
+    check_context(&prompts, &params, engine.config().max_model_len)?;
+    let echo = vec![req.echo.then(|| messages.last().map(|m| m.content.clone()).unwrap_or_default())];
+    Ok(Prepared {
+        endpoint: Endpoint::Chat,
+        model,
+        prompts,
+        echo,
+        params,
+        stream: req.stream,
+        stream_options: req.stream_options.unwrap_or_default(),
+    })
+}

@@ -1,0 +1,321 @@
+//! From engine events to what clients read. A request's prompts run as separate engine
+//! requests whose streams are merged into one stream of [`GenEvent`]s with global choice
+//! indexes (`prompt · n + i`); a [`Shaper`] turns those into OpenAI chunk objects (SSE and
+//! WebSocket) or accumulates the non-streaming response, in both endpoints' shapes.
+
+use std::sync::Arc;
+
+use futures::stream::{self, SelectAll, Stream, StreamExt};
+use serde_json::{Value, json};
+
+use super::protocol::{Endpoint, Prepared};
+use crate::engine::RequestStream;
+use crate::request::{FinishReason, StopReason, TokenEvent, TokenLogprobs, Usage};
+use crate::tokenizer::Tokenizer;
+
+/// One event of a whole (possibly multi-prompt) request.
+#[derive(Debug, Clone)]
+pub enum GenEvent {
+    Token {
+        index: usize,
+        token_id: u32,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished {
+        index: usize,
+        reason: FinishReason,
+        stop_reason: Option<StopReason>,
+    },
+    /// Every engine request ended; usage summed over prompts.
+    Done {
+        usage: Usage,
+    },
+    Error {
+        message: String,
+    },
+}
+
+type Tagged = stream::Map<RequestStream, Box<dyn FnMut(TokenEvent) -> (usize, TokenEvent)>>;
+
+/// Merges the engine streams of a request's prompts (`n` choices each).
+pub fn merge(streams: Vec<RequestStream>, n: usize) -> impl Stream<Item = GenEvent> {
+    let remaining = streams.len();
+    let all: SelectAll<Tagged> = stream::select_all(streams.into_iter().enumerate().map(|(p, s)| {
+        let tag: Box<dyn FnMut(TokenEvent) -> (usize, TokenEvent)> = Box::new(move |e| (p, e));
+        s.map(tag)
+    }));
+    stream::unfold(
+        (all, remaining, Usage::default(), false),
+        move |(mut all, mut left, mut usage, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let Some((p, ev)) = all.next().await else {
+                    return Some((
+                        GenEvent::Error { message: "the engine stopped".into() },
+                        (all, 0, usage, true),
+                    ));
+                };
+                let out = match ev {
+                    TokenEvent::Token { index, token_id, text, logprobs } => {
+                        GenEvent::Token { index: p * n + index, token_id, text, logprobs }
+                    }
+                    TokenEvent::Finished { index, reason, stop_reason } => {
+                        GenEvent::Finished { index: p * n + index, reason, stop_reason }
+                    }
+                    TokenEvent::Error { message } => {
+                        return Some((GenEvent::Error { message }, (all, 0, usage, true)));
+                    }
+                    TokenEvent::Done { usage: u } => {
+                        usage.prompt_tokens += u.prompt_tokens;
+                        usage.completion_tokens += u.completion_tokens;
+                        usage.total_tokens += u.total_tokens;
+                        left -= 1;
+                        if left > 0 {
+                            continue;
+                        }
+                        return Some((GenEvent::Done { usage }, (all, 0, usage, true)));
+                    }
+                };
+                return Some((out, (all, left, usage, false)));
+            }
+        },
+    )
+}
+
+fn stop_reason_json(s: &Option<StopReason>) -> Value {
+    match s {
+        Some(StopReason::Token(t)) => json!(t),
+        Some(StopReason::Text(t)) => json!(t),
+        Some(StopReason::Eos) | None => Value::Null,
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens})
+}
+
+/// Per-choice state for the non-streaming response.
+#[derive(Default, Clone)]
+struct ChoiceAcc {
+    text: String,
+    finish: Option<FinishReason>,
+    stop: Option<StopReason>,
+    logprobs: Vec<TokenLogprobs>,
+}
+
+/// Shapes events into one endpoint's response objects.
+pub struct Shaper {
+    pub id: String,
+    pub created: u64,
+    prepared: Arc<Prepared>,
+    tok: Arc<Tokenizer>,
+    usage: Usage,
+    text_offsets: Vec<usize>,
+    started: Vec<bool>,
+    choices: Vec<ChoiceAcc>,
+}
+
+impl Shaper {
+    pub fn new(id: String, prepared: Arc<Prepared>, tok: Arc<Tokenizer>) -> Self {
+        let total = prepared.prompts.len() * prepared.params.n;
+        let created =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let usage = Usage {
+            prompt_tokens: prepared.prompts.iter().map(Vec::len).sum::<usize>(),
+            ..Default::default()
+        };
+        Self {
+            id,
+            created,
+            prepared,
+            tok,
+            usage,
+            text_offsets: vec![0; total],
+            started: vec![false; total],
+            choices: vec![ChoiceAcc::default(); total],
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.prepared.params.n
+    }
+
+    fn echo_for(&self, index: usize) -> Option<&str> {
+        self.prepared.echo.get(index / self.n()).and_then(|e| e.as_deref())
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.prepared.endpoint, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Chat, false) => "chat.completion",
+        }
+    }
+
+    fn envelope(&self, choices: Vec<Value>, usage: Option<&Usage>) -> Value {
+        let mut v = json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.prepared.model, "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = usage_json(u);
+        }
+        v
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.tok.id_to_token(id)
+    }
+
+    /// Logprobs of one token in the endpoint's shape.
+    fn logprobs_json(&self, lps: &[TokenLogprobs], first_offset: usize) -> Value {
+        match self.prepared.endpoint {
+            Endpoint::Completions => {
+                let mut offset = first_offset;
+                let (mut tokens, mut lp, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
+                for l in lps {
+                    let t = self.token_text(l.token_id);
+                    offsets.push(offset);
+                    offset += t.len();
+                    tokens.push(t);
+                    lp.push(l.logprob);
+                    let m: serde_json::Map<String, Value> =
+                        l.top.iter().map(|(id, p)| (self.token_text(*id), json!(p))).collect();
+                    top.push(Value::Object(m));
+                }
+                json!({"tokens": tokens, "token_logprobs": lp, "top_logprobs": top, "text_offset": offsets})
+            }
+            Endpoint::Chat => {
+                let entry = |id: u32, p: f32| {
+                    let t = self.token_text(id);
+                    json!({"token": t, "logprob": p, "bytes": t.as_bytes()})
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.token_id, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|(id, p)| entry(*id, *p)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+        }
+    }
+
+    /// Chunks that open the stream (the chat role delta of every choice).
+    pub fn opening_chunks(&mut self) -> Vec<Value> {
+        if self.prepared.endpoint != Endpoint::Chat {
+            return Vec::new();
+        }
+        let choices = (0..self.choices.len())
+            .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            .collect();
+        vec![self.envelope(choices, None)]
+    }
+
+    fn continuous_usage(&self) -> Option<Usage> {
+        self.prepared.stream_options.continuous_usage_stats.then_some(Usage {
+            total_tokens: self.usage.prompt_tokens + self.usage.completion_tokens,
+            ..self.usage
+        })
+    }
+
+    /// The chunks an event produces while streaming (empty when nothing is visible yet).
+    pub fn chunks(&mut self, ev: &GenEvent) -> Vec<Value> {
+        match ev {
+            GenEvent::Token { index, text, logprobs, .. } => {
+                self.usage.completion_tokens += 1;
+                let i = *index;
+                let mut text = text.clone();
+                if !self.started[i] {
+                    self.started[i] = true;
+                    if let Some(e) = self.echo_for(i) {
+                        text = format!("{e}{text}");
+                    }
+                }
+                if text.is_empty() && logprobs.is_none() {
+                    return Vec::new();
+                }
+                let lp = logprobs
+                    .as_ref()
+                    .map(|l| self.logprobs_json(std::slice::from_ref(l), self.text_offsets[i]));
+                self.text_offsets[i] += text.len();
+                let choice = match self.prepared.endpoint {
+                    Endpoint::Completions => {
+                        json!({"index": i, "text": text, "logprobs": lp, "finish_reason": null, "stop_reason": null})
+                    }
+                    Endpoint::Chat => {
+                        json!({"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
+                    }
+                };
+                let usage = self.continuous_usage();
+                vec![self.envelope(vec![choice], usage.as_ref())]
+            }
+            GenEvent::Finished { index, reason, stop_reason } => {
+                let choice = match self.prepared.endpoint {
+                    Endpoint::Completions => json!({"index": index, "text": "", "logprobs": null,
+                        "finish_reason": reason.as_str(), "stop_reason": stop_reason_json(stop_reason)}),
+                    Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null,
+                        "finish_reason": reason.as_str(), "stop_reason": stop_reason_json(stop_reason)}),
+                };
+                let usage = self.continuous_usage();
+                vec![self.envelope(vec![choice], usage.as_ref())]
+            }
+            GenEvent::Done { usage } => {
+                self.usage = *usage;
+                if self.prepared.stream_options.include_usage {
+                    vec![self.envelope(Vec::new(), Some(usage))]
+                } else {
+                    Vec::new()
+                }
+            }
+            GenEvent::Error { .. } => Vec::new(),
+        }
+    }
+
+    /// Accumulates an event for the non-streaming response.
+    pub fn absorb(&mut self, ev: GenEvent) {
+        match ev {
+            GenEvent::Token { index, text, logprobs, .. } => {
+                let c = &mut self.choices[index];
+                c.text.push_str(&text);
+                c.logprobs.extend(logprobs);
+            }
+            GenEvent::Finished { index, reason, stop_reason } => {
+                self.choices[index].finish = Some(reason);
+                self.choices[index].stop = stop_reason;
+            }
+            GenEvent::Done { usage } => self.usage = usage,
+            GenEvent::Error { .. } => {}
+        }
+    }
+
+    /// The whole non-streaming response.
+    pub fn response(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let echo = self.echo_for(i).unwrap_or("");
+                let lp = (self.prepared.params.logprobs.is_some()).then(|| self.logprobs_json(&c.logprobs, echo.len()));
+                let finish = c.finish.map(FinishReason::as_str);
+                let stop = stop_reason_json(&c.stop);
+                match self.prepared.endpoint {
+                    Endpoint::Completions => json!({"index": i, "text": format!("{echo}{}", c.text), "logprobs": lp,
+                        "finish_reason": finish, "stop_reason": stop}),
+                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": format!("{echo}{}", c.text)},
+                        "logprobs": lp, "finish_reason": finish, "stop_reason": stop}),
+                }
+            })
+            .collect();
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.prepared.model,
+            "choices": choices, "usage": usage_json(&self.usage),
+        })
+    }
+}

@@ -1,0 +1,288 @@
+//! WebSocket sessions at `/v1/ws`: one actor per connection (actix-web-actors). JSON text
+//! frames; many generations run concurrently on one socket, each under a client-chosen id.
+//!
+//! Client → server:
+//! `{"type":"generate","id":"a","endpoint":"chat"|"completions","request":{…HTTP body…}}`,
+//! `{"type":"cancel","id":"a"}`.
+//! Server → client: `{"type":"started","id","request_id"}`, then
+//! `{"type":"delta","id","index","text","token_ids":[…],"logprobs"?}` per token, then
+//! `{"type":"done","id","finish_reason","choices":[{"index","finish_reason"}],"usage"}`;
+//! errors as `{"type":"error","id","error":{…OpenAI error…}}` without closing the socket.
+//! Heartbeat: the server pings every 5 s and closes a socket silent for 30 s. A closed
+//! socket aborts all of its generations.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actix_web::{HttpRequest, HttpResponse, web};
+use actix_web_actors::ws;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::errors::ApiError;
+use super::openai::start;
+use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, prepare_completion};
+use super::responses::GenEvent;
+use crate::request::{AbortReason, FinishReason};
+
+const HEARTBEAT: Duration = Duration::from_secs(5);
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest accepted frame.
+pub const MAX_FRAME: usize = 1 << 20;
+/// Most generations one socket may run at once.
+pub const MAX_CONCURRENT: usize = 64;
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+enum ClientFrame {
+    Generate { id: String, endpoint: WsEndpoint, request: Value },
+    Cancel { id: String },
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+enum WsEndpoint {
+    Chat,
+    Completions,
+}
+
+struct Generation {
+    /// The server's request id once started (for the engine abort).
+    request_id: Option<String>,
+    finish: Vec<Option<FinishReason>>,
+}
+
+pub struct WsSession {
+    state: web::Data<AppState>,
+    last_heard: Instant,
+    running: HashMap<String, Generation>,
+}
+
+fn error_frame(id: Option<&str>, e: &ApiError) -> String {
+    let mut v = e.body();
+    v["type"] = json!("error");
+    v["id"] = json!(id);
+    v.to_string()
+}
+
+/// Validates a generate frame's request as the matching HTTP endpoint would.
+fn prepare(state: &AppState, endpoint: WsEndpoint, request: Value) -> Result<Prepared, ApiError> {
+    let bad = |e: serde_json::Error| ApiError::bad(format!("Invalid request body: {e}"), None);
+    let (engine, name) = (&state.engine, &state.served_model_name);
+    match endpoint {
+        WsEndpoint::Chat => {
+            prepare_chat(engine, name, serde_json::from_value::<ChatRequest>(request).map_err(bad)?)
+        }
+        WsEndpoint::Completions => prepare_completion(
+            engine,
+            name,
+            serde_json::from_value::<CompletionRequest>(request).map_err(bad)?,
+        ),
+    }
+}
+
+impl WsSession {
+    fn on_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
+        let frame: ClientFrame = match serde_json::from_str(text) {
+            Ok(f) => f,
+            Err(e) => {
+                let id = serde_json::from_str::<Value>(text)
+                    .ok()
+                    .and_then(|v| v["id"].as_str().map(str::to_string));
+                ctx.text(error_frame(id.as_deref(), &ApiError::bad(format!("invalid frame: {e}"), None)));
+                return;
+            }
+        };
+        match frame {
+            ClientFrame::Generate { id, endpoint, request } => self.generate(id, endpoint, request, ctx),
+            ClientFrame::Cancel { id } => self.cancel(&id, ctx),
+        }
+    }
+
+    fn generate(
+        &mut self,
+        id: String,
+        endpoint: WsEndpoint,
+        request: Value,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        if self.running.contains_key(&id) {
+            ctx.text(error_frame(
+                Some(&id),
+                &ApiError::bad(format!("id {id:?} is already running on this socket"), Some("id")),
+            ));
+            return;
+        }
+        if self.running.len() >= MAX_CONCURRENT {
+            let e =
+                ApiError::bad(format!("at most {MAX_CONCURRENT} generations may run on one socket"), None);
+            ctx.text(error_frame(Some(&id), &e));
+            return;
+        }
+        self.running.insert(id.clone(), Generation { request_id: None, finish: Vec::new() });
+        let state = self.state.clone();
+        let gid = id.clone();
+        let fut = async move {
+            let st = state.clone();
+            let prepared = web::block(move || prepare(&st, endpoint, request))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))??;
+            start(&state, prepared).await
+        };
+        let fut = fut.into_actor(self).map(move |res, act, ctx| {
+            let started = match res {
+                Ok(s) => s,
+                Err(e) => {
+                    act.running.remove(&gid);
+                    ctx.text(error_frame(Some(&gid), &e));
+                    return;
+                }
+            };
+            // Cancelled while starting: the stream is dropped here, which aborts it.
+            let Some(g) = act.running.get_mut(&gid) else { return };
+            g.request_id = Some(started.id.clone());
+            g.finish = vec![None; started.prepared.prompts.len() * started.prepared.params.n];
+            ctx.text(json!({"type": "started", "id": gid, "request_id": started.id}).to_string());
+            let sid = gid.clone();
+            let forward =
+                started.events.into_actor(act).map(move |ev, act, ctx| act.forward(&sid, ev, ctx)).finish();
+            ctx.spawn(forward);
+        });
+        ctx.spawn(fut);
+    }
+
+    fn forward(&mut self, id: &str, ev: GenEvent, ctx: &mut ws::WebsocketContext<Self>) {
+        match ev {
+            GenEvent::Token { index, token_id, text, logprobs } => {
+                let mut v =
+                    json!({"type": "delta", "id": id, "index": index, "text": text, "token_ids": [token_id]});
+                if let Some(l) = logprobs {
+                    let top: Vec<Value> =
+                        l.top.iter().map(|(t, p)| json!({"token_id": t, "logprob": p})).collect();
+                    v["logprobs"] =
+                        json!({"token_id": l.token_id, "logprob": l.logprob, "top_logprobs": top});
+                }
+                ctx.text(v.to_string());
+            }
+            GenEvent::Finished { index, reason, .. } => {
+                if let Some(g) = self.running.get_mut(id)
+                    && let Some(f) = g.finish.get_mut(index)
+                {
+                    *f = Some(reason);
+                }
+            }
+            GenEvent::Done { usage } => {
+                let finish = self.running.remove(id).map(|g| g.finish).unwrap_or_default();
+                let choices: Vec<Value> = finish
+                    .iter()
+                    .enumerate()
+                    .map(|(i, f)| json!({"index": i, "finish_reason": f.map(FinishReason::as_str)}))
+                    .collect();
+                let first = finish.first().copied().flatten().map(FinishReason::as_str);
+                ctx.text(
+                    json!({"type": "done", "id": id, "finish_reason": first, "choices": choices, "usage": usage})
+                        .to_string(),
+                );
+            }
+            GenEvent::Error { message } => {
+                self.running.remove(id);
+                ctx.text(error_frame(Some(id), &ApiError::Internal(message)));
+            }
+        }
+    }
+
+    /// Aborts a generation in the engine; its stream then ends with `done` / "abort".
+    fn cancel(&mut self, id: &str, ctx: &mut ws::WebsocketContext<Self>) {
+        let Some(g) = self.running.get(id) else {
+            ctx.text(error_frame(
+                Some(id),
+                &ApiError::NotFound(format!("no running generation with id {id:?}")),
+            ));
+            return;
+        };
+        match g.request_id.clone() {
+            Some(rid) => {
+                let state = self.state.clone();
+                let ids = state.live.get(&rid).map(|e| e.value().clone()).unwrap_or_default();
+                ctx.spawn(
+                    async move {
+                        for eid in ids {
+                            state.engine.abort(&eid, AbortReason::Cancelled).await;
+                        }
+                    }
+                    .into_actor(self),
+                );
+            }
+            None => {
+                // Not started yet: forget it; the start callback drops the stream.
+                self.running.remove(id);
+                self.state.engine.metrics().on_abort(AbortReason::Cancelled);
+                ctx.text(
+                    json!({"type": "done", "id": id, "finish_reason": "abort", "choices": [], "usage": null})
+                        .to_string(),
+                );
+            }
+        }
+    }
+}
+
+impl Actor for WsSession {
+    type Context = ws::WebsocketContext<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(HEARTBEAT, |act, ctx| {
+            if act.last_heard.elapsed() > CLIENT_TIMEOUT {
+                tracing::info!("websocket heartbeat timed out; closing");
+                ctx.stop();
+                return;
+            }
+            ctx.ping(b"");
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        // Spawned forwarders are dropped with the context, which aborts their requests.
+        if !self.running.is_empty() {
+            tracing::info!(generations = self.running.len(), "websocket closed; aborting its generations");
+        }
+    }
+}
+
+impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsSession {
+    fn handle(&mut self, msg: Result<ws::Message, ws::ProtocolError>, ctx: &mut Self::Context) {
+        self.last_heard = Instant::now();
+        match msg {
+            Ok(ws::Message::Text(t)) => self.on_text(&t, ctx),
+            Ok(ws::Message::Ping(p)) => ctx.pong(&p),
+            Ok(ws::Message::Pong(_)) => {}
+            Ok(ws::Message::Binary(_)) => ctx.text(error_frame(
+                None,
+                &ApiError::bad("binary frames are not supported; send JSON text", None),
+            )),
+            Ok(ws::Message::Close(reason)) => {
+                ctx.close(reason);
+                ctx.stop();
+            }
+            Ok(ws::Message::Continuation(_)) | Ok(ws::Message::Nop) => {}
+            Err(e) => {
+                let err = ApiError::bad(format!("websocket protocol error: {e}"), None);
+                ctx.text(error_frame(None, &err));
+                if matches!(e, ws::ProtocolError::Overflow) {
+                    ctx.close(Some(ws::CloseCode::Size.into()));
+                    ctx.stop();
+                }
+            }
+        }
+    }
+}
+
+pub async fn connect(
+    req: HttpRequest,
+    stream: web::Payload,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, actix_web::Error> {
+    let session = WsSession { state, last_heard: Instant::now(), running: HashMap::new() };
+    ws::WsResponseBuilder::new(session, &req, stream).frame_size(MAX_FRAME).start()
+}

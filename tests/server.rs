@@ -148,18 +148,21 @@ async fn websocket_runs_concurrent_generations_and_cancels_one() {
 
 #[actix_rt::test]
 async fn dropped_streams_are_aborted_and_free_their_blocks() {
-    let s = tiny_server().await;
+    // The default model, so that the kept streams are still generating a second later.
+    let s = start(&common::default_model(), |_| {}).await;
     let body =
-        json!({"prompt": [3, 4, 5], "max_tokens": 300, "temperature": 0, "ignore_eos": true, "stream": true});
+        json!({"prompt": [3, 4, 5], "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true});
     let mut keep = Vec::new();
     let mut drop_later = Vec::new();
     for i in 0..16 {
         let r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
         if i % 2 == 0 { keep.push(r) } else { drop_later.push(r) }
     }
-    // Read a little of every stream so all sixteen are running.
-    for r in keep.iter_mut().chain(drop_later.iter_mut()) {
-        r.next().await.unwrap().unwrap();
+    // Wait until all sixteen are running (the first step may still be under way).
+    let start = Instant::now();
+    while s.metric("vllm:num_requests_running").await < 16.0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "sixteen streams run");
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
     }
     drop(drop_later);
     let start = Instant::now();

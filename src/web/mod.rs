@@ -5,6 +5,7 @@
 pub mod errors;
 pub mod openai;
 pub mod ops;
+pub mod playground;
 pub mod protocol;
 pub mod responses;
 pub mod ws;
@@ -29,9 +30,10 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Name clients use in `model` (defaults to the model directory's name).
-    #[arg(long)]
-    pub served_model_name: Option<String>,
+    /// Names clients use in `model` (defaults to the model directory's name); every name is
+    /// listed by /v1/models and responses echo the one asked for.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
     /// Require `Authorization: Bearer <key>` on every route but /health and the playground.
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
@@ -40,7 +42,8 @@ pub struct ServeArgs {
 /// Shared by every handler.
 pub struct AppState {
     pub engine: Engine,
-    pub served_model_name: String,
+    /// The first is the primary name.
+    pub served_model_names: Vec<String>,
     pub api_key: Option<String>,
     /// Response id → engine request ids, while the response is live (for cancellation).
     pub live: DashMap<String, Vec<String>>,
@@ -50,11 +53,11 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(engine: Engine, served_model_name: String, api_key: Option<String>) -> Self {
+    pub fn new(engine: Engine, served_model_names: Vec<String>, api_key: Option<String>) -> Self {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         Self {
             engine,
-            served_model_name,
+            served_model_names,
             api_key,
             live: DashMap::new(),
             started_unix: now.as_secs(),
@@ -84,17 +87,34 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/v1/ws", web::get().to(ws::connect))
         .route("/health", web::get().to(ops::health))
         .route("/metrics", web::get().to(ops::metrics))
+        .route("/", web::get().to(playground::index))
+        .route("/static/{file}", web::get().to(playground::file))
         .default_service(web::to(openai::not_found));
 }
 
 /// Loads the model, binds, and returns the running server and its address (port 0 picks
 /// a free port). The server is ready when this returns.
 pub async fn start(args: ServeArgs) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.engine.model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned())
-    });
     let engine = Engine::start(args.engine.clone()).await?;
-    let state = web::Data::new(AppState::new(engine, name.clone(), args.api_key.clone()));
+    start_with_engine(args, engine)
+}
+
+/// Binds the server in front of a running engine.
+pub fn start_with_engine(
+    args: ServeArgs,
+    engine: Engine,
+) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
+    let mut names = args.served_model_name.clone();
+    if names.is_empty() {
+        names.push(
+            args.engine
+                .model
+                .file_name()
+                .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned()),
+        );
+    }
+    let name = names.join(", ");
+    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone()));
     let server = HttpServer::new(move || {
         App::new().app_data(state.clone()).wrap(middleware::from_fn(ops::auth_and_log)).configure(configure)
     })

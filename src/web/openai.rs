@@ -130,7 +130,7 @@ pub async fn completions(
 ) -> Result<HttpResponse, ApiError> {
     let st = state.clone();
     let prepared =
-        web::block(move || prepare_completion(&st.engine, &st.served_model_name, body.into_inner()))
+        web::block(move || prepare_completion(&st.engine, &st.served_model_names, body.into_inner()))
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))??;
     respond(state, prepared).await
@@ -141,7 +141,7 @@ pub async fn chat_completions(
     body: web::Json<ChatRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let st = state.clone();
-    let prepared = web::block(move || prepare_chat(&st.engine, &st.served_model_name, body.into_inner()))
+    let prepared = web::block(move || prepare_chat(&st.engine, &st.served_model_names, body.into_inner()))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))??;
     respond(state, prepared).await
@@ -149,14 +149,18 @@ pub async fn chat_completions(
 
 pub async fn models(state: web::Data<AppState>) -> HttpResponse {
     let created = state.started_unix;
-    HttpResponse::Ok().json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.served_model_name, "object": "model", "created": created, "owned_by": "actorllm",
-            "root": state.engine.config().model_dir.display().to_string(), "parent": null,
-            "max_model_len": state.engine.config().max_model_len,
-        }]
-    }))
+    let root = state.engine.config().model_dir.display().to_string();
+    let data: Vec<serde_json::Value> = state
+        .served_model_names
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name, "object": "model", "created": created, "owned_by": "actorllm", "root": root,
+                "parent": null, "max_model_len": state.engine.config().max_model_len,
+            })
+        })
+        .collect();
+    HttpResponse::Ok().json(json!({ "object": "list", "data": data }))
 }
 
 #[derive(Deserialize)]
@@ -175,11 +179,7 @@ pub async fn tokenize(
     let st = state.clone();
     let tokens = web::block(move || -> Result<Vec<u32>, ApiError> {
         let req = body.into_inner();
-        if let Some(m) = &req.model
-            && *m != st.served_model_name
-        {
-            return Err(ApiError::ModelNotFound(m.clone()));
-        }
+        super::protocol::resolve_model(&st.served_model_names, &req.model)?;
         let tok = st.engine.tokenizer();
         match (req.prompt, req.messages) {
             (Some(p), None) => Ok(tok.encode(&p, req.add_special_tokens.unwrap_or(true))?),

@@ -27,7 +27,7 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
 
 pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let (s, b) = state.engine.stats().await?;
-    let model = &state.served_model_name;
+    let model = state.served_model_names.first().map_or("", String::as_str);
     let mut out = String::new();
     let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
         out.push_str(&format!(

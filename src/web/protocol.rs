@@ -182,11 +182,12 @@ fn sampling(
     Ok(params)
 }
 
-/// The served model's name, or 404 for any other.
-fn resolve_model(engine_name: &str, requested: &Option<String>) -> Result<String, ApiError> {
+/// The served name asked for (the primary one when absent), or 404 for any other.
+pub fn resolve_model(served: &[String], requested: &Option<String>) -> Result<String, ApiError> {
     match requested {
-        Some(m) if m != engine_name => Err(ApiError::ModelNotFound(m.clone())),
-        _ => Ok(engine_name.to_string()),
+        Some(m) if served.contains(m) => Ok(m.clone()),
+        Some(m) => Err(ApiError::ModelNotFound(m.clone())),
+        None => Ok(served.first().cloned().unwrap_or_default()),
     }
 }
 
@@ -217,7 +218,7 @@ pub const MAX_PROMPTS: usize = 64;
 
 pub fn prepare_completion(
     engine: &Engine,
-    served: &str,
+    served: &[String],
     req: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
     let model = resolve_model(served, &req.model)?;
@@ -312,7 +313,7 @@ pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
         .collect()
 }
 
-pub fn prepare_chat(engine: &Engine, served: &str, req: ChatRequest) -> Result<Prepared, ApiError> {
+pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Result<Prepared, ApiError> {
     let model = resolve_model(served, &req.model)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty", Some("messages")));

@@ -70,7 +70,7 @@ fn error_frame(id: Option<&str>, e: &ApiError) -> String {
 /// Validates a generate frame's request as the matching HTTP endpoint would.
 fn prepare(state: &AppState, endpoint: WsEndpoint, request: Value) -> Result<Prepared, ApiError> {
     let bad = |e: serde_json::Error| ApiError::bad(format!("Invalid request body: {e}"), None);
-    let (engine, name) = (&state.engine, &state.served_model_name);
+    let (engine, name) = (&state.engine, &state.served_model_names);
     match endpoint {
         WsEndpoint::Chat => {
             prepare_chat(engine, name, serde_json::from_value::<ChatRequest>(request).map_err(bad)?)

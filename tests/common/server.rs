@@ -18,7 +18,7 @@ pub async fn start(model: &Path, tweak: impl FnOnce(&mut ServeArgs)) -> TestServ
         engine: EngineArgs { model: model.to_path_buf(), ..EngineArgs::default() },
         host: "127.0.0.1".into(),
         port: 0,
-        served_model_name: Some("test-model".into()),
+        served_model_name: vec!["test-model".into(), "test-alias".into()],
         api_key: None,
     };
     tweak(&mut args);

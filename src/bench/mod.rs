@@ -1,6 +1,9 @@
-//! `actorllm bench offline`: engine throughput without HTTP. Decode tokens/s at each batch
-//! size (sequences started together, EOS ignored) and prefill tokens/s for one long prompt.
+//! Benchmarks. `actorllm bench offline`: engine throughput without HTTP, decode tokens/s at
+//! each batch size (sequences started together, EOS ignored) and prefill tokens/s for one
+//! long prompt. `actorllm bench serve` (serve.rs): concurrent streaming HTTP clients.
 //! Figures go to stdout as text, or as JSON with `--json`.
+
+pub mod serve;
 
 use std::time::{Duration, Instant};
 
@@ -38,11 +41,15 @@ pub enum BenchMode {
         #[arg(long)]
         json: bool,
     },
+    /// Concurrent streaming clients against the HTTP server.
+    Serve(serve::ServeBenchArgs),
 }
 
 #[derive(Debug, Serialize)]
-struct DecodeFigure {
+pub(crate) struct DecodeFigure {
     batch_size: usize,
+    /// Generated tokens in the run.
+    tokens: usize,
     /// Generated tokens / time from the last first-token to the end (decode only).
     decode_tokens_per_s: f64,
     /// All generated tokens / wall time including prefill.
@@ -61,7 +68,7 @@ struct OfflineReport {
 }
 
 /// Deterministic prompt ids of length `len` from the ordinary (non-special) vocabulary.
-fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+pub(crate) fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|i| (1000 + (i * 7919 + salt * 104729) % (vocab - 1000)) as u32).collect()
 }
 
@@ -82,7 +89,7 @@ async fn drain(mut s: RequestStream) -> anyhow::Result<(Option<Instant>, usize)>
     Ok((first, n))
 }
 
-async fn decode_run(
+pub(crate) async fn decode_run(
     engine: &Engine,
     batch: usize,
     input_len: usize,
@@ -109,6 +116,7 @@ async fn decode_run(
     let decode_tokens = tokens - batch;
     Ok(DecodeFigure {
         batch_size: batch,
+        tokens,
         decode_tokens_per_s: decode_tokens as f64 / decode_time,
         total_tokens_per_s: tokens as f64 / (end - start).as_secs_f64(),
         ms_per_step: decode_time * 1e3 / (output_len - 1).max(1) as f64,
@@ -116,8 +124,12 @@ async fn decode_run(
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let BenchMode::Offline { engine: eargs, batch_sizes, input_len, output_len, prefill_len, json } =
-        args.mode;
+    let (eargs, batch_sizes, input_len, output_len, prefill_len, json) = match args.mode {
+        BenchMode::Offline { engine, batch_sizes, input_len, output_len, prefill_len, json } => {
+            (engine, batch_sizes, input_len, output_len, prefill_len, json)
+        }
+        BenchMode::Serve(a) => return serve::run(a).await,
+    };
     let engine = Engine::start(eargs).await?;
     // Warm-up: touches every weight page and the allocator.
     decode_run(&engine, 1, 16, 4).await?;

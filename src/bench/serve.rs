@@ -1,0 +1,194 @@
+//! `actorllm bench serve`: a load generator of N concurrent streaming clients against the
+//! HTTP server. Reports time to first token and inter-token latency percentiles and
+//! output tokens/s per concurrency level. Without `--url` it starts the server in-process
+//! and also runs the same load straight through the Engine, to show what HTTP adds.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::json;
+
+use super::{decode_run, prompt};
+use crate::engine::Engine;
+use crate::web::ServeArgs;
+
+#[derive(Debug, clap::Args)]
+pub struct ServeBenchArgs {
+    /// A running server; when absent one is started in-process on a free port.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Concurrent clients per run (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub concurrency: Vec<usize>,
+    /// Requests each client sends, one after another.
+    #[arg(long, default_value_t = 2)]
+    pub requests_per_client: usize,
+    #[arg(long, default_value_t = 32)]
+    pub input_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub server: ServeArgs,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+}
+
+fn percentiles(mut v: Vec<f64>) -> Percentiles {
+    if v.is_empty() {
+        return Percentiles::default();
+    }
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] * 1e3;
+    Percentiles { p50_ms: at(0.5), p90_ms: at(0.9), p99_ms: at(0.99) }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ServeFigure {
+    pub concurrency: usize,
+    pub requests: usize,
+    pub output_tokens_per_s: f64,
+    pub ttft: Percentiles,
+    pub itl: Percentiles,
+    /// The same load through the Engine without HTTP (in-process runs only).
+    pub offline_tokens_per_s: Option<f64>,
+}
+
+/// One streamed request: (time to first token, inter-token gaps, tokens).
+async fn one_request(
+    client: &awc::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> anyhow::Result<(f64, Vec<f64>, usize)> {
+    let start = Instant::now();
+    let mut resp = client.post(url).send_json(body).await.map_err(|e| anyhow::anyhow!("request: {e}"))?;
+    anyhow::ensure!(resp.status().is_success(), "server answered {}", resp.status());
+    let (mut first, mut last, mut gaps, mut tokens) = (None, Instant::now(), Vec::new(), 0usize);
+    let mut buf = String::new();
+    while let Some(chunk) = resp.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.map_err(|e| anyhow::anyhow!("stream: {e}"))?));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim_end().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data)?;
+            if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty())
+                || v["choices"][0]["logprobs"].is_object()
+            {
+                let now = Instant::now();
+                match first {
+                    None => first = Some(now - start),
+                    Some(_) => gaps.push((now - last).as_secs_f64()),
+                }
+                last = now;
+                tokens += 1;
+            }
+            if let Some(u) = v["usage"]["completion_tokens"].as_u64() {
+                tokens = u as usize;
+            }
+        }
+    }
+    Ok((first.unwrap_or_default().as_secs_f64(), gaps, tokens))
+}
+
+async fn load(
+    url: &str,
+    clients: usize,
+    per_client: usize,
+    input_len: usize,
+    output_len: usize,
+    vocab: usize,
+) -> anyhow::Result<ServeFigure> {
+    let client = awc::Client::builder().timeout(Duration::from_secs(600)).finish();
+    let url = format!("{url}/v1/completions");
+    let start = Instant::now();
+    let runs = (0..clients).map(|c| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let mut out = Vec::new();
+            for r in 0..per_client {
+                // Token-id prompts and logprobs=0 make every token its own chunk.
+                let body = json!({"prompt": prompt(input_len, c * 131 + r, vocab), "max_tokens": output_len,
+                    "temperature": 0, "ignore_eos": true, "stream": true, "logprobs": 0,
+                    "stream_options": {"include_usage": true}});
+                out.push(one_request(&client, &url, &body).await?);
+            }
+            anyhow::Ok(out)
+        }
+    });
+    let results = futures::future::try_join_all(runs).await?;
+    let wall = start.elapsed().as_secs_f64();
+    let all: Vec<_> = results.into_iter().flatten().collect();
+    let tokens: usize = all.iter().map(|r| r.2).sum();
+    Ok(ServeFigure {
+        concurrency: clients,
+        requests: all.len(),
+        output_tokens_per_s: tokens as f64 / wall,
+        ttft: percentiles(all.iter().map(|r| r.0).collect()),
+        itl: percentiles(all.iter().flat_map(|r| r.1.clone()).collect()),
+        offline_tokens_per_s: None,
+    })
+}
+
+pub async fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
+    let (url, engine) = match &args.url {
+        Some(u) => (u.trim_end_matches('/').to_string(), None),
+        None => {
+            let mut sargs = args.server.clone();
+            sargs.port = 0;
+            let engine = Engine::start(sargs.engine.clone()).await?;
+            let (server, addr) = crate::web::start_with_engine(sargs, engine.clone())?;
+            actix_rt::spawn(server);
+            (format!("http://{addr}"), Some(engine))
+        }
+    };
+    let vocab = match &engine {
+        Some(e) => e.model_config().vocab_size,
+        None => 32000,
+    };
+    let mut figures = Vec::new();
+    for &c in &args.concurrency {
+        let mut f = load(&url, c, args.requests_per_client, args.input_len, args.output_len, vocab).await?;
+        if let Some(e) = &engine {
+            // The same work through the Engine: clients × requests, `c` at a time.
+            let t = Instant::now();
+            let mut tokens = 0;
+            for _ in 0..args.requests_per_client {
+                let d = decode_run(e, c, args.input_len, args.output_len).await?;
+                tokens += d.tokens;
+            }
+            f.offline_tokens_per_s = Some(tokens as f64 / t.elapsed().as_secs_f64());
+        }
+        if !args.json {
+            let off = f.offline_tokens_per_s.map_or(String::new(), |o| {
+                format!(", offline {o:.1} tok/s (HTTP at {:.1}%)", 100.0 * f.output_tokens_per_s / o)
+            });
+            println!(
+                "{:>3} clients: {:>7.1} tok/s, TTFT p50 {:.0} / p90 {:.0} / p99 {:.0} ms, ITL p50 {:.1} / p90 {:.1} / p99 {:.1} ms{off}",
+                c,
+                f.output_tokens_per_s,
+                f.ttft.p50_ms,
+                f.ttft.p90_ms,
+                f.ttft.p99_ms,
+                f.itl.p50_ms,
+                f.itl.p90_ms,
+                f.itl.p99_ms
+            );
+        }
+        figures.push(f);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&figures)?);
+    }
+    actix::System::current().stop();
+    Ok(())
+}

@@ -1,0 +1,329 @@
+// The actorllm chat playground: streams over SSE (fetch + ReadableStream) or the
+// WebSocket protocol, stops for real (aborted fetch / cancel frame), keeps the
+// conversation in localStorage. No build step, no CDN.
+
+import { renderText } from "/static/render.js";
+
+const STORE = "actorllm.conversation.v1";
+const $ = (id) => document.getElementById(id);
+const els = {
+  conversation: $("conversation"),
+  form: $("composer"),
+  input: $("input"),
+  send: $("send"),
+  clear: $("clear"),
+  model: $("model"),
+  system: $("system"),
+  temperature: $("temperature"),
+  top_p: $("top_p"),
+  max_tokens: $("max_tokens"),
+};
+
+/** @type {{role: string, content: string, model?: string, stats?: string, error?: boolean}[]} */
+let turns = loadTurns();
+let current = null; // the generation in flight: {stop(), turn, el}
+
+function loadTurns() {
+  try {
+    const v = JSON.parse(localStorage.getItem(STORE) || "[]");
+    return Array.isArray(v) ? v : [];
+  } catch {
+    return [];
+  }
+}
+
+function saveTurns() {
+  localStorage.setItem(STORE, JSON.stringify(turns));
+}
+
+function turnElement(turn) {
+  const el = document.createElement("div");
+  el.className = `turn ${turn.error ? "error" : turn.role}`;
+  if (turn.role === "assistant" && !turn.error) {
+    const who = document.createElement("div");
+    who.className = "who";
+    who.textContent = turn.model || "";
+    el.appendChild(who);
+  }
+  const body = document.createElement("div");
+  body.className = "body";
+  el.appendChild(body);
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  el.appendChild(stats);
+  fill(el, turn);
+  return el;
+}
+
+function fill(el, turn) {
+  const body = el.querySelector(".body");
+  if (turn.role === "assistant" && !turn.error) renderText(body, turn.content);
+  else body.textContent = turn.content;
+  el.querySelector(".stats").textContent = turn.stats || "";
+}
+
+function renderAll() {
+  els.conversation.replaceChildren(...turns.map(turnElement));
+  scrollDown();
+}
+
+function scrollDown() {
+  els.conversation.scrollTop = els.conversation.scrollHeight;
+}
+
+function addTurn(turn) {
+  turns.push(turn);
+  const el = turnElement(turn);
+  els.conversation.appendChild(el);
+  scrollDown();
+  return el;
+}
+
+function showError(message) {
+  addTurn({ role: "system", content: message, error: true });
+  saveTurns();
+}
+
+function setBusy(busy) {
+  els.send.textContent = busy ? "Stop" : "Send";
+  els.send.classList.toggle("stop", busy);
+}
+
+/** Plain words for a failed response. */
+async function describeHttpError(resp) {
+  let detail = "";
+  try {
+    const body = await resp.json();
+    detail = body?.error?.message || "";
+  } catch {
+    /* not JSON */
+  }
+  if (resp.status === 401) return "The server needs an API key.";
+  if (resp.status === 404) return detail || "The server does not know this model.";
+  if (detail) return `The server refused the request: ${detail}`;
+  return `The server answered with an error (HTTP ${resp.status}).`;
+}
+
+async function loadModels() {
+  try {
+    const resp = await fetch("/v1/models");
+    if (!resp.ok) throw new Error(await describeHttpError(resp));
+    const list = await resp.json();
+    const previous = els.model.value;
+    els.model.replaceChildren(
+      ...list.data.map((m) => {
+        const o = document.createElement("option");
+        o.value = m.id;
+        o.textContent = m.parent ? `${m.id} (adapter of ${m.parent})` : m.id;
+        return o;
+      }),
+    );
+    if (previous) els.model.value = previous;
+  } catch (e) {
+    showError(`Cannot load the model list: ${e.message || "the server is not reachable."}`);
+  }
+}
+
+function requestBody() {
+  const messages = [];
+  const system = els.system.value.trim();
+  if (system) messages.push({ role: "system", content: system });
+  for (const t of turns) {
+    if (t.error || !t.content) continue;
+    if (t.role === "user" || t.role === "assistant") messages.push({ role: t.role, content: t.content });
+  }
+  return {
+    model: els.model.value || undefined,
+    messages,
+    temperature: Number(els.temperature.value),
+    top_p: Number(els.top_p.value),
+    max_tokens: Number(els.max_tokens.value),
+    stream: true,
+    stream_options: { include_usage: true },
+  };
+}
+
+/** Tracks time to first token, tokens/s and the finish reason of one answer. */
+class Meter {
+  constructor() {
+    this.start = performance.now();
+    this.first = null;
+    this.last = null;
+    this.tokens = 0;
+  }
+  token(n = 1) {
+    const now = performance.now();
+    if (this.first === null) this.first = now;
+    this.last = now;
+    this.tokens += n;
+  }
+  line(finish) {
+    if (this.first === null) return `finish: ${finish}`;
+    const ttft = this.first - this.start;
+    const span = (this.last - this.first) / 1000;
+    const rate = this.tokens > 1 && span > 0 ? ((this.tokens - 1) / span).toFixed(1) : "–";
+    return `TTFT ${ttft.toFixed(0)} ms · ${rate} tok/s · ${this.tokens} tokens · finish: ${finish}`;
+  }
+}
+
+async function streamSse(body, turn, el, meter, signal) {
+  let resp;
+  try {
+    resp = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal,
+    });
+  } catch (e) {
+    if (signal.aborted) return "stopped";
+    throw new Error("The server is not reachable. Is actorllm running?");
+  }
+  if (!resp.ok) throw new Error(await describeHttpError(resp));
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  let finish = "unknown";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        if (!event.startsWith("data: ")) continue;
+        const data = event.slice(6);
+        if (data === "[DONE]") return finish;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(`The server failed while answering: ${chunk.error.message}`);
+        for (const c of chunk.choices || []) {
+          if (c.delta && c.delta.content) {
+            meter.token();
+            turn.content += c.delta.content;
+            fill(el, turn);
+            scrollDown();
+          }
+          if (c.finish_reason) finish = c.finish_reason;
+        }
+      }
+    }
+  } catch (e) {
+    if (signal.aborted) return "stopped";
+    throw e;
+  }
+  return finish;
+}
+
+let socket = null;
+const wsHandlers = new Map();
+
+function openSocket() {
+  if (socket && socket.readyState <= WebSocket.OPEN) return Promise.resolve(socket);
+  return new Promise((resolve, reject) => {
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    const ws = new WebSocket(`${proto}://${location.host}/v1/ws`);
+    ws.onopen = () => {
+      socket = ws;
+      resolve(ws);
+    };
+    ws.onerror = () => reject(new Error("The WebSocket connection failed. Is actorllm running?"));
+    ws.onclose = () => {
+      socket = null;
+      for (const h of wsHandlers.values()) h({ type: "error", error: { message: "The WebSocket connection closed." } });
+      wsHandlers.clear();
+    };
+    ws.onmessage = (ev) => {
+      const msg = JSON.parse(ev.data);
+      const h = wsHandlers.get(msg.id);
+      if (h) h(msg);
+    };
+  });
+}
+
+let wsSeq = 0;
+
+async function streamWs(body, turn, el, meter, stopSignal) {
+  const ws = await openSocket();
+  const id = `g${Date.now().toString(36)}-${wsSeq++}`;
+  return new Promise((resolve, reject) => {
+    const onStop = () => ws.send(JSON.stringify({ type: "cancel", id }));
+    stopSignal.addEventListener("abort", onStop, { once: true });
+    wsHandlers.set(id, (msg) => {
+      if (msg.type === "delta") {
+        meter.token();
+        turn.content += msg.text;
+        fill(el, turn);
+        scrollDown();
+      } else if (msg.type === "done") {
+        wsHandlers.delete(id);
+        stopSignal.removeEventListener("abort", onStop);
+        resolve(stopSignal.aborted && msg.finish_reason === "abort" ? "stopped" : msg.finish_reason || "unknown");
+      } else if (msg.type === "error") {
+        wsHandlers.delete(id);
+        stopSignal.removeEventListener("abort", onStop);
+        reject(new Error(`The server refused the request: ${msg.error?.message || "unknown error"}`));
+      }
+    });
+    ws.send(JSON.stringify({ type: "generate", id, endpoint: "chat", request: body }));
+  });
+}
+
+async function send() {
+  const text = els.input.value.trim();
+  if (!text || current) return;
+  els.input.value = "";
+  addTurn({ role: "user", content: text });
+  const body = requestBody();
+  const model = body.model || els.model.options[0]?.value || "";
+  const turn = { role: "assistant", content: "", model, stats: "" };
+  const el = addTurn(turn);
+  el.dataset.transport = transport();
+  const meter = new Meter();
+  const controller = new AbortController();
+  current = { stop: () => controller.abort() };
+  setBusy(true);
+  try {
+    const run = transport() === "ws" ? streamWs : streamSse;
+    const finish = await run(body, turn, el, meter, controller.signal);
+    turn.stats = meter.line(finish);
+    fill(el, turn);
+  } catch (e) {
+    turn.stats = meter.line("error");
+    fill(el, turn);
+    showError(e.message || String(e));
+  } finally {
+    el.dataset.done = "true";
+    current = null;
+    setBusy(false);
+    saveTurns();
+  }
+}
+
+function transport() {
+  return document.querySelector('input[name="transport"]:checked').value;
+}
+
+els.form.addEventListener("submit", (e) => {
+  e.preventDefault();
+  if (current) current.stop();
+  else send();
+});
+
+els.input.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+    e.preventDefault();
+    if (!current) send();
+  }
+});
+
+els.clear.addEventListener("click", () => {
+  if (current) current.stop();
+  turns = [];
+  saveTurns();
+  renderAll();
+});
+
+renderAll();
+loadModels();

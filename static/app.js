@@ -198,6 +198,10 @@ async function streamSse(body, turn, el, meter, signal) {
         if (data === "[DONE]") return finish;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(`The server failed while answering: ${chunk.error.message}`);
+        if (chunk.model && turn.model !== chunk.model) {
+          turn.model = chunk.model;
+          el.querySelector(".who").textContent = chunk.model;
+        }
         for (const c of chunk.choices || []) {
           if (c.delta && c.delta.content) {
             meter.token();
@@ -251,7 +255,10 @@ async function streamWs(body, turn, el, meter, stopSignal) {
     const onStop = () => ws.send(JSON.stringify({ type: "cancel", id }));
     stopSignal.addEventListener("abort", onStop, { once: true });
     wsHandlers.set(id, (msg) => {
-      if (msg.type === "delta") {
+      if (msg.type === "started") {
+        turn.model = msg.model || turn.model;
+        el.querySelector(".who").textContent = turn.model;
+      } else if (msg.type === "delta") {
         meter.token();
         turn.content += msg.text;
         fill(el, turn);
@@ -277,6 +284,7 @@ async function send() {
   addTurn({ role: "user", content: text });
   const body = requestBody();
   const model = body.model || els.model.options[0]?.value || "";
+  // The label shows the picker's choice until the server names the model that answers.
   const turn = { role: "assistant", content: "", model, stats: "" };
   const el = addTurn(turn);
   el.dataset.transport = transport();
@@ -290,8 +298,14 @@ async function send() {
     turn.stats = meter.line(finish);
     fill(el, turn);
   } catch (e) {
-    turn.stats = meter.line("error");
-    fill(el, turn);
+    if (!turn.content) {
+      // Nothing was answered: the error turn replaces the empty answer.
+      turns.splice(turns.indexOf(turn), 1);
+      el.remove();
+    } else {
+      turn.stats = meter.line("error");
+      fill(el, turn);
+    }
     showError(e.message || String(e));
   } finally {
     el.dataset.done = "true";

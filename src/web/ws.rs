@@ -4,7 +4,7 @@
 //! Client → server:
 //! `{"type":"generate","id":"a","endpoint":"chat"|"completions","request":{…HTTP body…}}`,
 //! `{"type":"cancel","id":"a"}`.
-//! Server → client: `{"type":"started","id","request_id"}`, then
+//! Server → client: `{"type":"started","id","request_id","model"}`, then
 //! `{"type":"delta","id","index","text","token_ids":[…],"logprobs"?}` per token, then
 //! `{"type":"done","id","finish_reason","choices":[{"index","finish_reason"}],"usage"}`;
 //! errors as `{"type":"error","id","error":{…OpenAI error…}}` without closing the socket.
@@ -144,7 +144,10 @@ impl WsSession {
             let Some(g) = act.running.get_mut(&gid) else { return };
             g.request_id = Some(started.id.clone());
             g.finish = vec![None; started.prepared.prompts.len() * started.prepared.params.n];
-            ctx.text(json!({"type": "started", "id": gid, "request_id": started.id}).to_string());
+            let model = started.prepared.model.clone();
+            ctx.text(
+                json!({"type": "started", "id": gid, "request_id": started.id, "model": model}).to_string(),
+            );
             let sid = gid.clone();
             let forward =
                 started.events.into_actor(act).map(move |ev, act, ctx| act.forward(&sid, ev, ctx)).finish();

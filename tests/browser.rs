@@ -1,0 +1,41 @@
+//! The playground in a real browser: headless Debian chromium driven by playwright-core
+//! (tests/browser/playground.mjs) against a real server on the default model, served under
+//! two names so that the picker has a choice. Screenshots land in target/browser-artifacts/.
+//! scripts/test.sh installs chromium and the npm package.
+
+mod common;
+
+use std::path::Path;
+
+#[actix_rt::test]
+async fn the_playground_streams_stops_picks_and_renders_safely_in_chromium() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(Path::new(&chromium).exists(), "{chromium} missing: scripts/test.sh installs Debian's chromium");
+    assert!(
+        root.join("tests/browser/node_modules/playwright-core").exists(),
+        "playwright-core missing: run `npm ci` in tests/browser (scripts/test.sh does)"
+    );
+    let s = common::server::start(&common::default_model(), |a| {
+        a.served_model_name = vec!["SmolLM2-135M-Instruct".into(), "smollm2-alias".into()];
+    })
+    .await;
+    let artifacts = root.join("target/browser-artifacts");
+    let base = s.base.clone();
+    let out = actix_rt::task::spawn_blocking(move || {
+        std::process::Command::new("node")
+            .arg(root.join("tests/browser/playground.mjs"))
+            .arg(&base)
+            .arg(&artifacts)
+            .env("CHROMIUM", chromium)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("node runs");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(out.status.success(), "browser test failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("all checks passed"));
+    assert!(root.join("target/browser-artifacts/playground.png").exists(), "screenshot saved");
+}

@@ -55,6 +55,68 @@ pub struct EngineArgs {
     pub num_gpu_blocks_override: Option<usize>,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
+    #[command(flatten)]
+    pub lora: LoraArgs,
+}
+
+/// LoRA flags, as vLLM names them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoraArgs {
+    /// Serve LoRA adapters.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters to load at start: name=path ...
+    #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
+    pub lora_modules: Vec<(String, PathBuf)>,
+    /// Most distinct adapters in one batch (adapter slots on each device).
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Largest adapter rank accepted.
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// Adapters kept loaded in host memory (default: --max-loras).
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+    /// Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    #[arg(long)]
+    pub allow_runtime_lora: bool,
+    /// The only directory runtime-loaded adapters may come from.
+    #[arg(long)]
+    pub lora_root: Option<PathBuf>,
+}
+
+impl Default for LoraArgs {
+    /// vLLM's defaults, as the flags give them.
+    fn default() -> Self {
+        Self {
+            enable_lora: false,
+            lora_modules: Vec::new(),
+            max_loras: 1,
+            max_lora_rank: 16,
+            max_cpu_loras: None,
+            allow_runtime_lora: false,
+            lora_root: None,
+        }
+    }
+}
+
+fn parse_lora_module(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, path) = s.split_once('=').ok_or_else(|| format!("expected name=path, got {s:?}"))?;
+    if name.is_empty() || path.is_empty() {
+        return Err(format!("expected name=path, got {s:?}"));
+    }
+    Ok((name.to_string(), PathBuf::from(path)))
+}
+
+/// Resolved LoRA settings (present when --enable-lora).
+#[derive(Debug, Clone)]
+pub struct LoraConfig {
+    pub max_loras: usize,
+    pub max_rank: usize,
+    pub max_cpu_loras: usize,
+    pub modules: Vec<(String, PathBuf)>,
+    pub allow_runtime: bool,
+    pub root: Option<PathBuf>,
 }
 
 impl Default for EngineArgs {
@@ -69,6 +131,7 @@ impl Default for EngineArgs {
             kv_cache_space: 4.0,
             num_gpu_blocks_override: None,
             device: DeviceArg::Auto,
+            lora: LoraArgs::default(),
         }
     }
 }
@@ -89,6 +152,10 @@ pub enum ConfigError {
     KvCacheTooSmall { max_model_len: usize, capacity: usize },
     #[error("the KV cache holds no block: --kv-cache-space {0} GiB is too small")]
     NoBlocks(f64),
+    #[error("{0} needs --enable-lora")]
+    LoraDisabled(&'static str),
+    #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 256")]
+    LoraLimits,
 }
 
 /// Resolved engine settings: no Options, validated against the model.
@@ -101,6 +168,7 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    pub lora: Option<LoraConfig>,
 }
 
 impl EngineConfig {
@@ -146,7 +214,28 @@ impl EngineConfig {
                 _ => DType::F32,
             },
         };
+        let l = &args.lora;
+        let lora = if l.enable_lora {
+            if l.max_loras == 0 || l.max_lora_rank == 0 || l.max_lora_rank > 256 {
+                return Err(ConfigError::LoraLimits);
+            }
+            Some(LoraConfig {
+                max_loras: l.max_loras,
+                max_rank: l.max_lora_rank,
+                max_cpu_loras: l.max_cpu_loras.unwrap_or(l.max_loras).max(l.max_loras),
+                modules: l.lora_modules.clone(),
+                allow_runtime: l.allow_runtime_lora,
+                root: l.lora_root.clone(),
+            })
+        } else if !l.lora_modules.is_empty() {
+            return Err(ConfigError::LoraDisabled("--lora-modules"));
+        } else if l.allow_runtime_lora {
+            return Err(ConfigError::LoraDisabled("--allow-runtime-lora"));
+        } else {
+            None
+        };
         Ok(Self {
+            lora,
             model_dir: args.model.clone(),
             dtype,
             max_model_len,

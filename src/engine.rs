@@ -11,6 +11,7 @@ use futures::Stream;
 use tokio::sync::mpsc;
 
 use crate::actors::block_manager::{BlockManager, BlockStats, GetBlockStats};
+use crate::actors::lora_manager::{LoraLimits, LoraManager, LoraManagerError, Register, Resolve};
 use crate::actors::model_runner::{ModelRunner, RunnerConfig};
 use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
@@ -19,9 +20,9 @@ use crate::config::{ConfigError, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
 use crate::kernels::cpu::CpuDevice;
 use crate::metrics::Metrics;
-use crate::models::ModelError;
 use crate::models::config::ModelConfig;
 use crate::models::registry::ModelRegistry;
+use crate::models::{LoadOptions, LoraCapacity, ModelError};
 use crate::request::{AbortReason, SamplingParams, TokenEvent, ValidationError};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -47,11 +48,27 @@ pub enum EngineError {
     Stopped,
     #[error("device: {0}")]
     Device(String),
+    #[error("The model `{0}` does not exist.")]
+    LoraNotFound(String),
+    #[error("LoRA adapter: {0}")]
+    Lora(String),
+    #[error("this server was started without --enable-lora")]
+    LoraDisabled,
+}
+
+impl From<LoraManagerError> for EngineError {
+    fn from(e: LoraManagerError) -> Self {
+        match e {
+            LoraManagerError::NotFound(n) => EngineError::LoraNotFound(n),
+            other => EngineError::Lora(other.to_string()),
+        }
+    }
 }
 
 struct Inner {
     scheduler: Addr<SchedulerActor>,
     block_manager: Addr<BlockManager>,
+    lora: Option<Addr<LoraManager>>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     model_config: ModelConfig,
@@ -81,7 +98,10 @@ impl Engine {
         let config = EngineConfig::resolve(&args, &model_config)?;
         let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
-        let loaded = actix_rt::task::spawn_blocking(move || registry.load(&CpuDevice, &dir, dtype))
+        let opts = LoadOptions {
+            lora: config.lora.as_ref().map(|l| LoraCapacity { slots: l.max_loras, max_rank: l.max_rank }),
+        };
+        let loaded = actix_rt::task::spawn_blocking(move || registry.load(&CpuDevice, &dir, dtype, &opts))
             .await
             .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
         let weight_bytes = loaded.model.weight_bytes();
@@ -111,6 +131,7 @@ impl Engine {
             max_num_batched_tokens: config.max_num_batched_tokens,
             block_size: config.block_size,
             num_blocks: config.num_blocks,
+            max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
         };
         let limits =
             AdmissionLimits { max_model_len: config.max_model_len, vocab_size: model_config.vocab_size };
@@ -123,10 +144,25 @@ impl Engine {
             metrics.clone(),
         )
         .start();
+        let lora = match &config.lora {
+            None => None,
+            Some(l) => {
+                let limits = LoraLimits { max_rank: l.max_rank, max_cpu_loras: l.max_cpu_loras };
+                let manager = LoraManager::new(Arc::new(model_config.clone()), limits).start();
+                for (name, path) in &l.modules {
+                    let reg = Register { name: name.clone(), path: path.clone() };
+                    manager.send(reg).await.map_err(|_| EngineError::Stopped)?.map_err(|e| {
+                        EngineError::Lora(format!("--lora-modules {name}={}: {e}", path.display()))
+                    })?;
+                }
+                Some(manager)
+            }
+        };
         Ok(Engine {
             inner: Arc::new(Inner {
                 scheduler,
                 block_manager,
+                lora,
                 tokenizer,
                 config,
                 model_config,
@@ -147,6 +183,11 @@ impl Engine {
 
     pub fn model_config(&self) -> &ModelConfig {
         &self.inner.model_config
+    }
+
+    /// The LoRAManager, when the engine serves adapters.
+    pub fn lora_manager(&self) -> Option<&Addr<LoraManager>> {
+        self.inner.lora.as_ref()
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -171,10 +212,28 @@ impl Engine {
         prompt_ids: Vec<u32>,
         params: SamplingParams,
     ) -> Result<RequestStream, EngineError> {
+        self.add_request_with_lora(id, prompt_ids, params, None).await
+    }
+
+    /// As [`Engine::add_request`], on the named LoRA adapter (None = the base model).
+    pub async fn add_request_with_lora(
+        &self,
+        id: String,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        lora: Option<&str>,
+    ) -> Result<RequestStream, EngineError> {
         params.validate()?;
+        let lora = match (lora, &self.inner.lora) {
+            (None, _) => None,
+            (Some(name), None) => return Err(EngineError::LoraNotFound(name.to_string())),
+            (Some(name), Some(m)) => {
+                Some(m.send(Resolve { name: name.to_string() }).await.map_err(|_| EngineError::Stopped)??)
+            }
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let id: Arc<str> = id.into();
-        let msg = AddRequest { id: id.clone(), prompt_ids, params: Arc::new(params), events: tx };
+        let msg = AddRequest { id: id.clone(), prompt_ids, params: Arc::new(params), events: tx, lora };
         self.inner.scheduler.send(msg).await.map_err(|_| EngineError::Stopped)??;
         Ok(RequestStream { id, rx, scheduler: self.inner.scheduler.clone(), ended: false })
     }

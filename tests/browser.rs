@@ -1,6 +1,7 @@
 //! The playground in a real browser: headless Debian chromium driven by playwright-core
 //! (tests/browser/playground.mjs) against a real server on the default model, served under
-//! two names so that the picker has a choice. Screenshots land in target/browser-artifacts/.
+//! two names and with a LoRA adapter, so that the picker has choices. Screenshots land in
+//! target/browser-artifacts/.
 //! scripts/test.sh installs chromium and the npm package.
 
 mod common;
@@ -16,8 +17,13 @@ async fn the_playground_streams_stops_picks_and_renders_safely_in_chromium() {
         root.join("tests/browser/node_modules/playwright-core").exists(),
         "playwright-core missing: run `npm ci` in tests/browser (scripts/test.sh does)"
     );
+    let g = common::lora::golden();
+    let adapter = common::lora::write_adapter(&common::lora::scratch("browser"), &g.adapters[0].spec, false);
+    let name = g.adapters[0].spec.name.clone();
     let s = common::server::start(&common::default_model(), |a| {
         a.served_model_name = vec!["SmolLM2-135M-Instruct".into(), "smollm2-alias".into()];
+        a.engine.lora.enable_lora = true;
+        a.engine.lora.lora_modules = vec![(name.clone(), adapter)];
     })
     .await;
     let artifacts = root.join("target/browser-artifacts");
@@ -28,6 +34,7 @@ async fn the_playground_streams_stops_picks_and_renders_safely_in_chromium() {
             .arg(&base)
             .arg(&artifacts)
             .env("CHROMIUM", chromium)
+            .env("EXPECT_ADAPTER", &name)
             .output()
     })
     .await

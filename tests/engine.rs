@@ -221,7 +221,9 @@ async fn unknown_architectures_and_wrong_shapes_are_named() {
     registry.register_model(
         "FooForCausalLM",
         ModelEntry {
-            construct: |d, c, w| Ok(Box::new(actorllm::models::llama::LlamaForCausalLM::load(d, c, w)?)),
+            construct: |d, c, w, o| {
+                Ok(Box::new(actorllm::models::llama::LlamaForCausalLM::load(d, c, w, o)?))
+            },
             stacked_params: actorllm::models::llama::STACKED_PARAMS,
             skip: actorllm::models::llama::skip_tensor,
         },
@@ -254,4 +256,25 @@ async fn logprobs_come_with_each_token_when_asked() {
         }
     }
     assert_eq!(seen, 6);
+}
+
+#[actix_rt::test]
+async fn aborts_racing_with_steps_never_break_the_engine() {
+    let engine = Engine::start(common::args(&tiny_model(11))).await.unwrap();
+    let background = engine.add_request("bg".into(), prompts()[5].clone(), long(300)).await.unwrap();
+    // Adds and aborts land between planning a step and running it, in every phase.
+    for i in 0..300 {
+        let id = format!("race-{i}");
+        let s = engine.add_request(id.clone(), prompts()[i % 6].clone(), long(50)).await.unwrap();
+        // Spread the aborts over the phases of the running steps.
+        actix_rt::time::sleep(std::time::Duration::from_micros((i as u64 * 37) % 1500)).await;
+        engine.abort(&id, AbortReason::Cancelled).await;
+        drop(s);
+    }
+    let bg = collect(background, 1).await;
+    assert_eq!(bg.tokens[0].len(), 300, "the engine kept running");
+    let (free, total) = wait_all_blocks_free(&engine).await;
+    assert_eq!(free, total);
+    let after = run(&engine, prompts()[0].clone(), long(5)).await;
+    assert_eq!(after.tokens[0].len(), 5);
 }

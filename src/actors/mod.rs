@@ -2,5 +2,6 @@
 //! owns the KV cache's blocks, a ModelRunner per device runs the model.
 
 pub mod block_manager;
+pub mod lora_manager;
 pub mod model_runner;
 pub mod scheduler;

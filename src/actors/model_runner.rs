@@ -14,6 +14,7 @@ use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::Device;
 use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
+use crate::models::lora::LoraAdapter;
 use crate::request::{SamplingParams, TokenLogprobs};
 use crate::sampling::{SampleInput, sample};
 
@@ -37,6 +38,8 @@ pub struct BatchSeq {
     pub len: usize,
     pub sample: bool,
     pub block_table: Vec<BlockId>,
+    /// Adapter slot, -1 for the base model.
+    pub lora_slot: i32,
 }
 
 #[derive(Message)]
@@ -45,6 +48,8 @@ pub struct ExecuteBatch {
     pub seqs: Vec<BatchSeq>,
     /// Sequences to forget before this step (finished, aborted, preempted).
     pub dropped: Vec<SeqId>,
+    /// Adapters to place in slots before this step runs.
+    pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
 }
 
 #[derive(Debug, Clone)]
@@ -108,6 +113,10 @@ impl<D: Device> ModelRunner<D> {
         for id in &batch.dropped {
             self.seqs.remove(id);
         }
+        for (slot, adapter) in &batch.lora_loads {
+            self.model.set_lora_slot(&self.dev, *slot, Some(adapter));
+        }
+        let any_lora = batch.seqs.iter().any(|s| s.lora_slot >= 0);
         let mut ids = Vec::new();
         let mut meta = AttnMetadata::default();
         let mut sampled_seqs = Vec::new();
@@ -133,6 +142,9 @@ impl<D: Device> ModelRunner<D> {
                 let block = s.block_table[pos / self.block_size] as i64;
                 meta.slot_mapping.push(block * self.block_size as i64 + (pos % self.block_size) as i64);
                 meta.token_seq.push(i as u32);
+                if any_lora {
+                    meta.lora_slots.push(s.lora_slot);
+                }
             }
             meta.block_tables.push(s.block_table);
             if s.sample {

@@ -19,6 +19,7 @@ use crate::core::output::{SeqOutput, StopLimits};
 use crate::core::scheduler::{ScheduledSeq, Scheduler, SchedulerConfig};
 use crate::engine::EngineError;
 use crate::metrics::Metrics;
+use crate::models::lora::LoraAdapter;
 use crate::request::{AbortReason, FinishReason, SamplingParams, TokenEvent, Usage};
 use crate::tokenizer::Tokenizer;
 
@@ -30,6 +31,8 @@ pub struct AddRequest {
     pub prompt_ids: Vec<u32>,
     pub params: Arc<SamplingParams>,
     pub events: mpsc::UnboundedSender<TokenEvent>,
+    /// The adapter this request runs with (None = the base model).
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 /// Aborts a request by id; returns whether it was live.
@@ -55,6 +58,8 @@ pub struct SchedulerStats {
     pub last_step: Option<Instant>,
     /// A step is running now.
     pub busy: bool,
+    /// Adapter slots holding an adapter.
+    pub lora_slots_used: usize,
 }
 
 /// Limits the scheduler enforces on admission.
@@ -78,6 +83,7 @@ struct LiveRequest {
     prompt_len: usize,
     choices: Vec<Choice>,
     events: mpsc::UnboundedSender<TokenEvent>,
+    lora: Option<u64>,
     arrival: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -96,6 +102,8 @@ pub struct SchedulerActor {
     /// seq → (group, choice index)
     seq_owner: HashMap<SeqId, (u64, usize)>,
     next_group: u64,
+    /// Adapters of live requests: load id → (weights, live requests using it).
+    adapters: HashMap<u64, (Arc<LoraAdapter>, usize)>,
     in_flight: bool,
     last_step: Option<Instant>,
     total_blocks: usize,
@@ -121,6 +129,7 @@ impl SchedulerActor {
             by_id: HashMap::new(),
             seq_owner: HashMap::new(),
             next_group: 0,
+            adapters: HashMap::new(),
             in_flight: false,
             last_step: None,
             total_blocks: cfg.num_blocks,
@@ -148,7 +157,11 @@ impl SchedulerActor {
         let group = self.next_group;
         self.next_group += 1;
         let n = msg.params.n;
-        let seqs = self.core.add(group, &msg.prompt_ids, n);
+        let lora = msg.lora.as_ref().map(|a| a.id);
+        if let Some(a) = msg.lora {
+            self.adapters.entry(a.id).or_insert((a, 0)).1 += 1;
+        }
+        let seqs = self.core.add(group, &msg.prompt_ids, n, lora);
         let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
         let choices = seqs
             .iter()
@@ -171,6 +184,7 @@ impl SchedulerActor {
                 prompt_len,
                 choices,
                 events: msg.events,
+                lora,
                 arrival: Instant::now(),
                 first_token: None,
                 last_token: None,
@@ -201,6 +215,14 @@ impl SchedulerActor {
     fn end_request(&mut self, group: u64, aborted: bool) {
         let Some(req) = self.requests.remove(&group) else { return };
         self.by_id.remove(&req.id);
+        if let Some(id) = req.lora
+            && let Some(e) = self.adapters.get_mut(&id)
+        {
+            e.1 -= 1;
+            if e.1 == 0 {
+                self.adapters.remove(&id);
+            }
+        }
         for c in &req.choices {
             self.seq_owner.remove(&c.seq);
         }
@@ -228,27 +250,46 @@ impl SchedulerActor {
         }
     }
 
-    fn build_batch(&self, seqs: &[ScheduledSeq], dropped: Vec<SeqId>, reserved: Reserved) -> ExecuteBatch {
+    fn build_batch(
+        &self,
+        seqs: &[ScheduledSeq],
+        dropped: Vec<SeqId>,
+        lora_loads: &[(usize, u64)],
+        reserved: Reserved,
+    ) -> ExecuteBatch {
         let seqs = seqs
             .iter()
             .zip(reserved.tables)
-            .map(|(s, block_table)| {
-                let seq = self.core.seq(s.seq).expect("scheduled sequences are live");
-                let new = (!seq.registered).then(|| {
-                    let (group, index) = self.seq_owner[&s.seq];
-                    let req = &self.requests[&group];
-                    NewSeq {
-                        tokens: seq.tokens.clone(),
-                        prompt_len: seq.prompt_len,
-                        params: req.params.clone(),
-                        seed: req.seed,
-                        index,
-                    }
+            // A request aborted while its blocks were being reserved drops out here; its
+            // blocks are freed at the next step.
+            .filter_map(|(s, block_table)| {
+                let seq = self.core.seq(s.seq)?;
+                let &(group, index) = self.seq_owner.get(&s.seq)?;
+                let req = self.requests.get(&group)?;
+                let new = (!seq.registered).then(|| NewSeq {
+                    tokens: seq.tokens.clone(),
+                    prompt_len: seq.prompt_len,
+                    params: req.params.clone(),
+                    seed: req.seed,
+                    index,
                 });
-                BatchSeq { seq: s.seq, new, start: s.start, len: s.len, sample: s.sample, block_table }
+                Some(BatchSeq {
+                    seq: s.seq,
+                    new,
+                    start: s.start,
+                    len: s.len,
+                    sample: s.sample,
+                    block_table,
+                    lora_slot: s.lora_slot,
+                })
             })
             .collect();
-        ExecuteBatch { seqs, dropped }
+        // Every planned load names an adapter of a live request (it was just admitted).
+        let lora_loads = lora_loads
+            .iter()
+            .filter_map(|(slot, id)| self.adapters.get(id).map(|(a, _)| (*slot, a.clone())))
+            .collect();
+        ExecuteBatch { seqs, dropped, lora_loads }
     }
 
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
@@ -320,6 +361,7 @@ impl SchedulerActor {
         self.metrics.on_preemptions(plan.num_preempted);
         let scheduled = plan.seqs;
         let dropped = plan.dropped;
+        let lora_loads = plan.lora_loads;
         let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
         let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, _| {
             let reserved = match res {
@@ -327,7 +369,7 @@ impl SchedulerActor {
                 Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
                 Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
             };
-            let batch = act.build_batch(&scheduled, dropped, reserved);
+            let batch = act.build_batch(&scheduled, dropped, &lora_loads, reserved);
             act.runner
                 .send(batch)
                 .into_actor(act)
@@ -394,6 +436,96 @@ impl Handler<GetStats> for SchedulerActor {
             num_preemptions: self.core.total_preemptions,
             last_step: self.last_step,
             busy: self.in_flight,
+            lora_slots_used: self.core.lora_slots_used(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The Scheduler actor against a slow fake BlockManager and a recording fake runner.
+
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::actors::block_manager::Reserved;
+    use crate::actors::model_runner::{Sampled, StepOutput};
+    use crate::core::block_pool::BlockPool;
+    use crate::kernels::DType;
+    use crate::models::random::{Preset, make_random_model};
+
+    struct SlowBlocks(BlockPool);
+    impl Actor for SlowBlocks {
+        type Context = Context<Self>;
+    }
+    impl Handler<Reserve> for SlowBlocks {
+        type Result = ResponseActFuture<Self, Result<Reserved, BlockError>>;
+        fn handle(&mut self, msg: Reserve, _: &mut Context<Self>) -> Self::Result {
+            let applied = self.0.apply(&msg.ops).map(|_| {
+                let tables =
+                    msg.tables_for.iter().map(|&s| self.0.table(s).map(<[u32]>::to_vec).unwrap_or_default());
+                Reserved { tables: tables.collect(), num_free: self.0.num_free() }
+            });
+            Box::pin(
+                actix_rt::time::sleep(Duration::from_millis(100))
+                    .into_actor(self)
+                    .map(move |_, _, _| applied),
+            )
+        }
+    }
+
+    #[derive(Default)]
+    struct Recorder(Arc<Mutex<Vec<Vec<SeqId>>>>);
+    impl Actor for Recorder {
+        type Context = Context<Self>;
+    }
+    impl Handler<ExecuteBatch> for Recorder {
+        type Result = Result<StepOutput, super::super::model_runner::RunnerError>;
+        fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
+            self.0.lock().unwrap().push(b.seqs.iter().map(|s| s.seq).collect());
+            let sampled =
+                b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None });
+            Ok(StepOutput { sampled: sampled.collect() })
+        }
+    }
+
+    #[actix_rt::test]
+    async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_batch() {
+        let dir = std::env::temp_dir().join(format!("actorllm-sched-actor-{}", std::process::id()));
+        make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
+        let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
+        let cfg = SchedulerConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            block_size: 4,
+            num_blocks: 32,
+            max_loras: 0,
+        };
+        let batches = Arc::new(Mutex::new(Vec::new()));
+        let blocks = SlowBlocks(BlockPool::new(32, 4)).start();
+        let runner = Recorder(batches.clone()).start();
+        let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
+        let sched = SchedulerActor::new(
+            cfg,
+            blocks.recipient(),
+            runner.recipient(),
+            tokenizer,
+            limits,
+            Arc::default(),
+        )
+        .start();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let params =
+            Arc::new(SamplingParams { max_tokens: Some(20), ignore_eos: true, ..Default::default() });
+        let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
+        sched.send(add).await.unwrap().unwrap();
+        // The first step is now waiting on the slow BlockManager: abort in that window.
+        assert!(sched.send(Abort { id: "a".into(), reason: AbortReason::Cancelled }).await.unwrap());
+        actix_rt::time::sleep(Duration::from_millis(400)).await;
+        let stats = sched.send(GetStats).await.expect("the scheduler survived");
+        assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
+        assert!(batches.lock().unwrap().iter().all(|b| b.is_empty()), "the aborted request never ran");
+        assert!(matches!(rx.recv().await, Some(TokenEvent::Finished { reason: FinishReason::Abort, .. })));
     }
 }

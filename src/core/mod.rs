@@ -2,5 +2,6 @@
 //! No actix types here; each is unit-tested without a model.
 
 pub mod block_pool;
+pub mod lora_slots;
 pub mod output;
 pub mod scheduler;

@@ -6,7 +6,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use std::collections::HashSet;
+
 use super::block_pool::{AllocStatus, BlockOp, SeqId};
+use super::lora_slots::LoraSlots;
 
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
@@ -14,6 +17,8 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Adapter slots (`--max-loras`); 0 when LoRA is off.
+    pub max_loras: usize,
 }
 
 /// A request's sequences (n > 1 gives several) share its full prompt blocks when admitted
@@ -42,6 +47,8 @@ pub struct Sequence {
     /// Tokens whose K/V are in the cache.
     pub num_computed: usize,
     pub status: SeqStatus,
+    /// The adapter (by load id) this sequence runs with.
+    pub lora: Option<u64>,
     /// Whether the ModelRunner holds this sequence's state (set false on preemption).
     pub registered: bool,
     blocks: usize,
@@ -64,6 +71,8 @@ pub struct ScheduledSeq {
     pub len: usize,
     /// The chunk reaches the end of the sequence: a token is sampled.
     pub sample: bool,
+    /// Adapter slot, -1 for the base model.
+    pub lora_slot: i32,
 }
 
 /// A step's plan: block operations to apply first, then the sequences to run.
@@ -74,6 +83,8 @@ pub struct StepPlan {
     /// Sequences the runner should forget (finished, aborted or preempted).
     pub dropped: Vec<SeqId>,
     pub num_preempted: usize,
+    /// (slot, adapter) pairs whose weights must be loaded before this step runs.
+    pub lora_loads: Vec<(usize, u64)>,
 }
 
 pub struct Scheduler {
@@ -86,6 +97,7 @@ pub struct Scheduler {
     pending_ops: Vec<BlockOp>,
     pending_dropped: Vec<SeqId>,
     next_seq: SeqId,
+    lora_slots: LoraSlots,
     /// Preemptions since start.
     pub total_preemptions: u64,
 }
@@ -102,6 +114,7 @@ impl Scheduler {
             pending_ops: Vec::new(),
             pending_dropped: Vec::new(),
             next_seq: 0,
+            lora_slots: LoraSlots::new(cfg.max_loras),
             total_preemptions: 0,
         }
     }
@@ -120,7 +133,7 @@ impl Scheduler {
     }
 
     /// Queues a group of `n` sequences with the same prompt; returns their ids.
-    pub fn add(&mut self, group: u64, prompt: &[u32], n: usize) -> Vec<SeqId> {
+    pub fn add(&mut self, group: u64, prompt: &[u32], n: usize, lora: Option<u64>) -> Vec<SeqId> {
         let ids: Vec<SeqId> = (0..n as u64).map(|i| self.next_seq + i).collect();
         self.next_seq += n as u64;
         for &id in &ids {
@@ -133,6 +146,7 @@ impl Scheduler {
                     prompt_len: prompt.len(),
                     num_computed: 0,
                     status: SeqStatus::Waiting,
+                    lora,
                     registered: false,
                     blocks: 0,
                     shared: 0,
@@ -159,6 +173,36 @@ impl Scheduler {
 
     pub fn free_blocks(&self) -> usize {
         self.free_blocks
+    }
+
+    /// Adapter slots holding an adapter.
+    pub fn lora_slots_used(&self) -> usize {
+        self.lora_slots.occupied()
+    }
+
+    fn slot_of(&self, id: SeqId) -> i32 {
+        self.seqs[&id].lora.and_then(|a| self.lora_slots.slot_of(a)).map_or(-1, |s| s as i32)
+    }
+
+    /// Adapters pinned by running sequences.
+    fn pinned(&self) -> HashSet<u64> {
+        self.running.iter().filter_map(|id| self.seqs[id].lora).collect()
+    }
+
+    /// Makes sure `id`'s adapter has a slot; false when every slot is pinned by others.
+    fn claim_lora(&mut self, id: SeqId, plan: &mut StepPlan) -> bool {
+        let Some(adapter) = self.seqs[&id].lora else { return true };
+        let pinned = self.pinned();
+        match self.lora_slots.acquire(adapter, &pinned) {
+            Some(a) => {
+                if a.load {
+                    plan.lora_loads.retain(|(s, _)| *s != a.slot);
+                    plan.lora_loads.push((a.slot, adapter));
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn has_work(&self) -> bool {
@@ -291,16 +335,24 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total });
+            let lora_slot = self.slot_of(id);
+            plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total, lora_slot });
             *budget -= len;
             i += 1;
         }
     }
 
     fn schedule_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
-        while let Some(&id) = self.waiting.front() {
+        let mut i = 0;
+        while let Some(&id) = self.waiting.get(i) {
             if self.running.len() >= self.cfg.max_num_seqs || *budget == 0 {
                 break;
+            }
+            // Every adapter slot is pinned by other adapters: this one waits, later ones
+            // (base model or a resident adapter) may still go.
+            if !self.claim_lora(id, plan) {
+                i += 1;
+                continue;
             }
             if self.try_admit_group(id, plan, budget) {
                 continue;
@@ -316,7 +368,8 @@ impl Scheduler {
             self.reserve(id, len, &mut ops);
             plan.ops.extend(ops);
             self.admit(id);
-            plan.seqs.push(ScheduledSeq { seq: id, start: 0, len, sample: len == total });
+            let lora_slot = self.slot_of(id);
+            plan.seqs.push(ScheduledSeq { seq: id, start: 0, len, sample: len == total, lora_slot });
             *budget -= len;
         }
     }
@@ -378,7 +431,8 @@ impl Scheduler {
         for &id in &ids {
             self.admit(id);
             let start = self.seqs[&id].num_computed;
-            plan.seqs.push(ScheduledSeq { seq: id, start, len: p - start, sample: true });
+            let lora_slot = self.slot_of(id);
+            plan.seqs.push(ScheduledSeq { seq: id, start, len: p - start, sample: true, lora_slot });
         }
         *budget -= tokens;
         true

@@ -81,6 +81,25 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// Geometry of one target module's LoRA weights across the device's adapter slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoraShape {
+    pub slots: usize,
+    pub max_rank: usize,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+/// One adapter's weights for one module, to place in a slot.
+pub struct LoraSlotWeights<'a> {
+    /// `[rank, in]`
+    pub a: &'a [f32],
+    /// `[out, rank]`
+    pub b: &'a [f32],
+    pub rank: usize,
+    pub scale: f32,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("weight has {got} bytes, shape {shape:?} of {dtype:?} needs {need}")]
@@ -97,6 +116,8 @@ pub trait Device: Send + Unpin + 'static {
     type Weight: Send + Sync;
     /// One layer's paged K and V cache.
     type Cache: Send + Unpin;
+    /// One target module's LoRA A/B weights for every adapter slot.
+    type Lora: Send + Sync + Unpin;
 
     fn name(&self) -> String;
     fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
@@ -142,4 +163,19 @@ pub trait Device: Send + Unpin + 'static {
     ) -> Self::Tensor;
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+
+    fn alloc_lora(&self, shape: LoraShape) -> Result<Self::Lora, DeviceError>;
+    /// Loads an adapter's weights into `slot` (None clears the slot).
+    fn set_lora_slot(&self, lora: &mut Self::Lora, slot: usize, weights: Option<LoraSlotWeights>);
+    /// Batched LoRA (Punica's BGMV): for each row t with `slots[t] >= 0`,
+    /// `y[t, offset..offset+out] += scale · B_s (A_s x[t])` with s = slots[t]; rows whose
+    /// slot is negative (no adapter) are untouched. One call serves a mixed batch.
+    fn add_lora(
+        &self,
+        y: &mut Self::Tensor,
+        x: &Self::Tensor,
+        lora: &Self::Lora,
+        offset: usize,
+        slots: &[i32],
+    );
 }

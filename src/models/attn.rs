@@ -14,4 +14,6 @@ pub struct AttnMetadata {
     pub block_tables: Vec<Vec<u32>>,
     /// Per sequence: row of its last token in the flat batch (the row that is sampled).
     pub last_token_rows: Vec<usize>,
+    /// Per token: its adapter slot (-1 = base model). Empty when no token uses an adapter.
+    pub lora_slots: Vec<i32>,
 }

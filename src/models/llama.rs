@@ -10,8 +10,9 @@ use super::layers::{
     RowParallelLinear, VocabParallelEmbedding,
 };
 use super::loader::{ParamView, StackedParam, WeightStore};
-use super::{CausalLM, ModelError};
-use crate::kernels::{CacheShape, Device};
+use super::lora::{LORA_MODULES, LoraAdapter};
+use super::{CausalLM, LoadOptions, LoraCapacity, ModelError};
+use crate::kernels::{CacheShape, Device, LoraShape, LoraSlotWeights};
 
 /// Checkpoint shards that load into fused parameters (vLLM's stacked_params_mapping).
 pub const STACKED_PARAMS: &[StackedParam] = &[
@@ -27,6 +28,57 @@ pub fn skip_tensor(name: &str, cfg: &ModelConfig) -> bool {
     name.contains("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name.starts_with("lm_head."))
 }
 
+/// Per-module LoRA buffers of one decoder layer, indexed like [`LORA_MODULES`], with the
+/// column offset of each module's output inside its (possibly fused) projection.
+pub struct LayerLora<D: Device> {
+    modules: Vec<(D::Lora, usize)>,
+}
+
+impl<D: Device> LayerLora<D> {
+    fn new(dev: &D, cfg: &ModelConfig, cap: LoraCapacity) -> Result<Self, ModelError> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        // (in, out, offset in the fused output) for q, k, v, o, gate, up, down.
+        let dims = [(h, q, 0), (h, kv, q), (h, kv, q + kv), (q, h, 0), (h, i, 0), (h, i, i), (i, h, 0)];
+        let modules = dims
+            .iter()
+            .map(|&(fin, fout, off)| {
+                let shape = LoraShape {
+                    slots: cap.slots,
+                    max_rank: cap.max_rank,
+                    in_features: fin,
+                    out_features: fout,
+                };
+                Ok((dev.alloc_lora(shape)?, off))
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(Self { modules })
+    }
+
+    /// Adds the LoRA deltas of modules `range` (into one projection's output) for the batch.
+    fn apply(
+        &self,
+        dev: &D,
+        y: &mut D::Tensor,
+        x: &D::Tensor,
+        range: std::ops::Range<usize>,
+        meta: &AttnMetadata,
+    ) {
+        if meta.lora_slots.is_empty() {
+            return;
+        }
+        for (l, off) in &self.modules[range] {
+            dev.add_lora(y, x, l, *off, &meta.lora_slots);
+        }
+    }
+}
+
+/// Module index ranges per projection (see [`LORA_MODULES`]).
+const QKV: std::ops::Range<usize> = 0..3;
+const O: std::ops::Range<usize> = 3..4;
+const GATE_UP: std::ops::Range<usize> = 4..6;
+const DOWN: std::ops::Range<usize> = 6..7;
+
 pub struct LlamaMlp<D: Device> {
     gate_up_proj: MergedColumnParallelLinear<D>,
     down_proj: RowParallelLinear<D>,
@@ -40,10 +92,17 @@ impl<D: Device> LlamaMlp<D> {
             down_proj: RowParallelLinear::load(dev, &w.pp("down_proj"), i, h)?,
         })
     }
-    fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
-        let gate_up = self.gate_up_proj.forward(dev, x); // [n, 2·intermediate]
+    fn forward(&self, dev: &D, x: &D::Tensor, lora: Option<&LayerLora<D>>, meta: &AttnMetadata) -> D::Tensor {
+        let mut gate_up = self.gate_up_proj.forward(dev, x); // [n, 2·intermediate]
+        if let Some(l) = lora {
+            l.apply(dev, &mut gate_up, x, GATE_UP, meta);
+        }
         let act = dev.silu_mul(&gate_up); // [n, intermediate]
-        self.down_proj.forward(dev, &act) // [n, hidden]
+        let mut out = self.down_proj.forward(dev, &act); // [n, hidden]
+        if let Some(l) = lora {
+            l.apply(dev, &mut out, &act, DOWN, meta);
+        }
+        out
     }
 }
 
@@ -63,6 +122,7 @@ impl<D: Device> LlamaAttention<D> {
             attn: PagedAttention::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
         })
     }
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         dev: &D,
@@ -70,11 +130,19 @@ impl<D: Device> LlamaAttention<D> {
         positions: &[u32],
         rope: &RotaryEmbedding,
         cache: &mut D::Cache,
+        lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
     ) -> D::Tensor {
-        let qkv = self.qkv_proj.forward(dev, x); // [n, (heads + 2·kv_heads)·head_dim]
-        let out = self.attn.forward(dev, &qkv, positions, rope, cache, meta); // [n, heads·head_dim]
-        self.o_proj.forward(dev, &out) // [n, hidden]
+        let mut qkv = self.qkv_proj.forward(dev, x); // [n, (heads + 2·kv_heads)·head_dim]
+        if let Some(l) = lora {
+            l.apply(dev, &mut qkv, x, QKV, meta);
+        }
+        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta); // [n, heads·head_dim]
+        let mut out = self.o_proj.forward(dev, &attn); // [n, hidden]
+        if let Some(l) = lora {
+            l.apply(dev, &mut out, &attn, O, meta);
+        }
+        out
     }
 }
 
@@ -83,16 +151,18 @@ pub struct LlamaDecoderLayer<D: Device> {
     self_attn: LlamaAttention<D>,
     post_attention_layernorm: RMSNorm<D>,
     mlp: LlamaMlp<D>,
+    lora: Option<LayerLora<D>>,
 }
 
 impl<D: Device> LlamaDecoderLayer<D> {
-    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig) -> Result<Self, ModelError> {
+    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Self, ModelError> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         Ok(Self {
             input_layernorm: RMSNorm::load(dev, &w.pp("input_layernorm"), h, eps)?,
             self_attn: LlamaAttention::load(dev, &w.pp("self_attn"), cfg)?,
             post_attention_layernorm: RMSNorm::load(dev, &w.pp("post_attention_layernorm"), h, eps)?,
             mlp: LlamaMlp::load(dev, &w.pp("mlp"), cfg)?,
+            lora: opts.lora.map(|cap| LayerLora::new(dev, cfg, cap)).transpose()?,
         })
     }
 }
@@ -108,12 +178,17 @@ pub struct LlamaForCausalLM<D: Device> {
 }
 
 impl<D: Device> LlamaForCausalLM<D> {
-    pub fn load(dev: &D, cfg: &ModelConfig, store: &WeightStore) -> Result<Self, ModelError> {
+    pub fn load(
+        dev: &D,
+        cfg: &ModelConfig,
+        store: &WeightStore,
+        opts: &LoadOptions,
+    ) -> Result<Self, ModelError> {
         let root = store.root();
         let w = root.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let layers = (0..cfg.num_layers)
-            .map(|i| LlamaDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg))
+            .map(|i| LlamaDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, opts))
             .collect::<Result<Vec<_>, _>>()?;
         let tied = cfg.tie_word_embeddings || !root.contains("lm_head.weight");
         let per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -148,9 +223,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
             if i > 0 {
                 x = layer.input_layernorm.forward_residual(dev, &x, &mut residual);
             }
-            let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, meta);
+            let lora = layer.lora.as_ref();
+            let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, lora, meta);
             let h = layer.post_attention_layernorm.forward_residual(dev, &attn, &mut residual);
-            x = layer.mlp.forward(dev, &h);
+            x = layer.mlp.forward(dev, &h, lora, meta);
         }
         self.norm.forward_residual(dev, &x, &mut residual)
     }
@@ -172,5 +248,18 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
 
     fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) {
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let Some(l) = layer.lora.as_mut() else { return };
+            for (m, (buf, _)) in l.modules.iter_mut().enumerate() {
+                let w = adapter.and_then(|a| a.weights.get(&(i, m)).map(|w| (a, w)));
+                let slot_weights =
+                    w.map(|(a, w)| LoraSlotWeights { a: &w.a, b: &w.b, rank: a.rank, scale: a.scale });
+                dev.set_lora_slot(buf, slot, slot_weights);
+            }
+        }
+        debug_assert_eq!(LORA_MODULES.len(), 7);
     }
 }

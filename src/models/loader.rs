@@ -93,6 +93,11 @@ impl Checkpoint {
         Ok(Self { files })
     }
 
+    /// Opens one safetensors file (a LoRA adapter's).
+    pub fn open_file(path: &Path) -> Result<Self, ModelError> {
+        Ok(Self { files: vec![Self::map_file(path.to_path_buf())?] })
+    }
+
     fn map_file(path: PathBuf) -> Result<MappedFile, ModelError> {
         let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
         // SAFETY: mapped read-only; checkpoints are not modified while the engine runs.

@@ -6,6 +6,7 @@ pub mod config;
 pub mod layers;
 pub mod llama;
 pub mod loader;
+pub mod lora;
 pub mod random;
 pub mod registry;
 
@@ -40,6 +41,19 @@ impl ModelError {
     }
 }
 
+/// Engine options a model is built with (beyond its config.json).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadOptions {
+    /// Adapter slots and the largest rank they hold, when LoRA is enabled.
+    pub lora: Option<LoraCapacity>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct LoraCapacity {
+    pub slots: usize,
+    pub max_rank: usize,
+}
+
 /// The forward contract (vLLM's): flat tokens of any mix of prefill and decode sequences.
 /// Models never see paging: the attention layer hides it behind `kv_caches` and `meta`.
 pub trait CausalLM<D: Device>: Send {
@@ -58,4 +72,7 @@ pub trait CausalLM<D: Device>: Send {
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape);
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
+    /// Places an adapter's weights in a LoRA slot (None clears it). A no-op on a model
+    /// built without LoRA capacity: the scheduler never assigns slots then.
+    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>);
 }

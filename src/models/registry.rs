@@ -6,10 +6,11 @@ use std::path::Path;
 
 use super::config::{HfConfig, ModelConfig};
 use super::loader::{Checkpoint, StackedParam, WeightStore};
-use super::{CausalLM, ModelError, llama};
+use super::{CausalLM, LoadOptions, ModelError, llama};
 use crate::kernels::{DType, Device};
 
-pub type Constructor<D> = fn(&D, &ModelConfig, &WeightStore) -> Result<Box<dyn CausalLM<D>>, ModelError>;
+pub type Constructor<D> =
+    fn(&D, &ModelConfig, &WeightStore, &LoadOptions) -> Result<Box<dyn CausalLM<D>>, ModelError>;
 
 /// What the registry knows of one architecture.
 pub struct ModelEntry<D: Device> {
@@ -28,8 +29,9 @@ fn build_llama<D: Device>(
     dev: &D,
     cfg: &ModelConfig,
     w: &WeightStore,
+    opts: &LoadOptions,
 ) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(llama::LlamaForCausalLM::load(dev, cfg, w)?))
+    Ok(Box::new(llama::LlamaForCausalLM::load(dev, cfg, w, opts)?))
 }
 
 impl<D: Device> Default for ModelRegistry<D> {
@@ -78,7 +80,13 @@ impl<D: Device> ModelRegistry<D> {
     }
 
     /// Loads the model in `dir` onto `dev`, converting weights to `dtype`.
-    pub fn load(&self, dev: &D, dir: &Path, dtype: DType) -> Result<LoadedModel<D>, ModelError> {
+    pub fn load(
+        &self,
+        dev: &D,
+        dir: &Path,
+        dtype: DType,
+        opts: &LoadOptions,
+    ) -> Result<LoadedModel<D>, ModelError> {
         let config = Self::read_config(dir)?;
         let entry =
             self.entries.get(&config.architecture).ok_or_else(|| ModelError::UnknownArchitecture {
@@ -92,7 +100,7 @@ impl<D: Device> ModelRegistry<D> {
             |n| (entry.skip)(n, &config),
             dtype,
         );
-        let model = (entry.construct)(dev, &config, &store)?;
+        let model = (entry.construct)(dev, &config, &store, opts)?;
         Ok(LoadedModel { config, model, dtype })
     }
 }

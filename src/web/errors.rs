@@ -111,6 +111,8 @@ impl From<EngineError> for ApiError {
             EngineError::TokenOutOfRange { .. } => ApiError::bad(e.to_string(), Some("prompt")),
             EngineError::DuplicateId(_) => ApiError::bad(e.to_string(), None),
             EngineError::Stopped => ApiError::Unavailable("The engine has stopped.".into()),
+            EngineError::LoraNotFound(name) => ApiError::ModelNotFound(name),
+            EngineError::Lora(m) => ApiError::Internal(m),
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -3,6 +3,7 @@
 //! edge (`protocol`) and only talk to the [`Engine`].
 
 pub mod errors;
+pub mod lora;
 pub mod openai;
 pub mod ops;
 pub mod playground;
@@ -84,6 +85,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/tokenize", web::post().to(openai::tokenize))
         .route("/detokenize", web::post().to(openai::detokenize))
         .route("/v1/requests/{id}/cancel", web::post().to(openai::cancel))
+        .route("/v1/load_lora_adapter", web::post().to(lora::load))
+        .route("/v1/unload_lora_adapter", web::post().to(lora::unload))
         .route("/v1/ws", web::get().to(ws::connect))
         .route("/health", web::get().to(ops::health))
         .route("/metrics", web::get().to(ops::metrics))

@@ -17,6 +17,7 @@ use super::protocol::{
     prepare_completion,
 };
 use super::responses::{GenEvent, Shaper, merge};
+use crate::actors::lora_manager::ListAdapters;
 use crate::request::AbortReason;
 
 /// Removes a request from the live table when its response ends or is dropped.
@@ -49,7 +50,10 @@ pub async fn start(state: &web::Data<AppState>, prepared: Prepared) -> Result<St
     let mut engine_ids = Vec::with_capacity(prepared.prompts.len());
     for (i, p) in prepared.prompts.iter().enumerate() {
         let eid = if prepared.prompts.len() == 1 { id.clone() } else { format!("{id}-{i}") };
-        streams.push(state.engine.add_request(eid.clone(), p.clone(), prepared.params.clone()).await?);
+        let lora = prepared.lora.as_deref();
+        streams.push(
+            state.engine.add_request_with_lora(eid.clone(), p.clone(), prepared.params.clone(), lora).await?,
+        );
         engine_ids.push(eid);
     }
     state.live.insert(id.clone(), engine_ids);
@@ -147,20 +151,32 @@ pub async fn chat_completions(
     respond(state, prepared).await
 }
 
-pub async fn models(state: web::Data<AppState>) -> HttpResponse {
+pub async fn models(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let created = state.started_unix;
     let root = state.engine.config().model_dir.display().to_string();
-    let data: Vec<serde_json::Value> = state
+    let max_len = state.engine.config().max_model_len;
+    let mut data: Vec<serde_json::Value> = state
         .served_model_names
         .iter()
         .map(|name| {
             json!({
                 "id": name, "object": "model", "created": created, "owned_by": "actorllm", "root": root,
-                "parent": null, "max_model_len": state.engine.config().max_model_len,
+                "parent": null, "max_model_len": max_len,
             })
         })
         .collect();
-    HttpResponse::Ok().json(json!({ "object": "list", "data": data }))
+    if let Some(m) = state.engine.lora_manager() {
+        let parent = state.served_model_names.first().cloned().unwrap_or_default();
+        let adapters =
+            m.send(ListAdapters).await.map_err(|_| ApiError::Unavailable("LoRA manager stopped".into()))?;
+        data.extend(adapters.into_iter().map(|a| {
+            json!({
+                "id": a.name, "object": "model", "created": created, "owned_by": "actorllm",
+                "root": a.path.display().to_string(), "parent": parent, "max_model_len": max_len,
+            })
+        }));
+    }
+    Ok(HttpResponse::Ok().json(json!({ "object": "list", "data": data })))
 }
 
 #[derive(Deserialize)]

@@ -10,6 +10,7 @@ use actix_web::{HttpResponse, ResponseError, web};
 
 use super::AppState;
 use super::errors::ApiError;
+use crate::actors::lora_manager::GetLoraStats;
 
 /// A step running longer than this means the step loop is stuck.
 const STUCK_STEP: Duration = Duration::from_secs(120);
@@ -40,6 +41,34 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     gauge(&mut out, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", usage);
     gauge(&mut out, "actorllm:kv_cache_blocks_total", "KV cache blocks in the pool.", b.num_total as f64);
     gauge(&mut out, "actorllm:kv_cache_blocks_free", "KV cache blocks free.", b.num_free as f64);
+    gauge(
+        &mut out,
+        "actorllm:lora_slots_used",
+        "Adapter slots holding an adapter.",
+        s.lora_slots_used as f64,
+    );
+    if let Some(m) = state.engine.lora_manager() {
+        let l =
+            m.send(GetLoraStats).await.map_err(|_| ApiError::Unavailable("LoRA manager stopped".into()))?;
+        gauge(
+            &mut out,
+            "actorllm:lora_adapters_registered",
+            "LoRA adapters registered.",
+            l.registered as f64,
+        );
+        gauge(
+            &mut out,
+            "actorllm:lora_adapters_loaded",
+            "LoRA adapters loaded in host memory.",
+            l.loaded as f64,
+        );
+        out.push_str("# HELP actorllm:lora_requests_total Requests per LoRA adapter.\n# TYPE actorllm:lora_requests_total counter\n");
+        for (name, n) in &l.requests {
+            out.push_str(&format!(
+                "actorllm:lora_requests_total{{model_name=\"{model}\",lora_name=\"{name}\"}} {n}\n"
+            ));
+        }
+    }
     state.engine.metrics().render(model, &mut out);
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(out))
 }

@@ -58,9 +58,21 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// LLaMA-Factory's / vLLM's LoRARequest(lora_name, lora_int_id, lora_path): the adapter is
+/// chosen by name; it must be registered (at start or through /v1/load_lora_adapter).
+#[derive(Debug, Clone, Deserialize)]
+pub struct LoraRequestIn {
+    pub lora_name: String,
+    #[serde(default)]
+    pub lora_int_id: Option<u64>,
+    #[serde(default)]
+    pub lora_path: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct CompletionRequest {
     pub model: Option<String>,
+    pub lora_request: Option<LoraRequestIn>,
     pub prompt: PromptInput,
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -97,6 +109,7 @@ pub struct MessageIn {
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
     pub model: Option<String>,
+    pub lora_request: Option<LoraRequestIn>,
     pub messages: Vec<MessageIn>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -122,7 +135,10 @@ pub enum Endpoint {
 #[derive(Debug, Clone)]
 pub struct Prepared {
     pub endpoint: Endpoint,
+    /// The name responses carry: a served model name or the adapter's.
     pub model: String,
+    /// The adapter to run with (None = the base model).
+    pub lora: Option<String>,
     /// Token ids of each prompt (one per choice group).
     pub prompts: Vec<Vec<u32>>,
     /// Text echoed before the output (completions `echo`, chat `echo` of the last message).
@@ -191,6 +207,37 @@ pub fn resolve_model(served: &[String], requested: &Option<String>) -> Result<St
     }
 }
 
+/// (name for responses, adapter) from `model` and `lora_request`. A `model` that is not a
+/// served name is taken as an adapter name (vLLM's convention) when LoRA is on; the engine
+/// answers 404 for an unknown adapter, never falling back to the base model.
+fn resolve_target(
+    engine: &Engine,
+    served: &[String],
+    model: &Option<String>,
+    lora: &Option<LoraRequestIn>,
+) -> Result<(String, Option<String>), ApiError> {
+    let lora_on = engine.lora_manager().is_some();
+    if let Some(l) = lora {
+        if !lora_on {
+            return Err(ApiError::bad(
+                "lora_request needs a server started with --enable-lora",
+                Some("lora_request"),
+            ));
+        }
+        if let Some(m) = model
+            && !served.contains(m)
+            && *m != l.lora_name
+        {
+            return Err(ApiError::ModelNotFound(m.clone()));
+        }
+        return Ok((l.lora_name.clone(), Some(l.lora_name.clone())));
+    }
+    match model {
+        Some(m) if !served.contains(m) && lora_on => Ok((m.clone(), Some(m.clone()))),
+        _ => Ok((resolve_model(served, model)?, None)),
+    }
+}
+
 /// Rejects a request whose prompt plus completion cannot fit the context.
 fn check_context(
     prompts: &[Vec<u32>],
@@ -221,7 +268,7 @@ pub fn prepare_completion(
     served: &[String],
     req: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
-    let model = resolve_model(served, &req.model)?;
+    let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
@@ -275,6 +322,7 @@ pub fn prepare_completion(
     Ok(Prepared {
         endpoint: Endpoint::Completions,
         model,
+        lora,
         prompts,
         echo,
         params,
@@ -314,7 +362,7 @@ pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Result<Prepared, ApiError> {
-    let model = resolve_model(served, &req.model)?;
+    let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
     }
@@ -342,6 +390,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
     Ok(Prepared {
         endpoint: Endpoint::Chat,
         model,
+        lora,
         prompts,
         echo,
         params,

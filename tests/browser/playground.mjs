@@ -30,7 +30,12 @@ try {
   await page.goto(`${base}/`);
   await page.waitForFunction(() => document.querySelector("#model").options.length >= 2);
   const models = await page.$$eval("#model option", (os) => os.map((o) => o.value));
-  log("models:", models);
+  const labels = await page.$$eval("#model option", (os) => os.map((o) => o.textContent));
+  log("models:", labels);
+  const adapter = process.env.EXPECT_ADAPTER;
+  if (adapter) {
+    assert.ok(labels.includes(`${adapter} (adapter of ${models[0]})`), `the picker offers the adapter ${adapter}`);
+  }
 
   const assistant = () => page.locator(".turn.assistant").last();
 
@@ -103,6 +108,12 @@ try {
     await setTransport(t);
     await sendAndWatch("Hi!");
     assert.equal(await assistant().locator(".who").innerText(), models[1], `${t}: the answer names ${models[1]}`);
+  }
+  if (adapter) {
+    await page.selectOption("#model", adapter);
+    await setTransport("ws");
+    await sendAndWatch("Hi from the adapter!");
+    assert.equal(await assistant().locator(".who").innerText(), adapter, "the adapter answers");
   }
   await page.selectOption("#model", models[0]);
   await setTransport("sse");

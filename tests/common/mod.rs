@@ -2,6 +2,7 @@
 //! by the test itself, and collecting a request's stream.
 #![allow(dead_code)]
 
+pub mod lora;
 pub mod server;
 
 use std::path::{Path, PathBuf};

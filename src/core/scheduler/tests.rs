@@ -11,7 +11,13 @@ struct Harness {
 
 impl Harness {
     fn new(num_blocks: usize, block_size: usize, max_num_seqs: usize, budget: usize) -> Self {
-        let cfg = SchedulerConfig { max_num_seqs, max_num_batched_tokens: budget, block_size, num_blocks };
+        let cfg = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens: budget,
+            block_size,
+            num_blocks,
+            max_loras: 2,
+        };
         Self { s: Scheduler::new(cfg), pool: BlockPool::new(num_blocks, block_size) }
     }
 
@@ -40,9 +46,9 @@ fn lens(plan: &StepPlan) -> Vec<(SeqId, usize, usize)> {
 #[test]
 fn requests_join_and_leave_between_steps() {
     let mut h = Harness::new(16, 4, 8, 64);
-    let a = h.s.add(0, &[1, 2, 3, 4, 5], 1)[0];
+    let a = h.s.add(0, &[1, 2, 3, 4, 5], 1, None)[0];
     assert_eq!(lens(&h.step(9)), vec![(a, 0, 5)]);
-    let b = h.s.add(1, &[7, 8], 1)[0];
+    let b = h.s.add(1, &[7, 8], 1, None)[0];
     assert_eq!(lens(&h.step(9)), vec![(a, 5, 1), (b, 0, 2)]);
     h.s.finish(a);
     let plan = h.step(9);
@@ -60,7 +66,7 @@ fn requests_join_and_leave_between_steps() {
 #[test]
 fn long_prompts_are_prefilled_in_chunks_within_the_budget() {
     let mut h = Harness::new(16, 4, 8, 8);
-    let a = h.s.add(0, &(0..20).collect::<Vec<_>>(), 1)[0];
+    let a = h.s.add(0, &(0..20).collect::<Vec<_>>(), 1, None)[0];
     let p1 = h.step(1);
     assert_eq!(lens(&p1), vec![(a, 0, 8)]);
     assert!(!p1.seqs[0].sample);
@@ -75,8 +81,8 @@ fn long_prompts_are_prefilled_in_chunks_within_the_budget() {
 fn running_out_of_blocks_preempts_the_newest_by_recompute() {
     // 4 blocks of 4 tokens; two sequences of 7 tokens take 2 blocks each.
     let mut h = Harness::new(4, 4, 8, 64);
-    let a = h.s.add(0, &[1; 7], 1)[0];
-    let b = h.s.add(1, &[2; 7], 1)[0];
+    let a = h.s.add(0, &[1; 7], 1, None)[0];
+    let b = h.s.add(1, &[2; 7], 1, None)[0];
     h.step(5); // both prefill (8 tokens after sampling each)
     h.step(5); // both decode the 8th token: still 2 blocks each
     let plan = h.step(5); // a needs a third block: b is preempted
@@ -96,7 +102,7 @@ fn running_out_of_blocks_preempts_the_newest_by_recompute() {
 #[test]
 fn n_greater_than_one_shares_the_prompt_blocks() {
     let mut h = Harness::new(32, 4, 8, 64);
-    let ids = h.s.add(0, &(0..10).collect::<Vec<_>>(), 3);
+    let ids = h.s.add(0, &(0..10).collect::<Vec<_>>(), 3, None);
     let plan = h.step(1);
     // The parent computes all 10 tokens; children share 2 full blocks and compute 2 each.
     assert_eq!(lens(&plan), vec![(ids[0], 0, 10), (ids[1], 8, 2), (ids[2], 8, 2)]);
@@ -121,11 +127,37 @@ fn n_greater_than_one_shares_the_prompt_blocks() {
 #[test]
 fn max_num_seqs_bounds_the_batch_and_waiting_is_fcfs() {
     let mut h = Harness::new(64, 4, 2, 64);
-    let a = h.s.add(0, &[1, 2], 1)[0];
-    let b = h.s.add(1, &[1, 2], 1)[0];
-    let c = h.s.add(2, &[1, 2], 1)[0];
+    let a = h.s.add(0, &[1, 2], 1, None)[0];
+    let b = h.s.add(1, &[1, 2], 1, None)[0];
+    let c = h.s.add(2, &[1, 2], 1, None)[0];
     assert_eq!(lens(&h.step(3)), vec![(a, 0, 2), (b, 0, 2)]);
     assert_eq!(h.s.num_waiting(), 1);
     h.s.finish(a);
     assert_eq!(lens(&h.step(3)), vec![(b, 2, 1), (c, 0, 2)]);
+}
+
+#[test]
+fn a_batch_never_holds_more_adapters_than_slots() {
+    // max_loras = 2; four requests on three adapters plus one on the base model.
+    let mut h = Harness::new(64, 4, 8, 64);
+    let a = h.s.add(0, &[1, 2], 1, Some(100))[0];
+    let b = h.s.add(1, &[1, 2], 1, Some(200))[0];
+    let c = h.s.add(2, &[1, 2], 1, Some(300))[0];
+    let d = h.s.add(3, &[1, 2], 1, None)[0];
+    let e = h.s.add(4, &[1, 2], 1, Some(100))[0];
+    let plan = h.step(9);
+    let ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.seq).collect();
+    assert_eq!(ids, vec![a, b, d, e], "the third adapter waits; base and resident adapters go");
+    assert_eq!(plan.lora_loads.len(), 2);
+    let slot = |id| plan.seqs.iter().find(|s| s.seq == id).unwrap().lora_slot;
+    assert_eq!(slot(d), -1);
+    assert_eq!(slot(a), slot(e));
+    assert_ne!(slot(a), slot(b));
+    assert_eq!(h.s.num_waiting(), 1);
+    // When b's adapter is no longer pinned, c takes its slot.
+    h.s.finish(b);
+    let plan = h.step(9);
+    assert!(plan.seqs.iter().any(|s| s.seq == c && s.start == 0));
+    let c_slot = plan.seqs.iter().find(|s| s.seq == c).unwrap().lora_slot;
+    assert_eq!(plan.lora_loads, vec![(c_slot as usize, 300)]);
 }

@@ -3,6 +3,7 @@
 //! the rayon pool (both cores of a small machine).
 
 mod attention;
+pub mod lora;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod packed;
@@ -10,7 +11,9 @@ pub mod packed;
 use half::f16;
 use rayon::prelude::*;
 
-use super::{AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, RopeSpec};
+use super::{
+    AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+};
 use crate::models::attn::AttnMetadata;
 pub use matmul::WeightData;
 
@@ -112,6 +115,7 @@ impl Device for CpuDevice {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type Cache = CpuCache;
+    type Lora = lora::CpuLora;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -266,6 +270,21 @@ impl Device for CpuDevice {
     ) -> CpuTensor {
         attention::write_kv(cache, k, v, &meta.slot_mapping);
         attention::attend(q, cache, shape, meta)
+    }
+
+    fn alloc_lora(&self, shape: LoraShape) -> Result<lora::CpuLora, DeviceError> {
+        if shape.max_rank > 256 {
+            return Err(DeviceError::Other(format!("max LoRA rank {} exceeds 256", shape.max_rank)));
+        }
+        Ok(lora::CpuLora::new(shape))
+    }
+
+    fn set_lora_slot(&self, l: &mut lora::CpuLora, slot: usize, weights: Option<LoraSlotWeights>) {
+        l.set(slot, weights);
+    }
+
+    fn add_lora(&self, y: &mut CpuTensor, x: &CpuTensor, l: &lora::CpuLora, offset: usize, slots: &[i32]) {
+        l.apply(y, x, offset, slots);
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {

@@ -1,0 +1,257 @@
+//! LoRA on the default model: greedy output token-identical to transformers + PEFT for two
+//! adapters of different ranks and targets, in mixed batches with the base model, with more
+//! adapters than slots; a zero-B adapter equals the base model; PEFT format checks; runtime
+//! loading over HTTP with path confinement, /v1/models and 404 for unknown adapters.
+
+mod common;
+
+use std::path::Path;
+
+use actorllm::Engine;
+use actorllm::config::{EngineArgs, LoraArgs};
+use common::greedy;
+use common::lora::{AdapterSpec, golden, scratch, write_adapter};
+use serde_json::json;
+
+fn lora_args(modules: Vec<(String, std::path::PathBuf)>, max_loras: usize) -> EngineArgs {
+    EngineArgs {
+        lora: LoraArgs {
+            enable_lora: true,
+            lora_modules: modules,
+            max_loras,
+            max_lora_rank: 16,
+            ..Default::default()
+        },
+        ..common::args(&common::default_model())
+    }
+}
+
+/// Base-model greedy continuations of the golden prompts (HF references, tests/fixtures).
+fn base_outputs() -> Vec<(Vec<u32>, Vec<u32>)> {
+    #[derive(serde::Deserialize)]
+    struct P {
+        prompt_ids: Vec<u32>,
+        output_ids: Vec<u32>,
+    }
+    #[derive(serde::Deserialize)]
+    struct G {
+        prompts: Vec<P>,
+    }
+    let g: G = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_smollm2.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    g.prompts.into_iter().map(|p| (p.prompt_ids, p.output_ids)).collect()
+}
+
+#[actix_rt::test]
+async fn adapters_match_peft_in_one_mixed_batch_with_the_base_model() {
+    let g = golden();
+    let root = scratch("peft");
+    let modules =
+        g.adapters.iter().map(|a| (a.spec.name.clone(), write_adapter(&root, &a.spec, false))).collect();
+    let engine = Engine::start(lora_args(modules, 2)).await.unwrap();
+    let mut runs = Vec::new();
+    let mut want = Vec::new();
+    for a in &g.adapters {
+        for o in &a.outputs {
+            runs.push((o.prompt_ids.clone(), Some(a.spec.name.clone())));
+            want.push(o.output_ids.clone());
+        }
+    }
+    for (p, out) in base_outputs().into_iter().take(2) {
+        runs.push((p, None));
+        want.push(out[..g.tokens.min(out.len())].to_vec());
+    }
+    let futures = runs.iter().map(|(p, lora)| {
+        let engine = engine.clone();
+        async move {
+            let s = engine
+                .add_request_with_lora(
+                    engine.next_request_id("t"),
+                    p.clone(),
+                    greedy(g.tokens),
+                    lora.as_deref(),
+                )
+                .await
+                .unwrap();
+            common::collect(s, 1).await
+        }
+    });
+    let got = futures::future::join_all(futures).await;
+    for (((p, lora), want), got) in runs.iter().zip(&want).zip(got) {
+        assert_eq!(&got.tokens[0], want, "prompt {p:?} with adapter {lora:?}");
+    }
+    // The adapters really change the output.
+    assert_ne!(want[0], want[want.len() - 2][..want[0].len().min(want[want.len() - 2].len())]);
+    let (s, _) = engine.stats().await.unwrap();
+    assert!(s.lora_slots_used <= 2);
+}
+
+#[actix_rt::test]
+async fn a_zero_b_adapter_gives_exactly_the_base_output_and_more_adapters_than_slots_complete() {
+    let g = golden();
+    let root = scratch("zero");
+    let zero = AdapterSpec { name: "zero".into(), ..g.adapters[1].spec.clone() };
+    let mut modules = vec![("zero".to_string(), write_adapter(&root, &zero, true))];
+    modules.extend(g.adapters.iter().map(|a| (a.spec.name.clone(), write_adapter(&root, &a.spec, false))));
+    // One slot for three adapters: requests wait for the slot and all still complete.
+    let engine = Engine::start(lora_args(modules, 1)).await.unwrap();
+    let (prompt, base) = base_outputs().remove(0);
+    let mut reqs = vec![(prompt.clone(), Some("zero".to_string()), base[..g.tokens].to_vec())];
+    for a in &g.adapters {
+        reqs.push((
+            a.outputs[0].prompt_ids.clone(),
+            Some(a.spec.name.clone()),
+            a.outputs[0].output_ids.clone(),
+        ));
+    }
+    reqs.push((prompt, None, base[..g.tokens].to_vec()));
+    let futures = reqs.iter().map(|(p, lora, _)| {
+        let engine = engine.clone();
+        async move {
+            let s = engine
+                .add_request_with_lora(
+                    engine.next_request_id("t"),
+                    p.clone(),
+                    greedy(g.tokens),
+                    lora.as_deref(),
+                )
+                .await
+                .unwrap();
+            common::collect(s, 1).await
+        }
+    });
+    for ((_, lora, want), got) in reqs.iter().zip(futures::future::join_all(futures).await) {
+        assert_eq!(&got.tokens[0], want, "adapter {lora:?}");
+    }
+}
+
+#[actix_rt::test]
+async fn peft_format_and_rank_errors_are_clear() {
+    let g = golden();
+    let root = scratch("errors");
+    let dir = write_adapter(&root, &g.adapters[1].spec, false);
+    let args = EngineArgs {
+        lora: LoraArgs {
+            enable_lora: true,
+            lora_modules: vec![("big".into(), dir.clone())],
+            max_lora_rank: 8,
+            ..Default::default()
+        },
+        ..common::args(&common::default_model())
+    };
+    let e = Engine::start(args).await.err().unwrap().to_string();
+    assert!(e.contains("LoRA rank 16 is greater than max_lora_rank 8"), "{e}");
+    std::fs::rename(dir.join("adapter_model.safetensors"), dir.join("adapter_model.bin")).unwrap();
+    let e = Engine::start(lora_args(vec![("bin".into(), dir)], 1)).await.err().unwrap().to_string();
+    assert!(e.contains("adapter_model.bin") && e.contains("safetensors only"), "{e}");
+    // Without --enable-lora an adapter name is an unknown model.
+    let engine = Engine::start(common::args(&common::default_model())).await.unwrap();
+    let e = engine.add_request_with_lora("x".into(), vec![1, 2], greedy(2), Some("qv8")).await.err().unwrap();
+    assert!(e.to_string().contains("does not exist"), "{e}");
+}
+
+#[actix_rt::test]
+async fn runtime_loading_is_confined_to_the_lora_root() {
+    let g = golden();
+    let root = scratch("runtime-root");
+    let outside = scratch("runtime-outside");
+    write_adapter(&root, &g.adapters[0].spec, false);
+    let evil =
+        write_adapter(&outside, &AdapterSpec { name: "evil".into(), ..g.adapters[0].spec.clone() }, false);
+    std::os::unix::fs::symlink(&evil, root.join("link-out")).unwrap();
+    let sneaky = root.join("sneaky");
+    std::fs::create_dir_all(&sneaky).unwrap();
+    std::fs::copy(evil.join("adapter_config.json"), sneaky.join("adapter_config.json")).unwrap();
+    std::os::unix::fs::symlink(
+        evil.join("adapter_model.safetensors"),
+        sneaky.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let s = common::server::start(&common::default_model(), |a| {
+        a.engine.lora = LoraArgs {
+            enable_lora: true,
+            max_loras: 2,
+            allow_runtime_lora: true,
+            lora_root: Some(root.clone()),
+            ..Default::default()
+        };
+    })
+    .await;
+    let outside_abs = evil.display().to_string();
+    let escapes = [
+        "../runtime-outside/evil".to_string(),
+        format!("qv8/../../{}", outside.file_name().unwrap().to_string_lossy()),
+        outside_abs.clone(),
+        "/etc".to_string(),
+        "link-out".to_string(),
+        "sneaky".to_string(),
+        "qv8/../..".to_string(),
+        "".to_string(),
+        "does-not-exist".to_string(),
+        format!("{}/../runtime-outside/evil", root.display()),
+    ];
+    for path in &escapes {
+        let (st, v) = s.post("/v1/load_lora_adapter", &json!({"lora_name": "evil", "lora_path": path})).await;
+        assert!(st == 400 || st == 403, "{path:?} → {st} {v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
+    let (_, models) = s.get_text("/v1/models").await;
+    assert!(!models.contains("evil"), "nothing was loaded: {models}");
+    let (st, v) = s.post("/v1/completions", &json!({"model": "evil", "prompt": "hi"})).await;
+    assert_eq!(st, 404, "{v}");
+    // A path inside the root loads; the adapter is listed with its parent and answers.
+    let (st, v) = s.post("/v1/load_lora_adapter", &json!({"lora_name": "qv8", "lora_path": "qv8"})).await;
+    assert_eq!(st, 200, "{v}");
+    let (_, models) = s.get_text("/v1/models").await;
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    let entry =
+        models["data"].as_array().unwrap().iter().find(|m| m["id"] == "qv8").expect("adapter listed").clone();
+    assert_eq!(entry["parent"], "test-model");
+    let want = &g.adapters[0].outputs[0];
+    let body = json!({"model": "qv8", "prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0});
+    let (st, v) = s.post("/v1/completions", &body).await;
+    assert_eq!((st, v["model"].as_str()), (200, Some("qv8")));
+    let tok = actorllm::tokenizer::Tokenizer::load(&common::default_model(), &[]).unwrap();
+    assert_eq!(v["choices"][0]["text"], tok.decode(&want.output_ids, true).unwrap());
+    // The same through LLaMA-Factory's lora_request shape.
+    let body = json!({"prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0,
+        "lora_request": {"lora_name": "qv8", "lora_int_id": 1, "lora_path": "ignored"}});
+    let (_, v2) = s.post("/v1/completions", &body).await;
+    assert_eq!(v2["choices"][0]["text"], v["choices"][0]["text"]);
+    // A request running when its adapter is unloaded keeps it to the end.
+    let long = json!({"model": "qv8", "prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0, "stream": true});
+    let client = s.client.clone();
+    let url = s.url("/v1/completions");
+    let streaming = actix_rt::spawn(async move {
+        let mut r = client.post(url).send_json(&long).await.unwrap();
+        r.body().limit(1 << 20).await.unwrap()
+    });
+    actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (st, _) = s.post("/v1/unload_lora_adapter", &json!({"lora_name": "qv8"})).await;
+    assert_eq!(st, 200);
+    let body = String::from_utf8(streaming.await.unwrap().to_vec()).unwrap();
+    let text: String = common::server::parse_sse(&body)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    let (st, _) = s.post("/v1/completions", &json!({"model": "qv8", "prompt": "hi"})).await;
+    assert_eq!(st, 404, "unloaded adapters are unknown models, not the base model");
+    assert!(Path::new(&outside_abs).exists());
+}
+
+#[actix_rt::test]
+async fn runtime_loading_is_off_unless_allowed() {
+    let s = common::server::start(&common::default_model(), |a| {
+        a.engine.lora = LoraArgs { enable_lora: true, ..Default::default() };
+    })
+    .await;
+    let (st, v) = s.post("/v1/load_lora_adapter", &json!({"lora_name": "a", "lora_path": "/tmp"})).await;
+    assert_eq!(st, 403, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--allow-runtime-lora"));
+}

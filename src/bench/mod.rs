@@ -38,6 +38,12 @@ pub enum BenchMode {
         /// Prompt tokens of the prefill run.
         #[arg(long, default_value_t = 500)]
         prefill_len: usize,
+        /// Also run each batch with its requests spread over this many random LoRA adapters
+        /// (written to a temp dir), and report the ratio to the base model.
+        #[arg(long, default_value_t = 0)]
+        random_loras: usize,
+        #[arg(long, default_value_t = 16)]
+        random_lora_rank: usize,
         #[arg(long)]
         json: bool,
     },
@@ -95,6 +101,17 @@ pub(crate) async fn decode_run(
     input_len: usize,
     output_len: usize,
 ) -> anyhow::Result<DecodeFigure> {
+    decode_run_lora(engine, batch, input_len, output_len, 0).await
+}
+
+/// As [`decode_run`], request b on adapter `lora{b % loras}` (none when `loras` is 0).
+pub(crate) async fn decode_run_lora(
+    engine: &Engine,
+    batch: usize,
+    input_len: usize,
+    output_len: usize,
+    loras: usize,
+) -> anyhow::Result<DecodeFigure> {
     let vocab = engine.model_config().vocab_size;
     let params = SamplingParams {
         temperature: 0.0,
@@ -106,7 +123,12 @@ pub(crate) async fn decode_run(
     let mut streams = Vec::new();
     for b in 0..batch {
         let id = engine.next_request_id("bench");
-        streams.push(engine.add_request(id, prompt(input_len, b, vocab), params.clone()).await?);
+        let lora = (loras > 0).then(|| format!("lora{}", b % loras));
+        streams.push(
+            engine
+                .add_request_with_lora(id, prompt(input_len, b, vocab), params.clone(), lora.as_deref())
+                .await?,
+        );
     }
     let results = futures::future::try_join_all(streams.into_iter().map(drain)).await?;
     let end = Instant::now();
@@ -124,9 +146,34 @@ pub(crate) async fn decode_run(
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let (eargs, batch_sizes, input_len, output_len, prefill_len, json) = match args.mode {
-        BenchMode::Offline { engine, batch_sizes, input_len, output_len, prefill_len, json } => {
-            (engine, batch_sizes, input_len, output_len, prefill_len, json)
+    let (eargs, batch_sizes, input_len, output_len, prefill_len, json, loras) = match args.mode {
+        BenchMode::Offline {
+            engine,
+            batch_sizes,
+            input_len,
+            output_len,
+            prefill_len,
+            json,
+            random_loras,
+            random_lora_rank,
+        } => {
+            let mut engine = engine;
+            if random_loras > 0 {
+                let cfg =
+                    crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(
+                        &engine.model,
+                    )?;
+                let root = std::env::temp_dir().join(format!("actorllm-bench-loras-{}", std::process::id()));
+                for i in 0..random_loras {
+                    let dir = root.join(format!("lora{i}"));
+                    crate::models::random::make_random_lora(&cfg, &dir, random_lora_rank, i as u64 + 1)?;
+                    engine.lora.lora_modules.push((format!("lora{i}"), dir));
+                }
+                engine.lora.enable_lora = true;
+                engine.lora.max_loras = random_loras;
+                engine.lora.max_lora_rank = random_lora_rank;
+            }
+            (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(a).await,
     };
@@ -141,6 +188,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "decode batch {:>3}: {:>8.1} tok/s decode, {:>8.1} tok/s incl. prefill, {:>6.1} ms/step",
                 b, f.decode_tokens_per_s, f.total_tokens_per_s, f.ms_per_step
             );
+        }
+        if loras > 0 {
+            let l = decode_run_lora(&engine, b, input_len, output_len, loras).await?;
+            if !json {
+                println!(
+                    "  … on {loras} adapters: {:>8.1} tok/s decode ({:.1}% of the base model)",
+                    l.decode_tokens_per_s,
+                    100.0 * l.decode_tokens_per_s / f.decode_tokens_per_s
+                );
+            }
         }
         decode.push(f);
     }

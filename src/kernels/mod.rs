@@ -170,12 +170,13 @@ pub trait Device: Send + Unpin + 'static {
     /// Batched LoRA (Punica's BGMV): for each row t with `slots[t] >= 0`,
     /// `y[t, offset..offset+out] += scale · B_s (A_s x[t])` with s = slots[t]; rows whose
     /// slot is negative (no adapter) are untouched. One call serves a mixed batch.
+    /// `modules` are (weights, column offset in y) of projections that read the same `x`
+    /// (q/k/v, gate/up): they share one pass over the rows.
     fn add_lora(
         &self,
         y: &mut Self::Tensor,
         x: &Self::Tensor,
-        lora: &Self::Lora,
-        offset: usize,
+        modules: &[(&Self::Lora, usize)],
         slots: &[i32],
     );
 }

@@ -67,9 +67,8 @@ impl<D: Device> LayerLora<D> {
         if meta.lora_slots.is_empty() {
             return;
         }
-        for (l, off) in &self.modules[range] {
-            dev.add_lora(y, x, l, *off, &meta.lora_slots);
-        }
+        let modules: Vec<(&D::Lora, usize)> = self.modules[range].iter().map(|(l, off)| (l, *off)).collect();
+        dev.add_lora(y, x, &modules, &meta.lora_slots);
     }
 }
 

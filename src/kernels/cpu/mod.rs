@@ -283,8 +283,8 @@ impl Device for CpuDevice {
         l.set(slot, weights);
     }
 
-    fn add_lora(&self, y: &mut CpuTensor, x: &CpuTensor, l: &lora::CpuLora, offset: usize, slots: &[i32]) {
-        l.apply(y, x, offset, slots);
+    fn add_lora(&self, y: &mut CpuTensor, x: &CpuTensor, modules: &[(&lora::CpuLora, usize)], slots: &[i32]) {
+        lora::apply(y, x, modules, slots);
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {

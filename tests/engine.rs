@@ -278,3 +278,69 @@ async fn aborts_racing_with_steps_never_break_the_engine() {
     let after = run(&engine, prompts()[0].clone(), long(5)).await;
     assert_eq!(after.tokens[0].len(), 5);
 }
+
+/// Splits a model's single safetensors file into two shards with an index.
+fn shard(src: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let dst = copy_model(src, name, |_| {});
+    let bytes = std::fs::read(dst.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (file, part) in
+        [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)]
+    {
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), st.tensor(n).unwrap())).collect();
+        safetensors::tensor::serialize_to_file(views, &None, &dst.join(file)).unwrap();
+        for n in part {
+            weight_map.insert(n.clone(), serde_json::json!(file));
+        }
+    }
+    std::fs::remove_file(dst.join("model.safetensors")).unwrap();
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    dst
+}
+
+#[actix_rt::test]
+async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
+    let base = tiny_model(12);
+    let prompt = prompts()[3].clone();
+    let want = run(&Engine::start(common::args(&base)).await.unwrap(), prompt.clone(), long(12)).await;
+    // Sharded through model.safetensors.index.json: the same model.
+    let sharded = shard(&base, "sharded");
+    assert!(!sharded.join("model.safetensors").exists());
+    let got = run(&Engine::start(common::args(&sharded)).await.unwrap(), prompt.clone(), long(12)).await;
+    assert_eq!(got.tokens, want.tokens);
+    // bf16 and f16 checkpoints load and generate (rounding may change the tokens).
+    for (name, dtype) in [("bf16", actorllm::kernels::DType::BF16), ("f16", actorllm::kernels::DType::F16)] {
+        let dir = std::env::temp_dir().join(format!("actorllm-{name}-{}", std::process::id()));
+        actorllm::models::random::make_random_model(
+            actorllm::models::random::Preset::Tiny.shape(),
+            &dir,
+            dtype,
+            12,
+            4.0,
+        )
+        .unwrap();
+        let engine = Engine::start(common::args(&dir)).await.unwrap();
+        assert_eq!(engine.config().dtype, dtype, "--dtype auto keeps the checkpoint's dtype");
+        assert_eq!(run(&engine, prompt.clone(), long(12)).await.tokens[0].len(), 12);
+    }
+    // chat_template.jinja is used when tokenizer_config.json has no template.
+    let jinja = copy_model(&base, "jinja", |_| {});
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(jinja.join("tokenizer_config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(jinja.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    std::fs::write(
+        jinja.join("chat_template.jinja"),
+        "{% for m in messages %}[{{ m.role }}]{{ m.content | upper }}{% endfor %}",
+    )
+    .unwrap();
+    let tok = actorllm::tokenizer::Tokenizer::load(&jinja, &[]).unwrap();
+    let msgs = [actorllm::tokenizer::ChatMessage { role: "user".into(), content: "hi".into() }];
+    assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
+}

@@ -334,3 +334,40 @@ async fn models_tokenize_detokenize_health_and_metrics() {
         assert!(m.contains(name), "metrics expose {name}");
     }
 }
+
+#[actix_rt::test]
+async fn websocket_refuses_oversized_frames_and_answers_pings() {
+    let s = tiny_server().await;
+    let (_resp, mut ws) =
+        s.client.ws(s.url("/v1/ws")).max_frame_size(4 << 20).connect().await.expect("connects");
+    ws.send(awc::ws::Message::Ping("are you there".into())).await.unwrap();
+    loop {
+        match ws.next().await.unwrap().unwrap() {
+            awc::ws::Frame::Pong(p) => {
+                assert_eq!(&p[..], b"are you there");
+                break;
+            }
+            awc::ws::Frame::Ping(_) => continue,
+            other => panic!("expected a pong, got {other:?}"),
+        }
+    }
+    let huge = json!({"type": "generate", "id": "big", "endpoint": "completions", "request": {"prompt": "a".repeat(2 << 20)}});
+    ws.send(awc::ws::Message::Text(huge.to_string().into())).await.unwrap();
+    let mut saw_error = false;
+    while let Some(frame) = ws.next().await {
+        match frame {
+            Ok(awc::ws::Frame::Text(t)) => {
+                let v: Value = serde_json::from_slice(&t).unwrap();
+                assert_eq!(v["type"], "error");
+                saw_error = true;
+            }
+            Ok(awc::ws::Frame::Close(reason)) => {
+                assert_eq!(reason.map(|r| r.code), Some(awc::ws::CloseCode::Size));
+                break;
+            }
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    assert!(saw_error, "the client is told why");
+}

@@ -22,9 +22,10 @@ pub enum DTypeArg {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceArg {
-    /// The CPU (the only device this build drives).
+    /// The first CUDA GPU when one is present, else the CPU.
     Auto,
     Cpu,
+    Cuda,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -53,6 +54,9 @@ pub struct EngineArgs {
     /// Exact number of KV cache blocks, overriding the size computed from memory.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
+    /// Fraction of GPU memory the engine may use (weights, activations, KV cache).
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     #[command(flatten)]
@@ -130,7 +134,8 @@ impl Default for EngineArgs {
             block_size: 16,
             kv_cache_space: 4.0,
             num_gpu_blocks_override: None,
-            device: DeviceArg::Auto,
+            gpu_memory_utilization: 0.9,
+            device: DeviceArg::Cpu,
             lora: LoraArgs::default(),
         }
     }
@@ -172,6 +177,20 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Sizes the KV cache to `bytes` (a GPU's budget after the weights), with the same
+    /// check that --max-model-len fits. A margin stays free for activations.
+    pub fn resize_kv(&mut self, model: &ModelConfig, bytes: usize) -> Result<(), ConfigError> {
+        let bytes_per_block =
+            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * 4;
+        let activations = 2usize << 30;
+        self.num_blocks = bytes.saturating_sub(activations) / bytes_per_block;
+        let capacity = self.num_blocks * self.block_size;
+        if self.max_model_len > capacity {
+            return Err(ConfigError::KvCacheTooSmall { max_model_len: self.max_model_len, capacity });
+        }
+        Ok(())
+    }
+
     pub fn resolve(args: &EngineArgs, model: &ModelConfig) -> Result<Self, ConfigError> {
         let bs = args.block_size;
         if !bs.is_power_of_two() || bs > 256 {

@@ -16,9 +16,11 @@ use crate::actors::model_runner::{ModelRunner, RunnerConfig};
 use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
 };
-use crate::config::{ConfigError, EngineArgs, EngineConfig};
+use crate::config::{ConfigError, DeviceArg, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
 use crate::kernels::cpu::CpuDevice;
+use crate::kernels::cuda::CudaDevice;
+use crate::kernels::{Device, DeviceError};
 use crate::metrics::Metrics;
 use crate::models::config::ModelConfig;
 use crate::models::registry::ModelRegistry;
@@ -85,25 +87,55 @@ pub struct Engine {
 
 impl Engine {
     /// Loads the model and starts the actors. Must be called inside an actix System.
+    /// `--device auto` takes the first CUDA GPU when one is present, else the CPU.
     pub async fn start(args: EngineArgs) -> Result<Engine, EngineError> {
-        Self::start_with(args, ModelRegistry::default()).await
+        let cuda = match args.device {
+            DeviceArg::Cpu => false,
+            DeviceArg::Cuda => true,
+            DeviceArg::Auto => CudaDevice::available(),
+        };
+        if cuda {
+            Self::start_on(args, ModelRegistry::<CudaDevice>::default(), || CudaDevice::new(0)).await
+        } else {
+            Self::start_with(args, ModelRegistry::default()).await
+        }
     }
 
-    /// As [`Engine::start`], with a registry that may hold out-of-tree architectures.
+    /// As [`Engine::start`] on the CPU, with a registry that may hold out-of-tree
+    /// architectures.
     pub async fn start_with(
         args: EngineArgs,
         registry: ModelRegistry<CpuDevice>,
     ) -> Result<Engine, EngineError> {
-        let model_config = ModelRegistry::<CpuDevice>::read_config(&args.model)?;
-        let config = EngineConfig::resolve(&args, &model_config)?;
+        Self::start_on(args, registry, || Ok(CpuDevice)).await
+    }
+
+    /// Starts the actors with a ModelRunner on the device `make` opens (on the loading
+    /// thread, which also uploads the weights).
+    pub async fn start_on<D: Device>(
+        args: EngineArgs,
+        registry: ModelRegistry<D>,
+        make: impl FnOnce() -> Result<D, DeviceError> + Send + 'static,
+    ) -> Result<Engine, EngineError> {
+        let model_config = ModelRegistry::<D>::read_config(&args.model)?;
+        let mut config = EngineConfig::resolve(&args, &model_config)?;
         let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
         let opts = LoadOptions {
             lora: config.lora.as_ref().map(|l| LoraCapacity { slots: l.max_loras, max_rank: l.max_rank }),
         };
-        let loaded = actix_rt::task::spawn_blocking(move || registry.load(&CpuDevice, &dir, dtype, &opts))
-            .await
-            .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
+        let (dev, loaded) = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
+            let dev = make().map_err(|e| EngineError::Device(e.to_string()))?;
+            let loaded = registry.load(&dev, &dir, dtype, &opts)?;
+            Ok((dev, loaded))
+        })
+        .await
+        .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
+        // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights.
+        if let (Some((free, total)), None) = (dev.memory_info(), args.num_gpu_blocks_override) {
+            let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as usize;
+            config.resize_kv(&model_config, free.saturating_sub(keep))?;
+        }
         let weight_bytes = loaded.model.weight_bytes();
         tracing::info!(
             model = %config.model_dir.display(),
@@ -113,11 +145,11 @@ impl Engine {
             block_size = config.block_size,
             max_model_len = config.max_model_len,
             "model loaded on {}",
-            crate::kernels::Device::name(&CpuDevice)
+            dev.name()
         );
         let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
         let runner_cfg = RunnerConfig { num_blocks: config.num_blocks, block_size: config.block_size };
-        let runner = ModelRunner::new(CpuDevice, loaded.model, runner_cfg, eos)
+        let runner = ModelRunner::new(dev, loaded.model, runner_cfg, eos)
             .map_err(|e| EngineError::Device(e.to_string()))?;
         // A SyncArbiter with one thread calls the factory once; the runner moves into it.
         let slot = Mutex::new(Some(runner));

@@ -6,6 +6,7 @@
 //! accumulation. The paged KV cache of one layer is owned by the device as [`Device::Cache`].
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::models::attn::AttnMetadata;
 
@@ -120,6 +121,8 @@ pub trait Device: Send + Unpin + 'static {
     type Lora: Send + Sync + Unpin;
 
     fn name(&self) -> String;
+    /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
+    fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
     fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;

@@ -121,6 +121,10 @@ impl Device for CpuDevice {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     fn upload(&self, t: HostTensor) -> Result<CpuWeight, DeviceError> {
         let numel: usize = t.shape.iter().product();
         let need = numel * t.dtype.size();

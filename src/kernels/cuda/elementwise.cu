@@ -1,0 +1,96 @@
+// Row-wise and element-wise ops on f32 activations [rows, cols] (row-major).
+// Entry points are named {op}_{dtype}; each launch uses one block per row unless noted.
+
+extern "C" __global__ void embedding_f32(const float* table, const unsigned int* ids, float* out, int hidden) {
+    int row = blockIdx.x;
+    const float* src = table + (size_t)ids[row] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = src[i];
+}
+
+// Block-wide sum of a float (blockDim.x a multiple of 32, at most 1024).
+__device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    v = lane < nw ? warp_sums[lane] : 0.0f;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if (threadIdx.x == 0) warp_sums[0] = v;
+    __syncthreads();
+    float total = warp_sums[0];
+    __syncthreads();
+    return total;
+}
+
+// HF LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)). With `residual`, first residual += x
+// and the norm is taken of the sum (written back to residual).
+extern "C" __global__ void rms_norm_f32(const float* x, float* residual, int use_residual, const float* w, float* out,
+                                        int cols, float eps) {
+    int row = blockIdx.x;
+    const float* xr = x + (size_t)row * cols;
+    float* rr = use_residual ? residual + (size_t)row * cols : nullptr;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i];
+        if (rr) { v += rr[i]; rr[i] = v; }
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float r = rsqrtf(ss / cols + eps);
+    const float* src = rr ? rr : xr;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)row * cols + i] = w[i] * (src[i] * r);
+}
+
+extern "C" __global__ void silu_mul_f32(const float* gate_up, float* out, int inter, long long total) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    long long row = i / inter, c = i % inter;
+    float g = gate_up[row * 2 * inter + c], u = gate_up[row * 2 * inter + inter + c];
+    out[i] = g / (1.0f + expf(-g)) * u;
+}
+
+extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += x[i];
+}
+
+extern "C" __global__ void add_bias_f32(float* y, const float* b, int cols, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += b[i % cols];
+}
+
+extern "C" __global__ void gather_rows_f32(const float* x, const unsigned int* rows, float* out, int cols) {
+    int r = blockIdx.x;
+    const float* src = x + (size_t)rows[r] * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)r * cols + i] = src[i];
+}
+
+// Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half) at each
+// token's position. One block per token.
+extern "C" __global__ void split_qkv_rope_f32(const float* qkv, float* q, float* k, float* v, const unsigned int* positions,
+                                              const float* inv_freq, int heads, int kv_heads, int head_dim, int half) {
+    int t = blockIdx.x;
+    int qn = heads * head_dim, kn = kv_heads * head_dim, cols = qn + 2 * kn;
+    const float* row = qkv + (size_t)t * cols;
+    float p = (float)positions[t];
+    for (int i = threadIdx.x; i < qn + 2 * kn; i += blockDim.x) {
+        float val = row[i];
+        float* dst;
+        int off;
+        if (i < qn) { dst = q + (size_t)t * qn; off = i; }
+        else if (i < qn + kn) { dst = k + (size_t)t * kn; off = i - qn; }
+        else { v[(size_t)t * kn + (i - qn - kn)] = val; continue; }
+        int d = off % head_dim;
+        if (d < 2 * half) {
+            int j = d < half ? d : d - half;
+            float a = p * inv_freq[j];
+            float c = cosf(a), s = sinf(a);
+            float other = row[i + (d < half ? half : -half)];
+            val = d < half ? val * c - other * s : val * c + other * s;
+        }
+        dst[off] = val;
+    }
+}

@@ -1,0 +1,185 @@
+//! The CUDA device against its CPU twin: every kernel on random inputs (odd sizes, GQA,
+//! block boundaries, mixed prefill and decode), then the engine on a GPU giving the same
+//! greedy tokens as on the CPU, with and without preemption. On machines without a CUDA
+//! GPU these tests say SKIPPED and return.
+
+mod common;
+
+use actorllm::Engine;
+use actorllm::config::{DeviceArg, EngineArgs};
+use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
+use actorllm::kernels::cuda::CudaDevice;
+use actorllm::kernels::{
+    AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+};
+use actorllm::models::attn::AttnMetadata;
+use common::{greedy, run, tiny_model};
+
+fn gpu() -> Option<CudaDevice> {
+    if !CudaDevice::available() {
+        eprintln!("SKIPPED: no CUDA GPU on this machine");
+        return None;
+    }
+    Some(CudaDevice::new(0).expect("CUDA device opens"))
+}
+
+fn rand(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+fn host(data: &[f32], shape: &[usize]) -> HostTensor {
+    HostTensor { dtype: DType::F32, shape: shape.to_vec(), data: bytemuck::cast_slice(data).to_vec() }
+}
+
+fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: length");
+    for (i, (a, b)) in gpu.iter().zip(cpu).enumerate() {
+        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what}[{i}]: gpu {a} vs cpu {b}");
+    }
+}
+
+#[test]
+fn every_kernel_matches_its_cpu_twin() {
+    let Some(g) = gpu() else { return };
+    let c = CpuDevice;
+    let both =
+        |data: &[f32], rows, cols| (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols));
+    // embedding, linear (+bias), norms, silu·mul, gather
+    let (vocab, hidden, n) = (301, 72, 13);
+    let table = rand(vocab * hidden, 1);
+    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37) % vocab as u32).collect();
+    let (te_c, te_g) = (
+        c.upload(host(&table, &[vocab, hidden])).unwrap(),
+        g.upload(host(&table, &[vocab, hidden])).unwrap(),
+    );
+    close("embedding", &g.to_host(&g.embedding(&te_g, &ids)), &c.to_host(&c.embedding(&te_c, &ids)), 0.0);
+    let x = rand(n * hidden, 2);
+    let (xc, xg) = both(&x, n, hidden);
+    let w = rand(97 * hidden, 3);
+    let b = rand(97, 4);
+    let (wc, wg) = (c.upload(host(&w, &[97, hidden])).unwrap(), g.upload(host(&w, &[97, hidden])).unwrap());
+    let (bc, bg) = (c.upload(host(&b, &[97])).unwrap(), g.upload(host(&b, &[97])).unwrap());
+    close(
+        "linear",
+        &g.to_host(&g.linear(&xg, &wg, Some(&bg))),
+        &c.to_host(&c.linear(&xc, &wc, Some(&bc))),
+        1e-4,
+    );
+    let nw = rand(hidden, 5);
+    let (nc, ng) = (c.upload(host(&nw, &[hidden])).unwrap(), g.upload(host(&nw, &[hidden])).unwrap());
+    close("rms_norm", &g.to_host(&g.rms_norm(&xg, &ng, 1e-5)), &c.to_host(&c.rms_norm(&xc, &nc, 1e-5)), 1e-5);
+    let r = rand(n * hidden, 6);
+    let (mut rc, mut rg) = both(&r, n, hidden);
+    let oc = c.add_rms_norm(&xc, &mut rc, &nc, 1e-5);
+    let og = g.add_rms_norm(&xg, &mut rg, &ng, 1e-5);
+    close("add_rms_norm", &g.to_host(&og), &c.to_host(&oc), 1e-5);
+    close("add_rms_norm residual", &g.to_host(&rg), &c.to_host(&rc), 1e-6);
+    let gu = rand(n * 2 * 50, 7);
+    let (guc, gug) = both(&gu, n, 100);
+    close("silu_mul", &g.to_host(&g.silu_mul(&gug)), &c.to_host(&c.silu_mul(&guc)), 1e-5);
+    let rows = [3usize, 0, 12, 7];
+    close("gather_rows", &g.to_host(&g.gather_rows(&xg, &rows)), &c.to_host(&c.gather_rows(&xc, &rows)), 0.0);
+
+    // RoPE + paged attention: GQA 6:2, head_dim 32, block size 4; sequence 0 prefills
+    // 9 tokens, sequence 1 decodes its 14th token over blocks out of order.
+    let s = AttnShape { num_heads: 6, num_kv_heads: 2, head_dim: 32, scale: 1.0 / (32f32).sqrt() };
+    let rope = RopeSpec {
+        inv_freq: (0..16).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 32.0)).collect(),
+        head_dim: 32,
+    };
+    let cache_shape = CacheShape { num_blocks: 12, block_size: 4, num_kv_heads: 2, head_dim: 32 };
+    let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
+    let tables = vec![vec![5, 2, 9], vec![7, 1, 11, 0]];
+    // First a 13-token prefill of sequence 1 so that its cache holds a context.
+    let mut step = |positions: Vec<u32>, token_seq: Vec<u32>, seed| {
+        let slot = |t: usize| {
+            let (seq, p) = (token_seq[t] as usize, positions[t] as usize);
+            (tables[seq][p / 4] * 4 + (p % 4) as u32) as i64
+        };
+        let meta = AttnMetadata {
+            slot_mapping: (0..positions.len()).map(slot).collect(),
+            positions: positions.clone(),
+            token_seq,
+            block_tables: tables.clone(),
+            last_token_rows: vec![],
+            lora_slots: vec![],
+        };
+        let nt = positions.len();
+        let qkv = rand(nt * (6 + 4) * 32, seed);
+        let (qc, qg) = both(&qkv, nt, 320);
+        let (q1, k1, v1) = c.split_qkv_rope(&qc, s, &rope, &positions);
+        let (q2, k2, v2) = g.split_qkv_rope(&qg, s, &rope, &positions);
+        close("rope q", &g.to_host(&q2), &c.to_host(&q1), 1e-4);
+        close("rope k", &g.to_host(&k2), &c.to_host(&k1), 1e-4);
+        close("split v", &g.to_host(&v2), &c.to_host(&v1), 0.0);
+        let oc = c.paged_attention(&q1, &k1, &v1, &mut cc, s, &meta);
+        let og = g.paged_attention(&q2, &k2, &v2, &mut cg, s, &meta);
+        close("paged_attention", &g.to_host(&og), &c.to_host(&oc), 1e-4);
+    };
+    step((0..13).collect(), vec![1; 13], 8);
+    let mut positions: Vec<u32> = (0..9).collect();
+    positions.push(13);
+    let mut seqs = vec![0u32; 9];
+    seqs.push(1);
+    step(positions, seqs, 9);
+
+    // Batched LoRA over mixed slots.
+    let shape = LoraShape { slots: 2, max_rank: 8, in_features: hidden, out_features: 40 };
+    let (mut lc, mut lg) = (c.alloc_lora(shape).unwrap(), g.alloc_lora(shape).unwrap());
+    let (a, bw) = (rand(5 * hidden, 10), rand(40 * 5, 11));
+    let wts = || Some(LoraSlotWeights { a: &a, b: &bw, rank: 5, scale: 1.5 });
+    c.set_lora_slot(&mut lc, 0, wts());
+    g.set_lora_slot(&mut lg, 0, wts());
+    let slots: Vec<i32> = (0..n as i32).map(|i| if i % 3 == 1 { -1 } else { 0 }).collect();
+    let y = rand(n * 50, 12);
+    let (mut yc, mut yg) = both(&y, n, 50);
+    c.add_lora(&mut yc, &xc, &[(&lc, 7)], &slots);
+    g.add_lora(&mut yg, &xg, &[(&lg, 7)], &slots);
+    close("lora", &g.to_host(&yg), &c.to_host(&yc), 1e-4);
+}
+
+#[actix_rt::test]
+async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
+    if gpu().is_none() {
+        return;
+    }
+    let model = tiny_model(31);
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..(4 + 9 * i)).map(|j| (i * 13 + j * 7) % 250 + 3).collect()).collect();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(40) };
+    let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
+    let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
+    for (label, args) in [
+        ("gpu", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        (
+            "gpu, small pool",
+            EngineArgs {
+                device: DeviceArg::Cuda,
+                num_gpu_blocks_override: Some(12),
+                max_model_len: Some(128),
+                ..common::args(&model)
+            },
+        ),
+    ] {
+        let gpu = Engine::start(args).await.unwrap();
+        let got =
+            futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
+        for (w, g) in want.iter().zip(&got) {
+            assert_eq!(g.tokens, w.tokens, "{label}");
+        }
+        let (free, total) = common::wait_all_blocks_free(&gpu).await;
+        assert_eq!(free, total, "{label}");
+        eprintln!(
+            "{label}: {} preemptions",
+            gpu.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed)
+        );
+    }
+}

@@ -87,6 +87,9 @@ pub struct LoraArgs {
     /// The only directory runtime-loaded adapters may come from.
     #[arg(long)]
     pub lora_root: Option<PathBuf>,
+    /// Dtype adapters are kept in on the device: `auto` follows the model's weights.
+    #[arg(long, value_enum, default_value_t = DTypeArg::Auto)]
+    pub lora_dtype: DTypeArg,
 }
 
 impl Default for LoraArgs {
@@ -100,6 +103,7 @@ impl Default for LoraArgs {
             max_cpu_loras: None,
             allow_runtime_lora: false,
             lora_root: None,
+            lora_dtype: DTypeArg::Auto,
         }
     }
 }
@@ -121,6 +125,8 @@ pub struct LoraConfig {
     pub modules: Vec<(String, PathBuf)>,
     pub allow_runtime: bool,
     pub root: Option<PathBuf>,
+    /// Keep adapter weights in bf16 (from --lora-dtype, or the model's dtype when auto).
+    pub bf16: bool,
 }
 
 impl Default for EngineArgs {
@@ -245,6 +251,7 @@ impl EngineConfig {
                 modules: l.lora_modules.clone(),
                 allow_runtime: l.allow_runtime_lora,
                 root: l.lora_root.clone(),
+                bf16: false,
             })
         } else if !l.lora_modules.is_empty() {
             return Err(ConfigError::LoraDisabled("--lora-modules"));
@@ -253,6 +260,14 @@ impl EngineConfig {
         } else {
             None
         };
+        let lora = lora.map(|mut l| {
+            l.bf16 = match args.lora.lora_dtype {
+                DTypeArg::Bfloat16 | DTypeArg::Float16 => true,
+                DTypeArg::Float32 => false,
+                DTypeArg::Auto => dtype != DType::F32,
+            };
+            l
+        });
         Ok(Self {
             lora,
             model_dir: args.model.clone(),

@@ -122,7 +122,11 @@ impl Engine {
         let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
         let opts = LoadOptions {
-            lora: config.lora.as_ref().map(|l| LoraCapacity { slots: l.max_loras, max_rank: l.max_rank }),
+            lora: config.lora.as_ref().map(|l| LoraCapacity {
+                slots: l.max_loras,
+                max_rank: l.max_rank,
+                bf16: l.bf16,
+            }),
         };
         let (dev, loaded) = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
             let dev = make().map_err(|e| EngineError::Device(e.to_string()))?;

@@ -132,7 +132,7 @@ fn every_kernel_matches_its_cpu_twin() {
     step(positions, seqs, 9);
 
     // Batched LoRA over mixed slots.
-    let shape = LoraShape { slots: 2, max_rank: 8, in_features: hidden, out_features: 40 };
+    let shape = LoraShape { slots: 2, max_rank: 8, in_features: hidden, out_features: 40, bf16: false };
     let (mut lc, mut lg) = (c.alloc_lora(shape).unwrap(), g.alloc_lora(shape).unwrap());
     let (a, bw) = (rand(5 * hidden, 10), rand(40 * 5, 11));
     let wts = || Some(LoraSlotWeights { a: &a, b: &bw, rank: 5, scale: 1.5 });

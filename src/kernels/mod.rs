@@ -89,6 +89,8 @@ pub struct LoraShape {
     pub max_rank: usize,
     pub in_features: usize,
     pub out_features: usize,
+    /// Store the weights in bf16 (`--lora-dtype bfloat16`) rather than f32.
+    pub bf16: bool,
 }
 
 /// One adapter's weights for one module, to place in a slot.

@@ -48,6 +48,7 @@ impl<D: Device> LayerLora<D> {
                     max_rank: cap.max_rank,
                     in_features: fin,
                     out_features: fout,
+                    bf16: cap.bf16,
                 };
                 Ok((dev.alloc_lora(shape)?, off))
             })

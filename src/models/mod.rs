@@ -52,6 +52,8 @@ pub struct LoadOptions {
 pub struct LoraCapacity {
     pub slots: usize,
     pub max_rank: usize,
+    /// Adapter weights kept in bf16 on the device.
+    pub bf16: bool,
 }
 
 /// The forward contract (vLLM's): flat tokens of any mix of prefill and decode sequences.

@@ -8,12 +8,47 @@ use rayon::prelude::*;
 use super::CpuTensor;
 use crate::kernels::{LoraShape, LoraSlotWeights};
 
+/// LoRA weights in f32, or in bf16 (`--lora-dtype bfloat16`: half the bytes to read).
+enum Store {
+    F32(Vec<f32>),
+    /// Raw bf16 bits.
+    Bf16(Vec<u16>),
+}
+
+impl Store {
+    fn new(n: usize, bf16: bool) -> Self {
+        if bf16 { Store::Bf16(vec![0; n]) } else { Store::F32(vec![0.0; n]) }
+    }
+    fn write(&mut self, start: usize, values: &[f32]) {
+        match self {
+            Store::F32(v) => v[start..start + values.len()].copy_from_slice(values),
+            Store::Bf16(v) => {
+                for (o, x) in v[start..start + values.len()].iter_mut().zip(values) {
+                    *o = half::bf16::from_f32(*x).to_bits();
+                }
+            }
+        }
+    }
+    fn row(&self, start: usize, len: usize) -> Row<'_> {
+        match self {
+            Store::F32(v) => Row::F32(&v[start..start + len]),
+            Store::Bf16(v) => Row::Bf16(&v[start..start + len]),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Row<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
 /// A: `[slots, max_rank, in]`, Bᵀ: `[slots, max_rank, out]` with the scale folded in, so
 /// that the expand step is a row of contiguous axpys.
 pub struct CpuLora {
     pub shape: LoraShape,
-    a: Vec<f32>,
-    bt: Vec<f32>,
+    a: Store,
+    bt: Store,
     ranks: Vec<usize>,
 }
 
@@ -22,28 +57,32 @@ impl CpuLora {
         let (s, r) = (shape.slots, shape.max_rank);
         Self {
             shape,
-            a: vec![0.0; s * r * shape.in_features],
-            bt: vec![0.0; s * r * shape.out_features],
+            a: Store::new(s * r * shape.in_features, shape.bf16),
+            bt: Store::new(s * r * shape.out_features, shape.bf16),
             ranks: vec![0; s],
         }
     }
 
     pub fn set(&mut self, slot: usize, w: Option<LoraSlotWeights>) {
         let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = self.shape;
-        let a = &mut self.a[slot * rm * fin..(slot + 1) * rm * fin];
-        let bt = &mut self.bt[slot * rm * fout..(slot + 1) * rm * fout];
-        a.fill(0.0);
-        bt.fill(0.0);
+        let mut a = vec![0f32; rm * fin];
+        let mut bt = vec![0f32; rm * fout];
         self.ranks[slot] = 0;
-        let Some(w) = w else { return };
-        assert!(w.rank <= rm && w.a.len() == w.rank * fin && w.b.len() == fout * w.rank, "LoRA slot shape");
-        a[..w.rank * fin].copy_from_slice(w.a);
-        for o in 0..fout {
-            for r in 0..w.rank {
-                bt[r * fout + o] = w.b[o * w.rank + r] * w.scale;
+        if let Some(w) = w {
+            assert!(
+                w.rank <= rm && w.a.len() == w.rank * fin && w.b.len() == fout * w.rank,
+                "LoRA slot shape"
+            );
+            a[..w.rank * fin].copy_from_slice(w.a);
+            for o in 0..fout {
+                for r in 0..w.rank {
+                    bt[r * fout + o] = w.b[o * w.rank + r] * w.scale;
+                }
             }
+            self.ranks[slot] = w.rank;
         }
-        self.ranks[slot] = w.rank;
+        self.a.write(slot * rm * fin, &a);
+        self.bt.write(slot * rm * fout, &bt);
     }
 
     /// `y[t][offset..] += B (A x[t])` for rows `rows` that all use slot `s`: each row of A
@@ -51,8 +90,8 @@ impl CpuLora {
     fn apply_group(&self, y: RowsPtr, x: &CpuTensor, offset: usize, s: usize, rows: &[usize]) {
         let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = self.shape;
         for r in 0..self.ranks[s] {
-            let a = &self.a[(s * rm + r) * fin..(s * rm + r + 1) * fin];
-            let bt = &self.bt[(s * rm + r) * fout..(s * rm + r + 1) * fout];
+            let a = self.a.row((s * rm + r) * fin, fin);
+            let bt = self.bt.row((s * rm + r) * fout, fout);
             for &t in rows {
                 let v = dot(a, &x.data[t * fin..(t + 1) * fin]);
                 // SAFETY: row t belongs to this group alone (see `apply`), so no other
@@ -96,18 +135,24 @@ pub fn apply(y: &mut CpuTensor, x: &CpuTensor, modules: &[(&CpuLora, usize)], sl
     });
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot(a: Row, x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F is present (checked above).
-        return unsafe { simd::dot(a, b) };
+        return unsafe { simd::dot(a, x) };
     }
-    a.iter().zip(b).map(|(p, q)| p * q).sum()
+    match a {
+        Row::F32(a) => a.iter().zip(x).map(|(p, q)| p * q).sum(),
+        Row::Bf16(a) => a.iter().zip(x).map(|(p, q)| f32::from_bits((*p as u32) << 16) * q).sum(),
+    }
 }
 
-fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
+fn axpy(y: &mut [f32], alpha: f32, x: Row) {
+    match x {
+        Row::F32(x) => y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * xi),
+        Row::Bf16(x) => {
+            y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * f32::from_bits((*xi as u32) << 16))
+        }
     }
 }
 
@@ -115,28 +160,40 @@ fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
 mod simd {
     use std::arch::x86_64::*;
 
+    use super::Row;
+
     /// # Safety
     /// AVX-512F must be available.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
+    pub unsafe fn dot(a: Row, x: &[f32]) -> f32 {
+        let n = match a {
+            Row::F32(a) => a.len(),
+            Row::Bf16(a) => a.len(),
+        }
+        .min(x.len());
         let full = n / 16 * 16;
         let mut acc = _mm512_setzero_ps();
         let mut i = 0;
         while i < full {
             // SAFETY: i + 16 <= n for both slices.
             unsafe {
-                acc = _mm512_fmadd_ps(
-                    _mm512_loadu_ps(a.as_ptr().add(i)),
-                    _mm512_loadu_ps(b.as_ptr().add(i)),
-                    acc,
-                );
+                let av = match a {
+                    Row::F32(a) => _mm512_loadu_ps(a.as_ptr().add(i)),
+                    Row::Bf16(a) => _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(a.as_ptr().add(i).cast())),
+                        16,
+                    )),
+                };
+                acc = _mm512_fmadd_ps(av, _mm512_loadu_ps(x.as_ptr().add(i)), acc);
             }
             i += 16;
         }
         let mut s = _mm512_reduce_add_ps(acc);
         for j in full..n {
-            s += a[j] * b[j];
+            s += match a {
+                Row::F32(a) => a[j],
+                Row::Bf16(a) => f32::from_bits((a[j] as u32) << 16),
+            } * x[j];
         }
         s
     }
@@ -150,7 +207,7 @@ mod tests {
     #[allow(clippy::needless_range_loop)]
     fn mixed_slots_match_the_per_token_formula() {
         let (fin, fout, rm) = (40, 24, 8);
-        let shape = LoraShape { slots: 2, max_rank: rm, in_features: fin, out_features: fout };
+        let shape = LoraShape { slots: 2, max_rank: rm, in_features: fin, out_features: fout, bf16: false };
         let mut l = CpuLora::new(shape);
         let val = |i: usize, s: f32| ((i * 7919 % 101) as f32 - 50.0) * s;
         let (a0, b0): (Vec<f32>, Vec<f32>) =
@@ -186,5 +243,28 @@ mod tests {
         let mut z = CpuTensor::new(vec![0.0; rows * (fout + 10)], rows, fout + 10);
         apply(&mut z, &x, &[(&l, 10)], &vec![1; rows]);
         assert!(z.data.iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn bf16_storage_matches_f32_within_bf16_rounding() {
+        let (fin, fout) = (48, 32);
+        let mk = |bf16| {
+            CpuLora::new(LoraShape { slots: 1, max_rank: 4, in_features: fin, out_features: fout, bf16 })
+        };
+        let (mut f, mut h) = (mk(false), mk(true));
+        let a: Vec<f32> = (0..4 * fin).map(|i| ((i * 31 % 17) as f32 - 8.0) * 0.01).collect();
+        let b: Vec<f32> = (0..fout * 4).map(|i| ((i * 13 % 11) as f32 - 5.0) * 0.02).collect();
+        for l in [&mut f, &mut h] {
+            l.set(0, Some(LoraSlotWeights { a: &a, b: &b, rank: 4, scale: 1.0 }));
+        }
+        let x = CpuTensor::new((0..3 * fin).map(|i| (i % 7) as f32 * 0.1).collect(), 3, fin);
+        let (mut yf, mut yh) =
+            (CpuTensor::new(vec![0.0; 3 * fout], 3, fout), CpuTensor::new(vec![0.0; 3 * fout], 3, fout));
+        apply(&mut yf, &x, &[(&f, 0)], &[0, 0, 0]);
+        apply(&mut yh, &x, &[(&h, 0)], &[0, 0, 0]);
+        assert!(yf.data.iter().any(|v| *v != 0.0));
+        for (p, q) in yf.data.iter().zip(&yh.data) {
+            assert!((p - q).abs() <= 0.02 * (1.0 + p.abs()), "{p} vs {q}");
+        }
     }
 }

@@ -73,6 +73,26 @@ fn every_kernel_matches_its_cpu_twin() {
         &c.to_host(&c.linear(&xc, &wc, Some(&bc))),
         1e-4,
     );
+    // bf16 and f16 weights: the GPU rounds activations to the weight type before the GEMM.
+    for dt in [DType::BF16, DType::F16] {
+        let mut bytes = Vec::new();
+        dt.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut bytes);
+        let t = || HostTensor { dtype: dt, shape: vec![97, hidden], data: bytes.clone() };
+        let (wc16, wg16) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
+        close(
+            "linear 16-bit",
+            &g.to_host(&g.linear(&xg, &wg16, None)),
+            &c.to_host(&c.linear(&xc, &wc16, None)),
+            2e-2,
+        );
+        let ids: Vec<u32> = vec![0, 5, 96];
+        close(
+            "embedding 16-bit",
+            &g.to_host(&g.embedding(&wg16, &ids)),
+            &c.to_host(&c.embedding(&wc16, &ids)),
+            0.0,
+        );
+    }
     let nw = rand(hidden, 5);
     let (nc, ng) = (c.upload(host(&nw, &[hidden])).unwrap(), g.upload(host(&nw, &[hidden])).unwrap());
     close("rms_norm", &g.to_host(&g.rms_norm(&xg, &ng, 1e-5)), &c.to_host(&c.rms_norm(&xc, &nc, 1e-5)), 1e-5);

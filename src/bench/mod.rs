@@ -3,6 +3,7 @@
 //! long prompt. `actorllm bench serve` (serve.rs): concurrent streaming HTTP clients.
 //! Figures go to stdout as text, or as JSON with `--json`.
 
+pub mod gpu;
 pub mod serve;
 
 use std::time::{Duration, Instant};
@@ -49,6 +50,32 @@ pub enum BenchMode {
     },
     /// Concurrent streaming clients against the HTTP server.
     Serve(serve::ServeBenchArgs),
+    /// Decode latency of one batch (vLLM's benchmark_latency): ms/step and tok/s beside
+    /// the model's bandwidth bound.
+    Latency {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[arg(long, default_value_t = 1)]
+        batch_size: usize,
+        #[arg(long, default_value_t = 128)]
+        input_len: usize,
+        #[arg(long, default_value_t = 256)]
+        output_len: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Offline throughput (vLLM's benchmark_throughput): requests with a fixed-seed
+    /// ShareGPT-like length mix (input ≈ 200, output ≈ 180 tokens), all submitted at once.
+    Throughput {
+        #[command(flatten)]
+        engine: EngineArgs,
+        #[arg(long, default_value_t = 1000)]
+        num_prompts: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Serialize)]
@@ -74,8 +101,10 @@ struct OfflineReport {
 }
 
 /// Deterministic prompt ids of length `len` from the ordinary (non-special) vocabulary.
+/// (Skips the low ids, where vocabularies keep their special tokens, and the last two.)
 pub(crate) fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|i| (1000 + (i * 7919 + salt * 104729) % (vocab - 1000)) as u32).collect()
+    let base = (vocab / 8).min(1000);
+    (0..len).map(|i| (base + (i * 7919 + salt * 104729) % (vocab - base - 2)) as u32).collect()
 }
 
 /// Drains a stream; returns (time of first token, tokens).
@@ -176,6 +205,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(a).await,
+        BenchMode::Latency { engine, batch_size, input_len, output_len, json } => {
+            gpu::latency(engine, batch_size, input_len, output_len, json).await?;
+            actix::System::current().stop();
+            return Ok(());
+        }
+        BenchMode::Throughput { engine, num_prompts, seed, json } => {
+            gpu::throughput(engine, num_prompts, seed, json).await?;
+            actix::System::current().stop();
+            return Ok(());
+        }
     };
     let engine = Engine::start(eargs).await?;
     // Warm-up: touches every weight page and the allocator.

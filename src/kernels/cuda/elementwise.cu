@@ -94,3 +94,29 @@ extern "C" __global__ void split_qkv_rope_f32(const float* qkv, float* q, float*
         dst[off] = val;
     }
 }
+
+// Conversions for cuBLAS GEMMs with 16-bit weights, and the embedding of a 16-bit table.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2bfloat16(x[i]);
+}
+
+extern "C" __global__ void f32_to_f16(const float* x, __half* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __float2half(x[i]);
+}
+
+extern "C" __global__ void embedding_bf16(const __nv_bfloat16* table, const unsigned int* ids, float* out, int hidden) {
+    int row = blockIdx.x;
+    const __nv_bfloat16* src = table + (size_t)ids[row] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = __bfloat162float(src[i]);
+}
+
+extern "C" __global__ void embedding_f16(const __half* table, const unsigned int* ids, float* out, int hidden) {
+    int row = blockIdx.x;
+    const __half* src = table + (size_t)ids[row] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = __half2float(src[i]);
+}

@@ -1,8 +1,9 @@
 //! The CUDA device (cudarc, loaded dynamically so that the crate builds and runs without
 //! CUDA): kernels are CUDA C sources in this folder compiled by NVRTC at start-up for the
 //! device's architecture and cached on disk (keyed by source hash and architecture);
-//! GEMMs go through cuBLAS. This first version keeps activations, weights and the KV cache
-//! in f32, so that every op can be checked against its CPU twin exactly.
+//! GEMMs go through cuBLAS. Activations and the KV cache are f32; 2-D weights stay in
+//! their dtype (f32, or bf16/f16 multiplied by cublasGemmEx with f32 accumulation after the
+//! activations are rounded to the weight's type), 1-D weights (norms, biases) are f32.
 
 use std::sync::Arc;
 
@@ -17,8 +18,12 @@ use crate::models::attn::AttnMetadata;
 const SOURCES: [(&str, &str); 2] =
     [("elementwise", include_str!("elementwise.cu")), ("attention", include_str!("attention.cu"))];
 
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 14] = [
     "embedding_f32",
+    "embedding_bf16",
+    "embedding_f16",
+    "f32_to_bf16",
+    "f32_to_f16",
     "rms_norm_f32",
     "silu_mul_f32",
     "add_f32",
@@ -41,9 +46,26 @@ pub struct CudaTensor {
     pub cols: usize,
 }
 
+/// A weight on the device; 16-bit types are kept as raw bits.
+pub enum WeightBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+    F16(CudaSlice<u16>),
+}
+
 pub struct CudaWeight {
     pub shape: Vec<usize>,
-    pub buf: CudaSlice<f32>,
+    pub buf: WeightBuf,
+}
+
+impl CudaWeight {
+    /// The f32 buffer of a 1-D weight (norms and biases are always uploaded as f32).
+    fn f32(&self) -> &CudaSlice<f32> {
+        match &self.buf {
+            WeightBuf::F32(b) => b,
+            _ => unreachable!("1-D weights are uploaded as f32"),
+        }
+    }
 }
 
 pub struct CudaCache {
@@ -67,6 +89,21 @@ pub struct CudaDevice {
     blas: CudaBlas,
     funcs: std::collections::HashMap<&'static str, CudaFunction>,
     arch: String,
+    /// This step's attention metadata on the device, uploaded once for all layers.
+    step: std::cell::RefCell<Option<StepBufs>>,
+    /// The rotary inverse frequencies, uploaded on first use.
+    inv_freq: std::cell::RefCell<Option<(Vec<f32>, CudaSlice<f32>)>>,
+}
+
+/// Attention metadata of one step on the device, with the host copy it came from.
+struct StepBufs {
+    host: AttnMetadata,
+    positions: CudaSlice<u32>,
+    slots: CudaSlice<i64>,
+    token_seq: CudaSlice<u32>,
+    tables: CudaSlice<u32>,
+    table_offsets: CudaSlice<u32>,
+    ctx_max: usize,
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -98,7 +135,15 @@ impl CudaDevice {
                 }
             }
         }
-        Ok(Self { ctx, stream, blas, funcs, arch })
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            arch,
+            step: std::cell::RefCell::new(None),
+            inv_freq: std::cell::RefCell::new(None),
+        })
     }
 
     /// Whether a CUDA driver and a GPU are present.
@@ -129,6 +174,45 @@ impl CudaDevice {
         Ok(ptx)
     }
 
+    /// Uploads `meta` unless the cached step buffers already hold it (every layer of a
+    /// forward passes the same metadata: one upload per step).
+    fn step_bufs(&self, meta: &AttnMetadata) {
+        let fresh = self.step.borrow().as_ref().is_some_and(|b| {
+            b.host.positions == meta.positions
+                && b.host.slot_mapping == meta.slot_mapping
+                && b.host.token_seq == meta.token_seq
+                && b.host.block_tables == meta.block_tables
+        });
+        if fresh {
+            return;
+        }
+        let mut flat = Vec::new();
+        let mut offs = Vec::with_capacity(meta.block_tables.len());
+        for t in &meta.block_tables {
+            offs.push(flat.len() as u32);
+            flat.extend_from_slice(t);
+        }
+        let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
+        let bufs = StepBufs {
+            positions: self.upload_u32(&meta.positions),
+            slots: self.stream.clone_htod(&slots).expect("host to device copy"),
+            token_seq: self.upload_u32(&meta.token_seq),
+            tables: self.upload_u32(&flat),
+            table_offsets: self.upload_u32(&offs),
+            ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
+            host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
+        };
+        *self.step.borrow_mut() = Some(bufs);
+    }
+
+    fn inv_freq(&self, rope: &RopeSpec) {
+        if self.inv_freq.borrow().as_ref().is_some_and(|(h, _)| *h == rope.inv_freq) {
+            return;
+        }
+        let dev = self.stream.clone_htod(&rope.inv_freq).expect("host to device copy");
+        *self.inv_freq.borrow_mut() = Some((rope.inv_freq.clone(), dev));
+    }
+
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -141,8 +225,12 @@ impl CudaDevice {
         self.stream.alloc_zeros::<f32>(n.max(1)).expect("device allocation")
     }
 
+    /// An uninitialized activation tensor: every kernel and GEMM that makes one writes all
+    /// of it, so it is not cleared first.
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
-        CudaTensor { buf: self.zeros(rows * cols), rows, cols }
+        // SAFETY: callers write every element before anything reads it.
+        let buf = unsafe { self.stream.alloc::<f32>((rows * cols).max(1)) }.expect("device allocation");
+        CudaTensor { buf, rows, cols }
     }
 
     fn upload_u32(&self, v: &[u32]) -> CudaSlice<u32> {
@@ -186,6 +274,86 @@ impl CudaDevice {
     }
 }
 
+/// Pushes a weight buffer of any dtype as a kernel argument.
+trait WeightArg {
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T> WeightArg for CudaSlice<T> {
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        launch.arg(self);
+    }
+}
+
+impl CudaDevice {
+    /// `out = x @ wᵀ` for 16-bit weights: x is rounded to the weight's type, cuBLAS
+    /// accumulates in f32 and writes f32.
+    fn gemm_16(&self, x: &CudaTensor, w: &CudaSlice<u16>, n: usize, out: &mut CudaSlice<f32>, f16: bool) {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (m, k) = (x.rows, x.cols);
+        let total = (m * k) as i64;
+        let mut xh = self.stream.alloc_zeros::<u16>((m * k).max(1)).expect("device allocation");
+        let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
+        // SAFETY: x holds m·k floats and xh m·k 16-bit values.
+        unsafe {
+            self.stream
+                .launch_builder(self.f(conv))
+                .arg(&x.buf)
+                .arg(&mut xh)
+                .arg(&total)
+                .launch(Self::grid(total as usize))
+        }
+        .expect("conversion launch");
+        let ty = if f16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (xp, _x) = xh.device_ptr(&self.stream);
+        let (op, _o) = out.device_ptr_mut(&self.stream);
+        // SAFETY: as in `gemm`: w is [n, k], xh [m, k], out [m, n]; pointers live for the call.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                m as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                wp as *const _,
+                ty,
+                k as i32,
+                xp as *const _,
+                ty,
+                k as i32,
+                (&beta as *const f32).cast(),
+                op as *mut _,
+                cudaDataType::CUDA_R_32F,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .expect("cuBLAS GemmEx");
+    }
+
+    /// Device-to-device copy bandwidth in bytes/s (the bound for weight-streaming decode).
+    pub fn copy_bandwidth(&self) -> f64 {
+        let n = 256usize << 20; // 1 GiB of f32
+        let src = self.stream.alloc_zeros::<f32>(n).expect("device allocation");
+        let mut dst = self.stream.alloc_zeros::<f32>(n).expect("device allocation");
+        self.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+        self.stream.synchronize().expect("sync");
+        let start = std::time::Instant::now();
+        for _ in 0..5 {
+            self.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+        }
+        self.stream.synchronize().expect("sync");
+        // A copy reads and writes every byte.
+        (5 * 2 * n * 4) as f64 / start.elapsed().as_secs_f64()
+    }
+}
+
 impl Device for CudaDevice {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
@@ -208,10 +376,20 @@ impl Device for CudaDevice {
         if t.data.len() != need {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
-        let mut bytes = Vec::new();
-        DType::F32.convert_from(t.dtype, &t.data, &mut bytes);
-        let host: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-        let buf = self.stream.clone_htod(&host).map_err(err)?;
+        let buf = match (t.dtype, t.shape.len()) {
+            (DType::BF16, 2) => WeightBuf::Bf16(
+                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
+            ),
+            (DType::F16, 2) => WeightBuf::F16(
+                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
+            ),
+            _ => {
+                let mut bytes = Vec::new();
+                DType::F32.convert_from(t.dtype, &t.data, &mut bytes);
+                let host: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                WeightBuf::F32(self.stream.clone_htod(&host).map_err(err)?)
+            }
+        };
         Ok(CudaWeight { shape: t.shape, buf })
     }
 
@@ -239,17 +417,16 @@ impl Device for CudaDevice {
         let mut out = self.tensor(ids.len(), hidden);
         let ids = self.upload_u32(ids);
         let h = hidden as i32;
+        let cfg = Self::rows(out.rows);
+        let (name, table_ptr) = match &table.buf {
+            WeightBuf::F32(t) => ("embedding_f32", t as &dyn WeightArg),
+            WeightBuf::Bf16(t) => ("embedding_bf16", t as &dyn WeightArg),
+            WeightBuf::F16(t) => ("embedding_f16", t as &dyn WeightArg),
+        };
+        let mut launch = self.stream.launch_builder(self.f(name));
+        table_ptr.push(&mut launch);
         // SAFETY: table is [vocab, hidden]; ids were validated against the vocabulary at admission.
-        unsafe {
-            self.stream
-                .launch_builder(self.f("embedding_f32"))
-                .arg(&table.buf)
-                .arg(&ids)
-                .arg(&mut out.buf)
-                .arg(&h)
-                .launch(Self::rows(out.rows))
-        }
-        .expect("embedding launch");
+        unsafe { launch.arg(&ids).arg(&mut out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
         out
     }
 
@@ -257,7 +434,11 @@ impl Device for CudaDevice {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
         let mut out = self.tensor(x.rows, n);
-        self.gemm(x, &w.buf, n, &mut out.buf);
+        match &w.buf {
+            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf),
+            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false),
+            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true),
+        }
         if let Some(b) = bias {
             let total = (x.rows * n) as i64;
             let cols = n as i32;
@@ -266,7 +447,7 @@ impl Device for CudaDevice {
                 self.stream
                     .launch_builder(self.f("add_bias_f32"))
                     .arg(&mut out.buf)
-                    .arg(&b.buf)
+                    .arg(b.f32())
                     .arg(&cols)
                     .arg(&total)
                     .launch(Self::grid(total as usize))
@@ -287,7 +468,7 @@ impl Device for CudaDevice {
                 .arg(&x.buf)
                 .arg(&mut dummy)
                 .arg(&use_res)
-                .arg(&w.buf)
+                .arg(w.f32())
                 .arg(&mut out.buf)
                 .arg(&cols)
                 .arg(&eps)
@@ -313,7 +494,7 @@ impl Device for CudaDevice {
                 .arg(&x.buf)
                 .arg(&mut residual.buf)
                 .arg(&use_res)
-                .arg(&w.buf)
+                .arg(w.f32())
                 .arg(&mut out.buf)
                 .arg(&cols)
                 .arg(&eps)
@@ -370,7 +551,9 @@ impl Device for CudaDevice {
             self.tensor(n, s.num_kv_heads * s.head_dim),
         );
         let pos = self.upload_u32(positions);
-        let inv = self.stream.clone_htod(&rope.inv_freq).expect("host to device copy");
+        self.inv_freq(rope);
+        let inv_guard = self.inv_freq.borrow();
+        let inv = &inv_guard.as_ref().expect("uploaded above").1;
         let (h, kvh, hd, half) =
             (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
         // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q, k, v are sized for their heads.
@@ -382,7 +565,7 @@ impl Device for CudaDevice {
                 .arg(&mut k.buf)
                 .arg(&mut v.buf)
                 .arg(&pos)
-                .arg(&inv)
+                .arg(inv)
                 .arg(&h)
                 .arg(&kvh)
                 .arg(&hd)
@@ -403,7 +586,10 @@ impl Device for CudaDevice {
         meta: &AttnMetadata,
     ) -> CudaTensor {
         let width = (s.num_kv_heads * s.head_dim) as i32;
-        let slots = self.stream.clone_htod(&meta.slot_mapping).expect("host to device copy");
+        self.step_bufs(meta);
+        let guard = self.step.borrow();
+        let b = guard.as_ref().expect("uploaded above");
+        let slots = &b.slots;
         // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
         unsafe {
             self.stream
@@ -412,20 +598,13 @@ impl Device for CudaDevice {
                 .arg(&v.buf)
                 .arg(&mut cache.k)
                 .arg(&mut cache.v)
-                .arg(&slots)
+                .arg(slots)
                 .arg(&width)
                 .launch(Self::rows(k.rows))
         }
         .expect("write_kv launch");
-        let mut flat = Vec::new();
-        let mut offs = Vec::with_capacity(meta.block_tables.len());
-        for t in &meta.block_tables {
-            offs.push(flat.len() as u32);
-            flat.extend_from_slice(t);
-        }
-        let (tables, offs) = (self.upload_u32(&flat), self.upload_u32(&offs));
-        let (pos, seq) = (self.upload_u32(&meta.positions), self.upload_u32(&meta.token_seq));
-        let ctx_max = meta.positions.iter().copied().max().unwrap_or(0) as usize + 1;
+        let (tables, offs, pos, seq, ctx_max) =
+            (&b.tables, &b.table_offsets, &b.positions, &b.token_seq, b.ctx_max);
         let mut out = self.tensor(q.rows, s.num_heads * s.head_dim);
         let cfg = LaunchConfig {
             grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
@@ -442,10 +621,10 @@ impl Device for CudaDevice {
                 .arg(&cache.k)
                 .arg(&cache.v)
                 .arg(&mut out.buf)
-                .arg(&pos)
-                .arg(&seq)
-                .arg(&tables)
-                .arg(&offs)
+                .arg(pos)
+                .arg(seq)
+                .arg(tables)
+                .arg(offs)
                 .arg(&h)
                 .arg(&kvh)
                 .arg(&hd)

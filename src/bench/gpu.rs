@@ -1,0 +1,190 @@
+//! `actorllm bench latency` and `actorllm bench throughput` (vLLM's two offline benchmarks),
+//! each printed beside the bandwidth bound of the model: weight bytes / measured copy
+//! bandwidth of the device it runs on.
+
+use std::time::Instant;
+
+use futures::StreamExt;
+use serde::Serialize;
+
+use super::{decode_run, prompt};
+use crate::config::{DeviceArg, EngineArgs};
+use crate::engine::Engine;
+use crate::kernels::cuda::CudaDevice;
+use crate::request::{SamplingParams, TokenEvent};
+use crate::sampling::uniform;
+
+/// Bytes/s a device copies (reads + writes), the bound for weight-streaming decode.
+fn copy_bandwidth(args: &EngineArgs) -> f64 {
+    let cuda = match args.device {
+        DeviceArg::Cuda => true,
+        DeviceArg::Cpu => false,
+        DeviceArg::Auto => CudaDevice::available(),
+    };
+    if cuda && let Ok(d) = CudaDevice::new(0) {
+        return d.copy_bandwidth();
+    }
+    let n = 256usize << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let start = Instant::now();
+    for _ in 0..3 {
+        dst.copy_from_slice(std::hint::black_box(&src));
+    }
+    std::hint::black_box(&dst);
+    (3 * 2 * n) as f64 / start.elapsed().as_secs_f64()
+}
+
+#[derive(Debug, Serialize)]
+struct Bound {
+    weight_bytes: usize,
+    copy_bandwidth_gb_s: f64,
+    /// Batch-1 decode can not beat reading every weight once per token.
+    bound_tokens_per_s: f64,
+}
+
+fn bound(engine: &Engine, args: &EngineArgs) -> Bound {
+    // Memory traffic of a copy (bytes read + written per second): the rate at which the
+    // device moves bytes, each weight byte moving once per decode step.
+    let bw = copy_bandwidth(args);
+    Bound {
+        weight_bytes: engine.weight_bytes(),
+        copy_bandwidth_gb_s: bw / 1e9,
+        bound_tokens_per_s: bw / engine.weight_bytes() as f64,
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct LatencyReport {
+    batch_size: usize,
+    input_len: usize,
+    output_len: usize,
+    ms_per_step: f64,
+    tokens_per_s: f64,
+    bound: Bound,
+}
+
+pub async fn latency(
+    args: EngineArgs,
+    batch_size: usize,
+    input_len: usize,
+    output_len: usize,
+    json: bool,
+) -> anyhow::Result<()> {
+    let engine = Engine::start(args.clone()).await?;
+    decode_run(&engine, batch_size, input_len, 8).await?;
+    let f = decode_run(&engine, batch_size, input_len, output_len).await?;
+    let report = LatencyReport {
+        batch_size,
+        input_len,
+        output_len,
+        ms_per_step: f.ms_per_step,
+        tokens_per_s: f.decode_tokens_per_s,
+        bound: bound(&engine, &args),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "latency: batch {batch_size}, input {input_len}, output {output_len}: {:.2} ms/step, {:.1} tok/s \
+             (bandwidth bound {:.1} tok/s: {:.2} GB of weights at {:.0} GB/s)",
+            report.ms_per_step,
+            report.tokens_per_s,
+            report.bound.bound_tokens_per_s,
+            report.bound.weight_bytes as f64 / 1e9,
+            report.bound.copy_bandwidth_gb_s
+        );
+    }
+    Ok(())
+}
+
+/// Log-normal lengths with the given mean (σ = 0.8), clamped, from a fixed seed.
+fn lengths(n: usize, mean: f64, seed: u64, lo: usize, hi: usize) -> Vec<usize> {
+    let sigma = 0.8f64;
+    let mu = mean.ln() - sigma * sigma / 2.0;
+    (0..n)
+        .map(|i| {
+            let (u1, u2) = (uniform(seed, i, 0).max(1e-12), uniform(seed, i, 1));
+            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+            ((mu + sigma * z).exp().round() as usize).clamp(lo, hi)
+        })
+        .collect()
+}
+
+#[derive(Debug, Serialize)]
+struct ThroughputReport {
+    requests: usize,
+    mean_input_len: f64,
+    mean_output_len: f64,
+    seconds: f64,
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    total_tokens_per_s: f64,
+    bound: Bound,
+}
+
+pub async fn throughput(args: EngineArgs, num_prompts: usize, seed: u64, json: bool) -> anyhow::Result<()> {
+    let engine = Engine::start(args.clone()).await?;
+    let vocab = engine.model_config().vocab_size;
+    let max_len = engine.config().max_model_len;
+    let inputs = lengths(num_prompts, 200.0, seed, 4, 1024);
+    let outputs = lengths(num_prompts, 180.0, seed ^ 0x5eed, 4, 1024);
+    let start = Instant::now();
+    let mut streams = Vec::with_capacity(num_prompts);
+    for (i, (&inp, &out)) in inputs.iter().zip(&outputs).enumerate() {
+        let out = out.min(max_len - inp);
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(out),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        streams.push(engine.add_request(engine.next_request_id("tp"), prompt(inp, i, vocab), params).await?);
+    }
+    let counts = futures::future::join_all(streams.into_iter().map(|mut s| async move {
+        let mut n = 0usize;
+        while let Some(ev) = s.next().await {
+            match ev {
+                TokenEvent::Token { .. } => n += 1,
+                TokenEvent::Done { .. } => break,
+                TokenEvent::Error { message } => return Err(anyhow::anyhow!(message)),
+                TokenEvent::Finished { .. } => {}
+            }
+        }
+        Ok(n)
+    }))
+    .await
+    .into_iter()
+    .collect::<anyhow::Result<Vec<usize>>>()?;
+    let secs = start.elapsed().as_secs_f64();
+    let out_tokens: usize = counts.iter().sum();
+    let in_tokens: usize = inputs.iter().sum();
+    let report = ThroughputReport {
+        requests: num_prompts,
+        mean_input_len: in_tokens as f64 / num_prompts as f64,
+        mean_output_len: out_tokens as f64 / num_prompts as f64,
+        seconds: secs,
+        requests_per_s: num_prompts as f64 / secs,
+        output_tokens_per_s: out_tokens as f64 / secs,
+        total_tokens_per_s: (in_tokens + out_tokens) as f64 / secs,
+        bound: bound(&engine, &args),
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "throughput: {} requests (input {:.0}, output {:.0} tokens on average) in {:.1} s: {:.2} req/s, \
+             {:.0} output tok/s, {:.0} total tok/s (batch-1 bandwidth bound {:.1} tok/s)",
+            report.requests,
+            report.mean_input_len,
+            report.mean_output_len,
+            secs,
+            report.requests_per_s,
+            report.output_tokens_per_s,
+            report.total_tokens_per_s,
+            report.bound.bound_tokens_per_s
+        );
+    }
+    Ok(())
+}

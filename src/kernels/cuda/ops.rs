@@ -1,0 +1,375 @@
+//! The [`Device`] operations of the CUDA device: one launch (or cuBLAS call) each, with
+//! shapes checked by the model and indices bounded by the scheduler's metadata.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, WeightArg, WeightBuf, err};
+use crate::kernels::{
+    AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+};
+use crate::models::attn::AttnMetadata;
+
+impl Device for CudaDevice {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type Cache = CudaCache;
+    type Lora = CudaLora;
+
+    fn name(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "CUDA".into());
+        format!("{name} ({})", self.arch)
+    }
+
+    fn memory_info(&self) -> Option<(usize, usize)> {
+        self.ctx.bind_to_thread().ok()?;
+        cudarc::driver::result::mem_get_info().ok()
+    }
+
+    fn upload(&self, t: HostTensor) -> Result<CudaWeight, DeviceError> {
+        let numel: usize = t.shape.iter().product();
+        let need = numel * t.dtype.size();
+        if t.data.len() != need {
+            return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
+        }
+        let buf = match (t.dtype, t.shape.len()) {
+            (DType::BF16, 2) => WeightBuf::Bf16(
+                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
+            ),
+            (DType::F16, 2) => WeightBuf::F16(
+                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
+            ),
+            _ => {
+                let mut bytes = Vec::new();
+                DType::F32.convert_from(t.dtype, &t.data, &mut bytes);
+                let host: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+                WeightBuf::F32(self.stream.clone_htod(&host).map_err(err)?)
+            }
+        };
+        Ok(CudaWeight { shape: t.shape, buf })
+    }
+
+    fn alloc_cache(&self, shape: CacheShape) -> Result<CudaCache, DeviceError> {
+        let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        Ok(CudaCache {
+            shape,
+            k: self.stream.alloc_zeros(n).map_err(err)?,
+            v: self.stream.alloc_zeros(n).map_err(err)?,
+        })
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
+        let mut v = self.stream.clone_dtoh(&t.buf).expect("device to host copy");
+        v.truncate(t.rows * t.cols);
+        v
+    }
+
+    fn shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+        let hidden = table.shape[1];
+        let mut out = self.tensor(ids.len(), hidden);
+        let ids = self.upload_u32(ids);
+        let h = hidden as i32;
+        let cfg = Self::rows(out.rows);
+        let (name, table_ptr) = match &table.buf {
+            WeightBuf::F32(t) => ("embedding_f32", t as &dyn WeightArg),
+            WeightBuf::Bf16(t) => ("embedding_bf16", t as &dyn WeightArg),
+            WeightBuf::F16(t) => ("embedding_f16", t as &dyn WeightArg),
+        };
+        let mut launch = self.stream.launch_builder(self.f(name));
+        table_ptr.push(&mut launch);
+        // SAFETY: table is [vocab, hidden]; ids were validated against the vocabulary at admission.
+        unsafe { launch.arg(&ids).arg(&mut out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
+        out
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> CudaTensor {
+        let (n, k) = (w.shape[0], w.shape[1]);
+        assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
+        let mut out = self.tensor(x.rows, n);
+        match &w.buf {
+            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf),
+            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false),
+            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true),
+        }
+        if let Some(b) = bias {
+            let total = (x.rows * n) as i64;
+            let cols = n as i32;
+            // SAFETY: out is [rows, n] and b holds n values.
+            unsafe {
+                self.stream
+                    .launch_builder(self.f("add_bias_f32"))
+                    .arg(&mut out.buf)
+                    .arg(b.f32())
+                    .arg(&cols)
+                    .arg(&total)
+                    .launch(Self::grid(total as usize))
+            }
+            .expect("bias launch");
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
+        let mut out = self.tensor(x.rows, x.cols);
+        let mut dummy = self.zeros(1);
+        let (use_res, cols) = (0i32, x.cols as i32);
+        // SAFETY: x and out are [rows, cols]; w holds cols values; residual unused.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("rms_norm_f32"))
+                .arg(&x.buf)
+                .arg(&mut dummy)
+                .arg(&use_res)
+                .arg(w.f32())
+                .arg(&mut out.buf)
+                .arg(&cols)
+                .arg(&eps)
+                .launch(Self::rows(x.rows))
+        }
+        .expect("rms_norm launch");
+        out
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        residual: &mut CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> CudaTensor {
+        let mut out = self.tensor(x.rows, x.cols);
+        let (use_res, cols) = (1i32, x.cols as i32);
+        // SAFETY: x, residual and out are [rows, cols]; w holds cols values.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("rms_norm_f32"))
+                .arg(&x.buf)
+                .arg(&mut residual.buf)
+                .arg(&use_res)
+                .arg(w.f32())
+                .arg(&mut out.buf)
+                .arg(&cols)
+                .arg(&eps)
+                .launch(Self::rows(x.rows))
+        }
+        .expect("add_rms_norm launch");
+        out
+    }
+
+    fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) {
+        let n = (acc.rows * acc.cols) as i64;
+        // SAFETY: both hold n values.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("add_f32"))
+                .arg(&mut acc.buf)
+                .arg(&x.buf)
+                .arg(&n)
+                .launch(Self::grid(n as usize))
+        }
+        .expect("add launch");
+    }
+
+    fn silu_mul(&self, gate_up: &CudaTensor) -> CudaTensor {
+        let inter = gate_up.cols / 2;
+        let mut out = self.tensor(gate_up.rows, inter);
+        let total = (gate_up.rows * inter) as i64;
+        let i = inter as i32;
+        // SAFETY: gate_up is [rows, 2·inter], out [rows, inter].
+        unsafe {
+            self.stream
+                .launch_builder(self.f("silu_mul_f32"))
+                .arg(&gate_up.buf)
+                .arg(&mut out.buf)
+                .arg(&i)
+                .arg(&total)
+                .launch(Self::grid(total as usize))
+        }
+        .expect("silu_mul launch");
+        out
+    }
+
+    fn split_qkv_rope(
+        &self,
+        qkv: &CudaTensor,
+        s: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+    ) -> (CudaTensor, CudaTensor, CudaTensor) {
+        let n = qkv.rows;
+        let (mut q, mut k, mut v) = (
+            self.tensor(n, s.num_heads * s.head_dim),
+            self.tensor(n, s.num_kv_heads * s.head_dim),
+            self.tensor(n, s.num_kv_heads * s.head_dim),
+        );
+        let pos = self.upload_u32(positions);
+        self.inv_freq(rope);
+        let inv_guard = self.inv_freq.borrow();
+        let inv = &inv_guard.as_ref().expect("uploaded above").1;
+        let (h, kvh, hd, half) =
+            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
+        // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q, k, v are sized for their heads.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("split_qkv_rope_f32"))
+                .arg(&qkv.buf)
+                .arg(&mut q.buf)
+                .arg(&mut k.buf)
+                .arg(&mut v.buf)
+                .arg(&pos)
+                .arg(inv)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&hd)
+                .arg(&half)
+                .launch(Self::rows(n))
+        }
+        .expect("rope launch");
+        (q, k, v)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        cache: &mut CudaCache,
+        s: AttnShape,
+        meta: &AttnMetadata,
+    ) -> CudaTensor {
+        let width = (s.num_kv_heads * s.head_dim) as i32;
+        self.step_bufs(meta);
+        let guard = self.step.borrow();
+        let b = guard.as_ref().expect("uploaded above");
+        let slots = &b.slots;
+        // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
+        unsafe {
+            self.stream
+                .launch_builder(self.f("write_kv_f32"))
+                .arg(&k.buf)
+                .arg(&v.buf)
+                .arg(&mut cache.k)
+                .arg(&mut cache.v)
+                .arg(slots)
+                .arg(&width)
+                .launch(Self::rows(k.rows))
+        }
+        .expect("write_kv launch");
+        let (tables, offs, pos, seq, ctx_max) =
+            (&b.tables, &b.table_offsets, &b.positions, &b.token_seq, b.ctx_max);
+        let mut out = self.tensor(q.rows, s.num_heads * s.head_dim);
+        let cfg = LaunchConfig {
+            grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (ctx_max * 4) as u32,
+        };
+        let (h, kvh, hd, bs) =
+            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, cache.shape.block_size as i32);
+        // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("paged_attention_f32"))
+                .arg(&q.buf)
+                .arg(&cache.k)
+                .arg(&cache.v)
+                .arg(&mut out.buf)
+                .arg(pos)
+                .arg(seq)
+                .arg(tables)
+                .arg(offs)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&hd)
+                .arg(&bs)
+                .arg(&s.scale)
+                .launch(cfg)
+        }
+        .expect("paged_attention launch");
+        out
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        let mut out = self.tensor(rows.len(), x.cols);
+        let r: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let r = self.upload_u32(&r);
+        let cols = x.cols as i32;
+        // SAFETY: rows index inside x.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("gather_rows_f32"))
+                .arg(&x.buf)
+                .arg(&r)
+                .arg(&mut out.buf)
+                .arg(&cols)
+                .launch(Self::rows(rows.len()))
+        }
+        .expect("gather launch");
+        out
+    }
+
+    fn alloc_lora(&self, shape: LoraShape) -> Result<CudaLora, DeviceError> {
+        let (s, r) = (shape.slots, shape.max_rank);
+        Ok(CudaLora {
+            shape,
+            a: self.stream.alloc_zeros(s * r * shape.in_features).map_err(err)?,
+            bt: self.stream.alloc_zeros(s * r * shape.out_features).map_err(err)?,
+            ranks: vec![0; s],
+            ranks_dev: self.stream.alloc_zeros(s.max(1)).map_err(err)?,
+        })
+    }
+
+    fn set_lora_slot(&self, l: &mut CudaLora, slot: usize, w: Option<LoraSlotWeights>) {
+        let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = l.shape;
+        let mut a = vec![0f32; rm * fin];
+        let mut bt = vec![0f32; rm * fout];
+        l.ranks[slot] = 0;
+        if let Some(w) = w {
+            a[..w.rank * fin].copy_from_slice(w.a);
+            for o in 0..fout {
+                for r in 0..w.rank {
+                    bt[r * fout + o] = w.b[o * w.rank + r] * w.scale;
+                }
+            }
+            l.ranks[slot] = w.rank as i32;
+        }
+        let mut av = l.a.slice_mut(slot * rm * fin..(slot + 1) * rm * fin);
+        self.stream.memcpy_htod(&a, &mut av).expect("host to device copy");
+        let mut bv = l.bt.slice_mut(slot * rm * fout..(slot + 1) * rm * fout);
+        self.stream.memcpy_htod(&bt, &mut bv).expect("host to device copy");
+        self.stream.memcpy_htod(&l.ranks, &mut l.ranks_dev).expect("host to device copy");
+    }
+
+    fn add_lora(&self, y: &mut CudaTensor, x: &CudaTensor, modules: &[(&CudaLora, usize)], slots: &[i32]) {
+        let s = self.stream.clone_htod(slots).expect("host to device copy");
+        for (l, off) in modules {
+            let LoraShape { max_rank, in_features, out_features, .. } = l.shape;
+            let args = [max_rank as i32, in_features as i32, out_features as i32, *off as i32, y.cols as i32];
+            let cfg = LaunchConfig {
+                grid_dim: (y.rows as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (max_rank * 4) as u32,
+            };
+            // SAFETY: slots hold one entry per row of y and x; offsets are within y's row.
+            unsafe {
+                self.stream
+                    .launch_builder(self.f("lora_f32"))
+                    .arg(&mut y.buf)
+                    .arg(&x.buf)
+                    .arg(&l.a)
+                    .arg(&l.bt)
+                    .arg(&l.ranks_dev)
+                    .arg(&s)
+                    .arg(&args[0])
+                    .arg(&args[1])
+                    .arg(&args[2])
+                    .arg(&args[3])
+                    .arg(&args[4])
+                    .launch(cfg)
+            }
+            .expect("lora launch");
+        }
+    }
+}

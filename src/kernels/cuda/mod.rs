@@ -91,6 +91,10 @@ pub struct CudaDevice {
     step: std::cell::RefCell<Option<StepBufs>>,
     /// The rotary inverse frequencies, uploaded on first use.
     inv_freq: std::cell::RefCell<Option<(Vec<f32>, CudaSlice<f32>)>>,
+    /// The step's token positions for RoPE, uploaded once for all layers. A copy from
+    /// pageable host memory waits for the stream to drain: once per layer it would stall
+    /// the host behind the GPU every layer.
+    rope_positions: std::cell::RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
 }
 
 /// Attention metadata of one step on the device, with the host copy it came from.
@@ -141,6 +145,7 @@ impl CudaDevice {
             arch,
             step: std::cell::RefCell::new(None),
             inv_freq: std::cell::RefCell::new(None),
+            rope_positions: std::cell::RefCell::new(None),
         })
     }
 
@@ -201,6 +206,14 @@ impl CudaDevice {
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
         *self.step.borrow_mut() = Some(bufs);
+    }
+
+    fn rope_positions(&self, positions: &[u32]) {
+        if self.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
+            return;
+        }
+        let dev = self.upload_u32(positions);
+        *self.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
     }
 
     fn inv_freq(&self, rope: &RopeSpec) {

@@ -205,7 +205,9 @@ impl Device for CudaDevice {
             self.tensor(n, s.num_kv_heads * s.head_dim),
             self.tensor(n, s.num_kv_heads * s.head_dim),
         );
-        let pos = self.upload_u32(positions);
+        self.rope_positions(positions);
+        let pos_guard = self.rope_positions.borrow();
+        let pos = &pos_guard.as_ref().expect("uploaded above").1;
         self.inv_freq(rope);
         let inv_guard = self.inv_freq.borrow();
         let inv = &inv_guard.as_ref().expect("uploaded above").1;
@@ -219,7 +221,7 @@ impl Device for CudaDevice {
                 .arg(&mut q.buf)
                 .arg(&mut k.buf)
                 .arg(&mut v.buf)
-                .arg(&pos)
+                .arg(pos)
                 .arg(inv)
                 .arg(&h)
                 .arg(&kvh)

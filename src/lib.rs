@@ -6,16 +6,21 @@
 //!
 //! - `engine`: the [`Engine`] handle: starts the actors, `add_request` → token stream, abort.
 //! - `actors/`: one actor per file: `scheduler` (queues, step loop), `block_manager` (KV
-//!   blocks), `model_runner` (one per device, on its own thread).
-//! - `core/`: the plain structs under the actors: block pool, scheduler, output processing.
+//!   blocks), `model_runner` (one per device, on its own thread), `lora_manager` (adapter
+//!   registry and host copies).
+//! - `core/`: the plain structs under the actors: block pool, scheduler, LoRA slots,
+//!   output processing.
 //! - `models/`: the forward contract, HF config, safetensors loader, shared `layers/`,
-//!   `llama.rs`, and the `registry` of architectures.
-//! - `kernels/`: the `Device` trait and its CPU implementation (`cpu/`).
+//!   `llama.rs`, PEFT `lora.rs`, the `registry` of architectures and the `random` model
+//!   maker.
+//! - `kernels/`: the `Device` trait and its implementations: `cpu/` (Rust, AVX-512 where
+//!   present) and `cuda/` (NVRTC kernels + cuBLAS through cudarc, loaded dynamically).
 //! - `request`, `sampling`, `tokenizer`: sampling parameters and events, the sampler, the
 //!   tokenizer with chat templates and incremental detokenization.
 //! - `config`: engine arguments with vLLM's flag names, resolved once.
 //! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
 //! - `metrics`: counters and histograms for `/metrics`.
+//! - `bench/`: `actorllm bench offline | serve | latency | throughput`.
 //! - `web/`: the actix-web server: OpenAI routes with SSE, the WebSocket session actor,
 //!   errors in OpenAI's shape, health, metrics and the API key.
 

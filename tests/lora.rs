@@ -26,6 +26,13 @@ fn lora_args(modules: Vec<(String, std::path::PathBuf)>, max_loras: usize) -> En
     }
 }
 
+/// Greedy `tokens` tokens of `prompt` on `lora` (None = the base model).
+async fn on(engine: &Engine, prompt: &[u32], lora: &Option<String>, tokens: usize) -> common::Outcome {
+    let id = engine.next_request_id("t");
+    let s = engine.add_request_with_lora(id, prompt.to_vec(), greedy(tokens), lora.as_deref()).await.unwrap();
+    common::collect(s, 1).await
+}
+
 /// Base-model greedy continuations of the golden prompts (HF references, tests/fixtures).
 fn base_outputs() -> Vec<(Vec<u32>, Vec<u32>)> {
     #[derive(serde::Deserialize)]
@@ -64,22 +71,7 @@ async fn adapters_match_peft_in_one_mixed_batch_with_the_base_model() {
         runs.push((p, None));
         want.push(out[..g.tokens.min(out.len())].to_vec());
     }
-    let futures = runs.iter().map(|(p, lora)| {
-        let engine = engine.clone();
-        async move {
-            let s = engine
-                .add_request_with_lora(
-                    engine.next_request_id("t"),
-                    p.clone(),
-                    greedy(g.tokens),
-                    lora.as_deref(),
-                )
-                .await
-                .unwrap();
-            common::collect(s, 1).await
-        }
-    });
-    let got = futures::future::join_all(futures).await;
+    let got = futures::future::join_all(runs.iter().map(|(p, lora)| on(&engine, p, lora, g.tokens))).await;
     for (((p, lora), want), got) in runs.iter().zip(&want).zip(got) {
         assert_eq!(&got.tokens[0], want, "prompt {p:?} with adapter {lora:?}");
     }
@@ -108,22 +100,8 @@ async fn a_zero_b_adapter_gives_exactly_the_base_output_and_more_adapters_than_s
         ));
     }
     reqs.push((prompt, None, base[..g.tokens].to_vec()));
-    let futures = reqs.iter().map(|(p, lora, _)| {
-        let engine = engine.clone();
-        async move {
-            let s = engine
-                .add_request_with_lora(
-                    engine.next_request_id("t"),
-                    p.clone(),
-                    greedy(g.tokens),
-                    lora.as_deref(),
-                )
-                .await
-                .unwrap();
-            common::collect(s, 1).await
-        }
-    });
-    for ((_, lora, want), got) in reqs.iter().zip(futures::future::join_all(futures).await) {
+    let got = futures::future::join_all(reqs.iter().map(|(p, lora, _)| on(&engine, p, lora, g.tokens))).await;
+    for ((_, lora, want), got) in reqs.iter().zip(got) {
         assert_eq!(&got.tokens[0], want, "adapter {lora:?}");
     }
 }

@@ -155,16 +155,15 @@ impl<D: Device> ModelRunner<D> {
         if ids.is_empty() {
             return Ok(StepOutput::default());
         }
-        let positions = meta.positions.clone();
-        let hidden = self.model.forward(&self.dev, &ids, &positions, &mut self.caches, &meta);
+        let hidden = self.model.forward(&self.dev, &ids, &meta.positions, &mut self.caches, &meta);
         if sampled_seqs.is_empty() {
             return Ok(StepOutput::default());
         }
-        let logits = self.dev.to_host(&self.model.compute_logits(&self.dev, &hidden, &meta)); // [seqs · vocab]
+        let mut logits = self.dev.to_host(&self.model.compute_logits(&self.dev, &hidden, &meta)); // [seqs · vocab]
         let vocab = logits.len() / sampled_seqs.len();
         let eos = self.eos_ids.clone();
         let results: Vec<(u32, Option<TokenLogprobs>)> = logits
-            .par_chunks(vocab)
+            .par_chunks_mut(vocab)
             .zip(&sampled_seqs)
             .map(|(row, id)| {
                 let rs = &self.seqs[id];
@@ -176,7 +175,7 @@ impl<D: Device> ModelRunner<D> {
                     prompt_len: rs.prompt_len,
                     eos_ids: &eos,
                 };
-                sample(&mut row.to_vec(), &inp)
+                sample(row, &inp)
             })
             .collect();
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()) };

@@ -224,16 +224,45 @@ impl CudaDevice {
         *self.inv_freq.borrow_mut() = Some((rope.inv_freq.clone(), dev));
     }
 
+    /// RMSNorm of each row, after `residual += x` when a residual is given (the kernel
+    /// then normalizes the sum and writes it back to the residual).
+    fn norm(
+        &self,
+        x: &CudaTensor,
+        residual: Option<&mut CudaTensor>,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> CudaTensor {
+        let mut out = self.tensor(x.rows, x.cols);
+        let cols = x.cols as i32;
+        let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
+        launch.arg(&x.buf);
+        let use_res = i32::from(residual.is_some());
+        match residual {
+            Some(r) => launch.arg(&mut r.buf),
+            // Not written when use_residual is 0: x's buffer only fills the slot.
+            None => launch.arg(&x.buf),
+        };
+        // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values.
+        unsafe {
+            launch
+                .arg(&use_res)
+                .arg(w.f32())
+                .arg(&mut out.buf)
+                .arg(&cols)
+                .arg(&eps)
+                .launch(Self::rows(x.rows))
+        }
+        .expect("rms_norm launch");
+        out
+    }
+
     pub fn arch(&self) -> &str {
         &self.arch
     }
 
     fn f(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
-    }
-
-    fn zeros(&self, n: usize) -> CudaSlice<f32> {
-        self.stream.alloc_zeros::<f32>(n.max(1)).expect("device allocation")
     }
 
     /// An uninitialized activation tensor: every kernel and GEMM that makes one writes all

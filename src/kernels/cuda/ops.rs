@@ -113,24 +113,7 @@ impl Device for CudaDevice {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
-        let mut out = self.tensor(x.rows, x.cols);
-        let mut dummy = self.zeros(1);
-        let (use_res, cols) = (0i32, x.cols as i32);
-        // SAFETY: x and out are [rows, cols]; w holds cols values; residual unused.
-        unsafe {
-            self.stream
-                .launch_builder(self.f("rms_norm_f32"))
-                .arg(&x.buf)
-                .arg(&mut dummy)
-                .arg(&use_res)
-                .arg(w.f32())
-                .arg(&mut out.buf)
-                .arg(&cols)
-                .arg(&eps)
-                .launch(Self::rows(x.rows))
-        }
-        .expect("rms_norm launch");
-        out
+        self.norm(x, None, w, eps)
     }
 
     fn add_rms_norm(
@@ -140,23 +123,7 @@ impl Device for CudaDevice {
         w: &CudaWeight,
         eps: f32,
     ) -> CudaTensor {
-        let mut out = self.tensor(x.rows, x.cols);
-        let (use_res, cols) = (1i32, x.cols as i32);
-        // SAFETY: x, residual and out are [rows, cols]; w holds cols values.
-        unsafe {
-            self.stream
-                .launch_builder(self.f("rms_norm_f32"))
-                .arg(&x.buf)
-                .arg(&mut residual.buf)
-                .arg(&use_res)
-                .arg(w.f32())
-                .arg(&mut out.buf)
-                .arg(&cols)
-                .arg(&eps)
-                .launch(Self::rows(x.rows))
-        }
-        .expect("add_rms_norm launch");
-        out
+        self.norm(x, Some(residual), w, eps)
     }
 
     fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) {

@@ -59,6 +59,10 @@ pub struct EngineArgs {
     pub gpu_memory_utilization: f64,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
+    /// Ranks the model is split over (one ModelRunner each): GPUs with --device cuda,
+    /// threads on the CPU.
+    #[arg(long, visible_alias = "tp", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     #[command(flatten)]
     pub lora: LoraArgs,
 }
@@ -142,6 +146,7 @@ impl Default for EngineArgs {
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             device: DeviceArg::Cpu,
+            tensor_parallel_size: 1,
             lora: LoraArgs::default(),
         }
     }
@@ -167,6 +172,8 @@ pub enum ConfigError {
     LoraDisabled(&'static str),
     #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 256")]
     LoraLimits,
+    #[error("--tensor-parallel-size {tp}: {reason}")]
+    TensorParallel { tp: usize, reason: String },
 }
 
 /// Resolved engine settings: no Options, validated against the model.
@@ -180,14 +187,43 @@ pub struct EngineConfig {
     pub block_size: usize,
     pub num_blocks: usize,
     pub lora: Option<LoraConfig>,
+    pub tensor_parallel_size: usize,
+}
+
+/// KV heads each rank holds: a share of them, or one replicated head when there are fewer
+/// KV heads than ranks.
+pub fn kv_heads_per_rank(model: &ModelConfig, tp: usize) -> usize {
+    (model.num_kv_heads / tp).max(1)
+}
+
+/// Checks that the model's shapes split over `tp` ranks (vLLM's rules).
+fn check_tensor_parallel(model: &ModelConfig, tp: usize) -> Result<(), ConfigError> {
+    let fail = |reason: String| Err(ConfigError::TensorParallel { tp, reason });
+    let (heads, kv) = (model.num_heads, model.num_kv_heads);
+    if tp == 0 {
+        return fail("must be at least 1".into());
+    }
+    if !heads.is_multiple_of(tp) {
+        return fail(format!("the model's {heads} attention heads are not divisible by {tp} ranks"));
+    }
+    if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
+        return fail(format!("the model's {kv} KV heads neither divide nor are divisible by {tp} ranks"));
+    }
+    if !model.intermediate_size.is_multiple_of(tp) {
+        return fail(format!(
+            "the MLP's {} features are not divisible by {tp} ranks",
+            model.intermediate_size
+        ));
+    }
+    Ok(())
 }
 
 impl EngineConfig {
     /// Sizes the KV cache to `bytes` (a GPU's budget after the weights), with the same
     /// check that --max-model-len fits. A margin stays free for activations.
     pub fn resize_kv(&mut self, model: &ModelConfig, bytes: usize) -> Result<(), ConfigError> {
-        let bytes_per_block =
-            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * 4;
+        let kv_heads = kv_heads_per_rank(model, self.tensor_parallel_size);
+        let bytes_per_block = 2 * model.num_layers * self.block_size * kv_heads * model.head_dim * 4;
         let activations = 2usize << 30;
         self.num_blocks = bytes.saturating_sub(activations) / bytes_per_block;
         let capacity = self.num_blocks * self.block_size;
@@ -216,8 +252,19 @@ impl EngineConfig {
         if max_model_len > limit {
             return Err(ConfigError::MaxModelLen { given: max_model_len, limit });
         }
-        // f32 cache on the CPU: K and V per layer per token.
-        let bytes_per_block = 2 * model.num_layers * bs * model.num_kv_heads * model.head_dim * 4;
+        let tp = args.tensor_parallel_size;
+        check_tensor_parallel(model, tp)?;
+        if tp > 1 && args.lora.enable_lora {
+            return Err(ConfigError::TensorParallel {
+                tp,
+                reason:
+                    "LoRA adapters are not split over ranks yet; serve them with --tensor-parallel-size 1"
+                        .into(),
+            });
+        }
+        // f32 cache on the CPU: K and V per layer per token, of one rank's KV heads.
+        let kv_heads = kv_heads_per_rank(model, tp);
+        let bytes_per_block = 2 * model.num_layers * bs * kv_heads * model.head_dim * 4;
         let num_blocks = match args.num_gpu_blocks_override {
             Some(n) => n,
             None => (args.kv_cache_space * (1u64 << 30) as f64) as usize / bytes_per_block,
@@ -277,6 +324,7 @@ impl EngineConfig {
             max_num_batched_tokens: args.max_num_batched_tokens,
             block_size: bs,
             num_blocks,
+            tensor_parallel_size: tp,
         })
     }
 }

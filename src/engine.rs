@@ -95,7 +95,8 @@ impl Engine {
             DeviceArg::Auto => CudaDevice::available(),
         };
         if cuda {
-            Self::start_on(args, ModelRegistry::<CudaDevice>::default(), || CudaDevice::new(0)).await
+            let tp = args.tensor_parallel_size;
+            Self::start_on(args, ModelRegistry::<CudaDevice>::default(), move || CudaDevice::group(tp)).await
         } else {
             Self::start_with(args, ModelRegistry::default()).await
         }
@@ -107,15 +108,17 @@ impl Engine {
         args: EngineArgs,
         registry: ModelRegistry<CpuDevice>,
     ) -> Result<Engine, EngineError> {
-        Self::start_on(args, registry, || Ok(CpuDevice)).await
+        let tp = args.tensor_parallel_size;
+        Self::start_on(args, registry, move || Ok(CpuDevice::group(tp))).await
     }
 
-    /// Starts the actors with a ModelRunner on the device `make` opens (on the loading
-    /// thread, which also uploads the weights).
+    /// Starts the actors with one ModelRunner per device that `make` opens: one device, or
+    /// the ranks of a tensor-parallel group in rank order. Each rank loads its shard of the
+    /// weights on a thread of its own.
     pub async fn start_on<D: Device>(
         args: EngineArgs,
         registry: ModelRegistry<D>,
-        make: impl FnOnce() -> Result<D, DeviceError> + Send + 'static,
+        make: impl FnOnce() -> Result<Vec<D>, DeviceError> + Send + 'static,
     ) -> Result<Engine, EngineError> {
         let model_config = ModelRegistry::<D>::read_config(&args.model)?;
         let mut config = EngineConfig::resolve(&args, &model_config)?;
@@ -128,19 +131,46 @@ impl Engine {
                 bf16: l.bf16,
             }),
         };
-        let (dev, loaded) = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
-            let dev = make().map_err(|e| EngineError::Device(e.to_string()))?;
-            let loaded = registry.load(&dev, &dir, dtype, &opts)?;
-            Ok((dev, loaded))
+        let ranks = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
+            let devs = make().map_err(|e| EngineError::Device(e.to_string()))?;
+            let (registry, dir) = (&registry, &dir);
+            std::thread::scope(|s| {
+                let loads: Vec<_> = devs
+                    .into_iter()
+                    .map(|dev| {
+                        s.spawn(move || -> Result<_, EngineError> {
+                            let loaded = registry.load(&dev, dir, dtype, &opts)?;
+                            Ok((dev, loaded.model))
+                        })
+                    })
+                    .collect();
+                loads
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .map_err(|_| EngineError::Device("a rank's loading thread panicked".into()))?
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
         })
         .await
         .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
-        // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights.
-        if let (Some((free, total)), None) = (dev.memory_info(), args.num_gpu_blocks_override) {
-            let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as usize;
-            config.resize_kv(&model_config, free.saturating_sub(keep))?;
+        // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
+        // (on the fullest rank: every rank holds the same number of blocks).
+        let memory = ranks.iter().map(|(d, _)| d.memory_info()).collect::<Option<Vec<_>>>();
+        if let (Some(memory), None) = (memory, args.num_gpu_blocks_override) {
+            let left = memory
+                .iter()
+                .map(|&(free, total)| {
+                    let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as usize;
+                    free.saturating_sub(keep)
+                })
+                .min()
+                .unwrap_or(0);
+            config.resize_kv(&model_config, left)?;
         }
-        let weight_bytes = loaded.model.weight_bytes();
+        let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
+        let dev_name = ranks[0].0.name();
         tracing::info!(
             model = %config.model_dir.display(),
             dtype = ?config.dtype,
@@ -148,18 +178,18 @@ impl Engine {
             kv_blocks = config.num_blocks,
             block_size = config.block_size,
             max_model_len = config.max_model_len,
-            "model loaded on {}",
-            dev.name()
+            tensor_parallel_size = ranks.len(),
+            "model loaded on {dev_name}",
         );
         let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
         let runner_cfg = RunnerConfig { num_blocks: config.num_blocks, block_size: config.block_size };
-        let runner = ModelRunner::new(dev, loaded.model, runner_cfg, eos)
+        let mut runners = ranks
+            .into_iter()
+            .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg, eos.clone()))
+            .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::Device(e.to_string()))?;
-        // A SyncArbiter with one thread calls the factory once; the runner moves into it.
-        let slot = Mutex::new(Some(runner));
-        let runner_addr = SyncArbiter::start(1, move || {
-            slot.lock().ok().and_then(|mut s| s.take()).expect("the one runner thread builds its actor once")
-        });
+        let peers = runners.split_off(1).into_iter().map(start_runner).collect();
+        let runner_addr = start_runner(runners.remove(0).with_peers(peers));
         let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();
         let metrics = Arc::new(Metrics::default());
         let sched_cfg = SchedulerConfig {
@@ -284,6 +314,15 @@ impl Engine {
         let b = self.inner.block_manager.send(GetBlockStats).await.map_err(|_| EngineError::Stopped)?;
         Ok((s, b))
     }
+}
+
+/// Starts a runner on a thread of its own: a SyncArbiter with one thread calls the factory
+/// once, and the runner moves into it.
+fn start_runner<D: Device>(runner: ModelRunner<D>) -> Addr<ModelRunner<D>> {
+    let slot = Mutex::new(Some(runner));
+    SyncArbiter::start(1, move || {
+        slot.lock().ok().and_then(|mut s| s.take()).expect("the one runner thread builds its actor once")
+    })
 }
 
 /// The events of one request. Dropping it before `Done` aborts the request in the engine.

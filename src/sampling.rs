@@ -20,6 +20,16 @@ pub struct SampleInput<'a> {
     pub eos_ids: &'a [u32],
 }
 
+impl SampleInput<'_> {
+    /// Whether the token is the plain argmax of the logits: greedy, without penalties,
+    /// logprobs or min_tokens masking (what the device samples by itself).
+    pub fn plain_greedy(&self) -> bool {
+        let p = self.params;
+        let masking = self.tokens.len() - self.prompt_len < p.min_tokens;
+        p.greedy() && p.logprobs.is_none() && !p.uses_penalties() && !masking
+    }
+}
+
 fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

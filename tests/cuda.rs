@@ -49,7 +49,7 @@ fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
 #[test]
 fn every_kernel_matches_its_cpu_twin() {
     let Some(g) = gpu() else { return };
-    let c = CpuDevice;
+    let c = CpuDevice::default();
     let both =
         |data: &[f32], rows, cols| (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols));
     // embedding, linear (+bias), norms, silu·mul, gather
@@ -61,6 +61,19 @@ fn every_kernel_matches_its_cpu_twin() {
         g.upload(host(&table, &[vocab, hidden])).unwrap(),
     );
     close("embedding", &g.to_host(&g.embedding(&te_g, &ids)), &c.to_host(&c.embedding(&te_c, &ids)), 0.0);
+    // argmax over a vocabulary-sized row, with planted ties (the lowest index wins) and a
+    // row of equal values.
+    let (rows, cols) = (5, 50_257);
+    let mut logits = rand(rows * cols, 20);
+    logits[cols + 40_000] = 9.0;
+    logits[cols + 123] = 9.0;
+    logits[2 * cols + cols - 1] = 7.5;
+    logits[4 * cols..5 * cols].fill(-1.0);
+    let (lc, lg) = both(&logits, rows, cols);
+    let want = c.argmax_rows(&lc);
+    assert_eq!(want[1], 123);
+    assert_eq!(want[4], 0);
+    assert_eq!(g.argmax_rows(&lg), want, "argmax");
     let x = rand(n * hidden, 2);
     let (xc, xg) = both(&x, n, hidden);
     let w = rand(97 * hidden, 3);
@@ -201,5 +214,36 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
             "{label}: {} preemptions",
             gpu.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed)
         );
+    }
+}
+
+/// Tensor parallelism over NCCL (needs two GPUs): split over 2 ranks, the engine gives the
+/// tokens of one GPU, for the tiny model and a Qwen2-0.5B-shaped one (q/k/v bias, 14 heads
+/// over 2 KV heads, a tied vocabulary of 151936).
+#[actix_rt::test]
+async fn two_gpus_give_the_one_gpu_tokens() {
+    if CudaDevice::count() < 2 {
+        eprintln!("SKIPPED: tensor parallelism needs 2 CUDA GPUs, this machine has {}", CudaDevice::count());
+        return;
+    }
+    let qwen = std::env::temp_dir().join(format!("actorllm-qwen-shape-{}", std::process::id()));
+    let mut shape = actorllm::models::random::Preset::Qwen2_0_5b.shape();
+    shape.layers = 4;
+    actorllm::models::random::make_random_model(shape, &qwen, DType::F32, 5, 4.0).unwrap();
+    for model in [tiny_model(41), qwen] {
+        let prompts: Vec<Vec<u32>> =
+            (0..5u32).map(|i| (0..(3 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
+        let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(32) };
+        let mut outs = Vec::new();
+        for tp in [1, 2] {
+            let args =
+                EngineArgs { device: DeviceArg::Cuda, tensor_parallel_size: tp, ..common::args(&model) };
+            let engine = Engine::start(args).await.unwrap();
+            let got =
+                futures::future::join_all(prompts.iter().map(|p| run(&engine, p.clone(), params.clone())))
+                    .await;
+            outs.push(got.into_iter().map(|o| o.tokens).collect::<Vec<_>>());
+        }
+        assert_eq!(outs[1], outs[0], "TP=2 against TP=1 on {}", model.display());
     }
 }

@@ -6,6 +6,7 @@
 mod common;
 
 use actorllm::Engine;
+use actorllm::config::EngineArgs;
 use actorllm::tokenizer::ChatMessage;
 use serde::Deserialize;
 
@@ -45,8 +46,26 @@ fn golden() -> Golden {
 
 #[actix_rt::test]
 async fn greedy_output_matches_transformers() {
+    greedy_matches(common::args(&common::default_model())).await;
+}
+
+/// Split over 3 ranks (9 heads, 3 KV heads, 1536 MLP features, a tied 49152-row
+/// vocabulary: 3 each), the CPU's tensor parallelism still gives HF's tokens.
+#[actix_rt::test]
+async fn greedy_output_matches_transformers_over_three_ranks() {
+    greedy_matches(EngineArgs { tensor_parallel_size: 3, ..common::args(&common::default_model()) }).await;
+}
+
+#[actix_rt::test]
+async fn two_ranks_cannot_split_nine_heads() {
+    let args = EngineArgs { tensor_parallel_size: 2, ..common::args(&common::default_model()) };
+    let e = Engine::start(args).await.err().expect("refused").to_string();
+    assert!(e.contains("9 attention heads are not divisible by 2 ranks"), "{e}");
+}
+
+async fn greedy_matches(args: EngineArgs) {
     let g = golden();
-    let engine = Engine::start(common::args(&common::default_model())).await.unwrap();
+    let engine = Engine::start(args).await.unwrap();
     let tok = engine.tokenizer().clone();
     let mut cases = Vec::new();
     for p in &g.prompts {

@@ -3,11 +3,17 @@
 //! seeds). The Scheduler sends it one [`ExecuteBatch`] per step; it turns the batch into
 //! flat inputs and attention metadata, runs the model's forward, samples, and returns token
 //! ids (and logprobs when asked).
+//!
+//! Under tensor parallelism there is one ModelRunner per rank, each on its own thread with
+//! its shard of the weights and KV cache. Rank 0 receives the Scheduler's batch, turns it
+//! into flat inputs, hands the same inputs to the other ranks ([`ShardStep`]) and runs its
+//! own shard; the collectives inside the forward keep the ranks in step, and rank 0 alone
+//! samples and answers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use actix::{Actor, Handler, Message, SyncContext};
+use actix::{Actor, Addr, Handler, Message, SyncContext};
 use rayon::prelude::*;
 
 use crate::core::block_pool::{BlockId, SeqId};
@@ -64,12 +70,22 @@ pub struct StepOutput {
     pub sampled: Vec<Sampled>,
 }
 
+/// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct ShardStep {
+    pub ids: Arc<[u32]>,
+    pub meta: Arc<AttnMetadata>,
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RunnerError {
     #[error("sequence {0} was never registered with the model runner")]
     UnknownSeq(SeqId),
     #[error("sequence {seq}: tokens {start}..{end} requested but it has {have}")]
     Range { seq: SeqId, start: usize, end: usize, have: usize },
+    #[error("tensor-parallel rank {0} has stopped")]
+    RankGone(usize),
 }
 
 struct RunnerSeq {
@@ -78,6 +94,19 @@ struct RunnerSeq {
     params: Arc<SamplingParams>,
     seed: u64,
     index: usize,
+}
+
+impl RunnerSeq {
+    fn sample_input<'a>(&'a self, eos_ids: &'a [u32]) -> SampleInput<'a> {
+        SampleInput {
+            params: &self.params,
+            seed: self.seed,
+            index: self.index,
+            tokens: &self.tokens,
+            prompt_len: self.prompt_len,
+            eos_ids,
+        }
+    }
 }
 
 /// KV cache geometry the runner was started with.
@@ -94,6 +123,8 @@ pub struct ModelRunner<D: Device> {
     block_size: usize,
     eos_ids: Arc<[u32]>,
     seqs: HashMap<SeqId, RunnerSeq>,
+    /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
+    peers: Vec<Addr<ModelRunner<D>>>,
 }
 
 impl<D: Device> ModelRunner<D> {
@@ -105,7 +136,28 @@ impl<D: Device> ModelRunner<D> {
     ) -> Result<Self, crate::kernels::DeviceError> {
         let (layers, shape) = model.cache_shape(cfg.num_blocks, cfg.block_size);
         let caches = (0..layers).map(|_| dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
-        Ok(Self { dev, model, caches, block_size: cfg.block_size, eos_ids, seqs: HashMap::new() })
+        Ok(Self {
+            dev,
+            model,
+            caches,
+            block_size: cfg.block_size,
+            eos_ids,
+            seqs: HashMap::new(),
+            peers: Vec::new(),
+        })
+    }
+
+    /// Makes this runner rank 0 of a group whose other ranks run at `peers`.
+    pub fn with_peers(mut self, peers: Vec<Addr<ModelRunner<D>>>) -> Self {
+        self.peers = peers;
+        self
+    }
+
+    /// One rank's forward (and its share of the logits when the step samples): the
+    /// collectives inside meet the other ranks'.
+    fn forward(&mut self, ids: &[u32], meta: &AttnMetadata) -> Option<D::Tensor> {
+        let hidden = self.model.forward(&self.dev, ids, &meta.positions, &mut self.caches, meta);
+        (!meta.last_token_rows.is_empty()).then(|| self.model.compute_logits(&self.dev, &hidden, meta))
     }
 
     /// Runs one step. Public so that benchmarks can drive a runner without actors.
@@ -155,29 +207,42 @@ impl<D: Device> ModelRunner<D> {
         if ids.is_empty() {
             return Ok(StepOutput::default());
         }
-        let hidden = self.model.forward(&self.dev, &ids, &meta.positions, &mut self.caches, &meta);
-        if sampled_seqs.is_empty() {
-            return Ok(StepOutput::default());
+        let mut peer_steps = Vec::with_capacity(self.peers.len());
+        if !self.peers.is_empty() {
+            let (shared_ids, shared_meta): (Arc<[u32]>, _) = (ids.as_slice().into(), Arc::new(meta.clone()));
+            for p in &self.peers {
+                peer_steps.push(p.send(ShardStep { ids: shared_ids.clone(), meta: shared_meta.clone() }));
+            }
         }
-        let mut logits = self.dev.to_host(&self.model.compute_logits(&self.dev, &hidden, &meta)); // [seqs · vocab]
-        let vocab = logits.len() / sampled_seqs.len();
+        let logits = self.forward(&ids, &meta);
+        for (rank, done) in peer_steps.into_iter().enumerate() {
+            futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))?;
+        }
+        let Some(logits) = logits else {
+            return Ok(StepOutput::default());
+        };
+        // Plain greedy rows are sampled on the device (only their ids come back); rows that
+        // need penalties, logprobs, masking or a random draw come to the host whole.
         let eos = self.eos_ids.clone();
-        let results: Vec<(u32, Option<TokenLogprobs>)> = logits
-            .par_chunks_mut(vocab)
-            .zip(&sampled_seqs)
-            .map(|(row, id)| {
-                let rs = &self.seqs[id];
-                let inp = SampleInput {
-                    params: &rs.params,
-                    seed: rs.seed,
-                    index: rs.index,
-                    tokens: &rs.tokens,
-                    prompt_len: rs.prompt_len,
-                    eos_ids: &eos,
-                };
-                sample(row, &inp)
-            })
-            .collect();
+        let input = |i: usize| self.seqs[&sampled_seqs[i]].sample_input(&eos);
+        let host_rows: Vec<usize> = (0..sampled_seqs.len()).filter(|&i| !input(i).plain_greedy()).collect();
+        let mut results: Vec<(u32, Option<TokenLogprobs>)> = match host_rows.len() < sampled_seqs.len() {
+            true => self.dev.argmax_rows(&logits).into_iter().map(|t| (t, None)).collect(),
+            false => vec![(0, None); sampled_seqs.len()],
+        };
+        if !host_rows.is_empty() {
+            let rows = match host_rows.len() == sampled_seqs.len() {
+                true => self.dev.to_host(&logits),
+                false => self.dev.to_host(&self.dev.gather_rows(&logits, &host_rows)),
+            };
+            let vocab = rows.len() / host_rows.len();
+            let mut rows = rows;
+            let drawn: Vec<(u32, Option<TokenLogprobs>)> =
+                rows.par_chunks_mut(vocab).zip(&host_rows).map(|(row, &i)| sample(row, &input(i))).collect();
+            for (i, r) in host_rows.into_iter().zip(drawn) {
+                results[i] = r;
+            }
+        }
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()) };
         for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
             if let Some(rs) = self.seqs.get_mut(&seq) {
@@ -191,6 +256,13 @@ impl<D: Device> ModelRunner<D> {
 
 impl<D: Device> Actor for ModelRunner<D> {
     type Context = SyncContext<Self>;
+}
+
+impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
+    type Result = ();
+    fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) {
+        self.forward(&msg.ids, &msg.meta);
+    }
 }
 
 impl<D: Device> Handler<ExecuteBatch> for ModelRunner<D> {

@@ -47,11 +47,13 @@ struct Bound {
 fn bound(engine: &Engine, args: &EngineArgs) -> Bound {
     // Memory traffic of a copy (bytes read + written per second): the rate at which the
     // device moves bytes, each weight byte moving once per decode step.
+    // Under tensor parallelism each rank streams its share of the weights at once.
     let bw = copy_bandwidth(args);
+    let tp = engine.config().tensor_parallel_size as f64;
     Bound {
         weight_bytes: engine.weight_bytes(),
         copy_bandwidth_gb_s: bw / 1e9,
-        bound_tokens_per_s: bw / engine.weight_bytes() as f64,
+        bound_tokens_per_s: bw * tp / engine.weight_bytes() as f64,
     }
 }
 

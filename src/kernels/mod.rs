@@ -103,6 +103,17 @@ pub struct LoraSlotWeights<'a> {
     pub scale: f32,
 }
 
+/// This device's place in a tensor-parallel group (rank 0 of 1 without parallelism).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpRank {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl TpRank {
+    pub const SINGLE: TpRank = TpRank { rank: 0, world: 1 };
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("weight has {got} bytes, shape {shape:?} of {dtype:?} needs {need}")]
@@ -123,6 +134,14 @@ pub trait Device: Send + Unpin + 'static {
     type Lora: Send + Sync + Unpin;
 
     fn name(&self) -> String;
+    /// Rank and group size under tensor parallelism.
+    fn tp(&self) -> TpRank;
+    /// Sums `x` over every rank of the group, in place; each rank ends with the same
+    /// values (RowParallelLinear, VocabParallelEmbedding). A no-op for a group of one.
+    fn all_reduce(&self, x: &mut Self::Tensor);
+    /// Every rank's `[rows, c]` shard, its first `keep` columns, side by side in rank order
+    /// and cut at `total` columns: `[rows, total]` on every rank (ParallelLMHead's gather).
+    fn all_gather_cols(&self, x: &Self::Tensor, keep: usize, total: usize) -> Self::Tensor;
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
@@ -166,6 +185,9 @@ pub trait Device: Send + Unpin + 'static {
         shape: AttnShape,
         meta: &AttnMetadata,
     ) -> Self::Tensor;
+    /// The column of each row's largest value (the lowest on ties): greedy sampling on the
+    /// device, so that only token ids come back to the host.
+    fn argmax_rows(&self, x: &Self::Tensor) -> Vec<u32>;
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
 

@@ -114,12 +114,13 @@ pub struct LlamaAttention<D: Device> {
 
 impl<D: Device> LlamaAttention<D> {
     fn load(dev: &D, w: &ParamView, cfg: &ModelConfig) -> Result<Self, ModelError> {
+        let heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let qkv_proj = QKVParallelLinear::load(dev, w, cfg.hidden_size, heads, cfg.qkv_bias)?;
         let q_size = cfg.num_heads * cfg.head_dim;
-        let kv_size = cfg.num_kv_heads * cfg.head_dim;
         Ok(Self {
-            qkv_proj: QKVParallelLinear::load(dev, w, cfg.hidden_size, q_size, kv_size, cfg.qkv_bias)?,
+            attn: PagedAttention::new(qkv_proj.num_heads, qkv_proj.num_kv_heads, cfg.head_dim),
+            qkv_proj,
             o_proj: RowParallelLinear::load(dev, &w.pp("o_proj"), q_size, cfg.hidden_size)?,
-            attn: PagedAttention::new(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
         })
     }
     #[allow(clippy::too_many_arguments)]
@@ -203,7 +204,8 @@ impl<D: Device> LlamaForCausalLM<D> {
             norm: RMSNorm::load(dev, &w.pp("norm"), h, cfg.rms_norm_eps)?,
             lm_head: ParallelLMHead::load(dev, &root.pp("lm_head"), v, h, tied)?,
             rotary_emb: RotaryEmbedding::new(cfg),
-            weight_bytes: params * store.dtype.size(),
+            // Per rank: everything but the norms is split over the ranks.
+            weight_bytes: params * store.dtype.size() / dev.tp().world,
         })
     }
 }
@@ -233,14 +235,14 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
 
     fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> D::Tensor {
         let last = dev.gather_rows(hidden, &meta.last_token_rows); // [num_seqs, hidden]
-        self.lm_head.forward(dev, &last, &self.embed_tokens) // [num_seqs, vocab]
+        self.lm_head.forward(dev, &last, &self.embed_tokens, self.cfg.vocab_size) // [num_seqs, vocab]
     }
 
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape) {
         let shape = CacheShape {
             num_blocks,
             block_size,
-            num_kv_heads: self.cfg.num_kv_heads,
+            num_kv_heads: self.layers[0].self_attn.attn.shape.num_kv_heads,
             head_dim: self.cfg.head_dim,
         };
         (self.cfg.num_layers, shape)

@@ -194,21 +194,27 @@ impl<'s, 'a> ParamView<'s, 'a> {
 
     /// A plain parameter, checked against the expected shape, in the store's dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor, ModelError> {
+        self.get_part(name, shape, Part::Whole)
+    }
+
+    /// A part of a parameter (this rank's shard under tensor parallelism), checked against
+    /// the full expected shape, in the store's dtype.
+    pub fn get_part(&self, name: &str, shape: &[usize], part: Part) -> Result<HostTensor, ModelError> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_shape(&full, shape, t.shape)?;
-        let mut data = Vec::new();
-        self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
-        Ok(HostTensor { dtype: self.store.dtype, shape: shape.to_vec(), data })
+        Ok(self.convert(t, shape, part))
     }
 
-    /// A stacked parameter: the shards' rows concatenated in order; `rows[i]` is the
-    /// expected row count of shard i (names in `shard_names` for error messages).
+    /// A stacked parameter: the shards' rows concatenated in order. `rows[i]` is shard i's
+    /// full row count (names in `shard_names` for error messages) and `picks[i]` the rows of
+    /// it this rank keeps.
     pub fn get_stacked(
         &self,
         name: &str,
         shard_names: &[&str],
         rows: &[usize],
+        picks: &[std::ops::Range<usize>],
         cols: Option<usize>,
     ) -> Result<HostTensor, ModelError> {
         let (full, shards) = self.shards(name)?;
@@ -225,15 +231,52 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 None => vec![r],
             };
             check_shape(&shard_name, &want, t.shape)?;
-            self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
+            data.extend(self.convert(t, &want, Part::Rows(picks[i].clone())).data);
         }
-        let total: usize = rows.iter().sum();
+        let total: usize = picks.iter().map(|p| p.len()).sum();
         let shape = match cols {
             Some(c) => vec![total, c],
             None => vec![total],
         };
         Ok(HostTensor { dtype: self.store.dtype, shape, data })
     }
+
+    /// Converts `part` of a checked tensor of `shape` to the store's dtype.
+    fn convert(&self, t: &TensorRef, shape: &[usize], part: Part) -> HostTensor {
+        let size = t.dtype.size();
+        let row_len: usize = shape[1..].iter().product();
+        let mut data = Vec::new();
+        let out_shape = match part {
+            Part::Whole => {
+                self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
+                shape.to_vec()
+            }
+            Part::Rows(r) => {
+                let bytes = &t.bytes[r.start * row_len * size..r.end * row_len * size];
+                self.store.dtype.convert_from(t.dtype, bytes, &mut data);
+                let mut s = shape.to_vec();
+                s[0] = r.len();
+                s
+            }
+            Part::Cols(c) => {
+                for row in t.bytes.chunks_exact(row_len * size) {
+                    self.store.dtype.convert_from(t.dtype, &row[c.start * size..c.end * size], &mut data);
+                }
+                vec![shape[0], c.len()]
+            }
+        };
+        HostTensor { dtype: self.store.dtype, shape: out_shape, data }
+    }
+}
+
+/// Which part of a parameter a rank loads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    Whole,
+    /// Rows (dim 0) `start..end`: column-parallel layers and the vocabulary shards.
+    Rows(std::ops::Range<usize>),
+    /// Columns (dim 1) `start..end` of a 2-D weight: row-parallel layers.
+    Cols(std::ops::Range<usize>),
 }
 
 fn check_shape(name: &str, expected: &[usize], got: &[usize]) -> Result<(), ModelError> {

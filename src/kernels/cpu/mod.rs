@@ -3,18 +3,23 @@
 //! the rayon pool (both cores of a small machine).
 
 mod attention;
+pub mod group;
 pub mod lora;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod packed;
+
+use std::sync::Arc;
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::{
     AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+    TpRank,
 };
 use crate::models::attn::AttnMetadata;
+use group::CpuGroup;
 pub use matmul::WeightData;
 
 /// Row-major `[rows, cols]` f32 activations.
@@ -108,8 +113,22 @@ pub struct CpuCache {
     pub v: Vec<f32>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
-pub struct CpuDevice;
+/// The CPU, alone or as one rank of an in-process tensor-parallel group.
+#[derive(Clone, Default)]
+pub struct CpuDevice {
+    group: Option<(Arc<CpuGroup>, usize)>,
+}
+
+impl CpuDevice {
+    /// The ranks of a tensor-parallel group of `world` CPU devices (one thread each).
+    pub fn group(world: usize) -> Vec<CpuDevice> {
+        if world == 1 {
+            return vec![CpuDevice::default()];
+        }
+        let g = Arc::new(CpuGroup::new(world));
+        (0..world).map(|rank| CpuDevice { group: Some((g.clone(), rank)) }).collect()
+    }
+}
 
 impl Device for CpuDevice {
     type Tensor = CpuTensor;
@@ -123,6 +142,36 @@ impl Device for CpuDevice {
 
     fn memory_info(&self) -> Option<(usize, usize)> {
         None
+    }
+
+    fn tp(&self) -> TpRank {
+        match &self.group {
+            Some((g, rank)) => TpRank { rank: *rank, world: g.world() },
+            None => TpRank::SINGLE,
+        }
+    }
+
+    fn all_reduce(&self, x: &mut CpuTensor) {
+        if let Some((g, rank)) = &self.group {
+            g.all_reduce(*rank, &mut x.data);
+        }
+    }
+
+    fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> CpuTensor {
+        match &self.group {
+            Some((g, rank)) => CpuTensor {
+                data: g.all_gather_cols(*rank, &x.data, x.rows, keep, total),
+                rows: x.rows,
+                cols: total,
+            },
+            None => {
+                let mut out = CpuTensor::zeros(x.rows, total);
+                for (o, i) in out.data.chunks_mut(total.max(1)).zip(x.data.chunks(x.cols.max(1))) {
+                    o.copy_from_slice(&i[..total]);
+                }
+                out
+            }
+        }
     }
 
     fn upload(&self, t: HostTensor) -> Result<CpuWeight, DeviceError> {
@@ -289,6 +338,10 @@ impl Device for CpuDevice {
 
     fn add_lora(&self, y: &mut CpuTensor, x: &CpuTensor, modules: &[(&lora::CpuLora, usize)], slots: &[i32]) {
         lora::apply(y, x, modules, slots);
+    }
+
+    fn argmax_rows(&self, x: &CpuTensor) -> Vec<u32> {
+        x.data.chunks(x.cols.max(1)).take(x.rows).map(crate::sampling::argmax).collect()
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {

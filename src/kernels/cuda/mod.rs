@@ -10,13 +10,13 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{CacheShape, DeviceError, LoraShape, RopeSpec};
+use super::{CacheShape, DeviceError, LoraShape, RopeSpec, TpRank};
 use crate::models::attn::AttnMetadata;
 
 const SOURCES: [(&str, &str); 2] =
     [("elementwise", include_str!("elementwise.cu")), ("attention", include_str!("attention.cu"))];
 
-const KERNELS: [&str; 14] = [
+const KERNELS: [&str; 16] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -27,6 +27,8 @@ const KERNELS: [&str; 14] = [
     "add_f32",
     "add_bias_f32",
     "gather_rows_f32",
+    "join_shards_f32",
+    "argmax_f32",
     "split_qkv_rope_f32",
     "write_kv_f32",
     "paged_attention_f32",
@@ -95,6 +97,9 @@ pub struct CudaDevice {
     /// pageable host memory waits for the stream to drain: once per layer it would stall
     /// the host behind the GPU every layer.
     rope_positions: std::cell::RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
+    /// The NCCL communicator of a tensor-parallel group, with this device's rank.
+    comm: Option<cudarc::nccl::Comm>,
+    tp: TpRank,
 }
 
 /// Attention metadata of one step on the device, with the host copy it came from.
@@ -122,7 +127,45 @@ fn cache_dir() -> std::path::PathBuf {
 impl CudaDevice {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
-        let ctx = CudaContext::new(ordinal).map_err(err)?;
+        Self::open(CudaContext::new(ordinal).map_err(err)?, None)
+    }
+
+    /// The GPUs `0..world` as one tensor-parallel group joined by NCCL (loaded dynamically:
+    /// libnccl.so must be on the loader path).
+    pub fn group(world: usize) -> Result<Vec<Self>, DeviceError> {
+        if world == 1 {
+            return Ok(vec![Self::new(0)?]);
+        }
+        let count = Self::count();
+        if world > count {
+            return Err(DeviceError::Other(format!(
+                "--tensor-parallel-size {world} needs {world} GPUs, this machine has {count}"
+            )));
+        }
+        // SAFETY: only tries to open the library.
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err(DeviceError::Other(
+                "tensor parallelism on GPUs needs NCCL: libnccl.so was not found on the loader path \
+                 (set LD_LIBRARY_PATH to the folder holding it)"
+                    .into(),
+            ));
+        }
+        let ctxs = (0..world).map(CudaContext::new).collect::<Result<Vec<_>, _>>().map_err(err)?;
+        let streams = ctxs.iter().map(|c| c.default_stream()).collect();
+        let comms = cudarc::nccl::Comm::from_devices(streams).map_err(err)?;
+        ctxs.into_iter().zip(comms).map(|(ctx, comm)| Self::open(ctx, Some(comm))).collect()
+    }
+
+    /// How many CUDA GPUs the driver sees (0 without a driver).
+    pub fn count() -> usize {
+        if !Self::available() {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n as usize)
+    }
+
+    fn open(ctx: Arc<CudaContext>, comm: Option<cudarc::nccl::Comm>) -> Result<Self, DeviceError> {
+        let tp = comm.as_ref().map_or(TpRank::SINGLE, |c| TpRank { rank: c.rank(), world: c.world_size() });
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
@@ -146,6 +189,8 @@ impl CudaDevice {
             step: std::cell::RefCell::new(None),
             inv_freq: std::cell::RefCell::new(None),
             rope_positions: std::cell::RefCell::new(None),
+            comm,
+            tp,
         })
     }
 

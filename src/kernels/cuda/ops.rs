@@ -6,6 +6,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, WeightArg, WeightBuf, err};
 use crate::kernels::{
     AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+    TpRank,
 };
 use crate::models::attn::AttnMetadata;
 
@@ -18,6 +19,47 @@ impl Device for CudaDevice {
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA".into());
         format!("{name} ({})", self.arch)
+    }
+
+    fn tp(&self) -> TpRank {
+        self.tp
+    }
+
+    fn all_reduce(&self, x: &mut CudaTensor) {
+        if let Some(c) = &self.comm {
+            c.all_reduce_in_place(&mut x.buf, &cudarc::nccl::ReduceOp::Sum).expect("NCCL all-reduce");
+        }
+    }
+
+    fn all_gather_cols(&self, x: &CudaTensor, keep: usize, total: usize) -> CudaTensor {
+        let mut out = self.tensor(x.rows, total);
+        let gathered;
+        let parts = match &self.comm {
+            Some(c) => {
+                // SAFETY: NCCL writes all world·rows·cols values.
+                let mut p = unsafe { self.stream.alloc::<f32>(self.tp.world * x.buf.len()) }
+                    .expect("device allocation");
+                c.all_gather(&x.buf, &mut p).expect("NCCL all-gather");
+                gathered = p;
+                &gathered
+            }
+            None => &x.buf,
+        };
+        let (rows, cols, keep, total_i) = (x.rows as i32, x.cols as i32, keep as i32, total as i32);
+        // SAFETY: parts holds world [rows, cols] shards; total ≤ world·keep and keep ≤ cols.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("join_shards_f32"))
+                .arg(parts)
+                .arg(&mut out.buf)
+                .arg(&rows)
+                .arg(&cols)
+                .arg(&keep)
+                .arg(&total_i)
+                .launch(Self::rows(x.rows))
+        }
+        .expect("join shards launch");
+        out
     }
 
     fn memory_info(&self) -> Option<(usize, usize)> {
@@ -258,6 +300,21 @@ impl Device for CudaDevice {
         }
         .expect("paged_attention launch");
         out
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
+        let mut ids = self.stream.alloc_zeros::<u32>(x.rows.max(1)).expect("device allocation");
+        let cols = x.cols as i32;
+        let cfg =
+            LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x is [rows, cols]; one id per row.
+        unsafe {
+            self.stream.launch_builder(self.f("argmax_f32")).arg(&x.buf).arg(&mut ids).arg(&cols).launch(cfg)
+        }
+        .expect("argmax launch");
+        let mut v = self.stream.clone_dtoh(&ids).expect("device to host copy");
+        v.truncate(x.rows);
+        v
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {

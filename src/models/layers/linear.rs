@@ -1,16 +1,30 @@
-//! Linear layers. Weights are `[out, in]` as in the checkpoint; fused layers stack their
-//! shards' rows in the order of the model's stacked-params table.
+//! Linear layers, sharded at load time for tensor parallelism as vLLM's parallel layers
+//! are: column-parallel layers keep a slice of the output rows, row-parallel layers a slice
+//! of the input columns followed by an all-reduce. Weights are `[out, in]` as in the
+//! checkpoint; fused layers stack their shards' rows in the order of the model's
+//! stacked-params table.
 
-use crate::kernels::Device;
+use std::ops::Range;
+
+use crate::kernels::{Device, TpRank};
 use crate::models::ModelError;
-use crate::models::loader::ParamView;
+use crate::models::loader::{ParamView, Part};
 
-/// Fused q/k/v projection: rows `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]`.
+/// The `rank`'s equal share of `n` units.
+pub fn shard(n: usize, tp: TpRank) -> Range<usize> {
+    let per = n / tp.world;
+    tp.rank * per..(tp.rank + 1) * per
+}
+
+/// Fused q/k/v projection: rows `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]` of this
+/// rank's heads. With fewer KV heads than ranks, each KV head is replicated on the ranks
+/// whose query heads read it.
 pub struct QKVParallelLinear<D: Device> {
     pub weight: D::Weight,
     pub bias: Option<D::Weight>,
-    pub q_size: usize,
-    pub kv_size: usize,
+    /// Query and KV heads on this rank.
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
 }
 
 impl<D: Device> QKVParallelLinear<D> {
@@ -18,25 +32,35 @@ impl<D: Device> QKVParallelLinear<D> {
         dev: &D,
         w: &ParamView,
         hidden: usize,
-        q_size: usize,
-        kv_size: usize,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
         bias: bool,
     ) -> Result<Self, ModelError> {
+        let tp = dev.tp();
+        let q = shard(heads, tp);
+        let kv = if kv_heads >= tp.world {
+            shard(kv_heads, tp)
+        } else {
+            let h = tp.rank * kv_heads / tp.world;
+            h..h + 1
+        };
+        let rows_of = |r: &Range<usize>| r.start * head_dim..r.end * head_dim;
+        let picks = [rows_of(&q), rows_of(&kv), rows_of(&kv)];
         let names = ["q_proj", "k_proj", "v_proj"];
-        let rows = [q_size, kv_size, kv_size];
-        let weight = dev.upload(w.get_stacked("qkv_proj.weight", &names, &rows, Some(hidden))?)?;
+        let rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+        let weight = dev.upload(w.get_stacked("qkv_proj.weight", &names, &rows, &picks, Some(hidden))?)?;
         let bias = match bias {
-            true => Some(dev.upload(w.get_stacked("qkv_proj.bias", &names, &rows, None)?)?),
+            true => Some(dev.upload(w.get_stacked("qkv_proj.bias", &names, &rows, &picks, None)?)?),
             false => None,
         };
-        Ok(Self { weight, bias, q_size, kv_size })
+        Ok(Self { weight, bias, num_heads: q.len(), num_kv_heads: kv.len() })
     }
     pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
         dev.linear(x, &self.weight, self.bias.as_ref())
     }
 }
 
-/// Fused gate/up projection: rows `[gate (i) | up (i)]`.
+/// Fused gate/up projection: rows `[gate (i) | up (i)]` of this rank's share of the
+/// intermediate size.
 pub struct MergedColumnParallelLinear<D: Device> {
     pub weight: D::Weight,
 }
@@ -44,7 +68,14 @@ pub struct MergedColumnParallelLinear<D: Device> {
 impl<D: Device> MergedColumnParallelLinear<D> {
     pub fn load(dev: &D, w: &ParamView, hidden: usize, intermediate: usize) -> Result<Self, ModelError> {
         let names = ["gate_proj", "up_proj"];
-        let t = w.get_stacked("gate_up_proj.weight", &names, &[intermediate, intermediate], Some(hidden))?;
+        let pick = shard(intermediate, dev.tp());
+        let t = w.get_stacked(
+            "gate_up_proj.weight",
+            &names,
+            &[intermediate, intermediate],
+            &[pick.clone(), pick],
+            Some(hidden),
+        )?;
         Ok(Self { weight: dev.upload(t)? })
     }
     pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
@@ -52,17 +83,22 @@ impl<D: Device> MergedColumnParallelLinear<D> {
     }
 }
 
-/// Output projections (o_proj, down_proj): the input is split across ranks under tensor
-/// parallelism, followed by an all-reduce.
+/// Output projections (o_proj, down_proj): each rank holds the columns of its share of the
+/// input; the partial products are summed over the ranks.
 pub struct RowParallelLinear<D: Device> {
     pub weight: D::Weight,
 }
 
 impl<D: Device> RowParallelLinear<D> {
     pub fn load(dev: &D, w: &ParamView, input: usize, output: usize) -> Result<Self, ModelError> {
-        Ok(Self { weight: dev.upload(w.get("weight", &[output, input])?)? })
+        let tp = dev.tp();
+        let part = if tp.world == 1 { Part::Whole } else { Part::Cols(shard(input, tp)) };
+        Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)? })
     }
+    /// `x @ wᵀ` summed over the ranks (before any LoRA delta is added).
     pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
-        dev.linear(x, &self.weight, None)
+        let mut out = dev.linear(x, &self.weight, None);
+        dev.all_reduce(&mut out);
+        out
     }
 }

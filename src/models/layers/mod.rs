@@ -5,29 +5,72 @@ mod attention;
 mod linear;
 
 pub use attention::{PagedAttention, RotaryEmbedding};
-pub use linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear};
+pub use linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, shard};
 
 use super::ModelError;
-use super::loader::ParamView;
+use super::loader::{ParamView, Part};
 use crate::kernels::Device;
 
-/// Token embedding table `[vocab, hidden]`.
+/// This rank's rows of a `[vocab, hidden]` table: `shard = ⌈vocab / world⌉` rows from
+/// `rank · shard`, zero-padded to `shard + 1` rows under tensor parallelism (the last row
+/// stays zero: tokens of other shards look it up). The whole table for a single rank.
+fn load_vocab_shard<D: Device>(
+    dev: &D,
+    w: &ParamView,
+    vocab: usize,
+    hidden: usize,
+) -> Result<VocabShard<D>, ModelError> {
+    let tp = dev.tp();
+    if tp.world == 1 {
+        return Ok(VocabShard {
+            weight: dev.upload(w.get("weight", &[vocab, hidden])?)?,
+            start: 0,
+            len: vocab,
+        });
+    }
+    let len = vocab.div_ceil(tp.world);
+    let start = (tp.rank * len).min(vocab);
+    let end = (start + len).min(vocab);
+    let mut t = w.get_part("weight", &[vocab, hidden], Part::Rows(start..end))?;
+    t.data.resize((len + 1) * hidden * t.dtype.size(), 0);
+    t.shape[0] = len + 1;
+    Ok(VocabShard { weight: dev.upload(t)?, start, len })
+}
+
+pub struct VocabShard<D: Device> {
+    weight: D::Weight,
+    /// First vocabulary id of this rank's rows, and how many ids each rank owns.
+    start: usize,
+    len: usize,
+}
+
+/// Token embedding table `[vocab, hidden]`, split by vocabulary rows over the ranks: each
+/// rank embeds the ids it owns (zeros for the others) and an all-reduce joins them.
 pub struct VocabParallelEmbedding<D: Device> {
-    pub weight: D::Weight,
+    table: VocabShard<D>,
 }
 
 impl<D: Device> VocabParallelEmbedding<D> {
     pub fn load(dev: &D, w: &ParamView, vocab: usize, hidden: usize) -> Result<Self, ModelError> {
-        Ok(Self { weight: dev.upload(w.get("weight", &[vocab, hidden])?)? })
+        Ok(Self { table: load_vocab_shard(dev, w, vocab, hidden)? })
     }
     pub fn forward(&self, dev: &D, ids: &[u32]) -> D::Tensor {
-        dev.embedding(&self.weight, ids)
+        if dev.tp().world == 1 {
+            return dev.embedding(&self.table.weight, ids);
+        }
+        let (start, len) = (self.table.start as u32, self.table.len as u32);
+        let local: Vec<u32> =
+            ids.iter().map(|&id| if id >= start && id - start < len { id - start } else { len }).collect();
+        let mut out = dev.embedding(&self.table.weight, &local);
+        dev.all_reduce(&mut out);
+        out
     }
 }
 
-/// The output projection to vocabulary logits; shares the embedding table when tied.
+/// The output projection to vocabulary logits (shares the embedding table when tied), split
+/// by vocabulary rows like the embedding; the ranks' logits are gathered side by side.
 pub enum ParallelLMHead<D: Device> {
-    Own(D::Weight),
+    Own(VocabShard<D>),
     Tied,
 }
 
@@ -36,14 +79,25 @@ impl<D: Device> ParallelLMHead<D> {
         if tied {
             return Ok(Self::Tied);
         }
-        Ok(Self::Own(dev.upload(w.get("weight", &[vocab, hidden])?)?))
+        Ok(Self::Own(load_vocab_shard(dev, w, vocab, hidden)?))
     }
-    pub fn forward(&self, dev: &D, hidden: &D::Tensor, embed: &VocabParallelEmbedding<D>) -> D::Tensor {
-        let w = match self {
-            Self::Own(w) => w,
-            Self::Tied => &embed.weight,
+    /// `[n, hidden]` → `[n, vocab]` on every rank.
+    pub fn forward(
+        &self,
+        dev: &D,
+        hidden: &D::Tensor,
+        embed: &VocabParallelEmbedding<D>,
+        vocab: usize,
+    ) -> D::Tensor {
+        let t = match self {
+            Self::Own(t) => t,
+            Self::Tied => &embed.table,
         };
-        dev.linear(hidden, w, None)
+        let logits = dev.linear(hidden, &t.weight, None);
+        if dev.tp().world == 1 {
+            return logits;
+        }
+        dev.all_gather_cols(&logits, t.len, vocab)
     }
 }
 

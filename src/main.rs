@@ -146,14 +146,23 @@ fn main() -> anyhow::Result<()> {
             eprintln!("wrote {}", out.display());
             Ok(())
         }
-        Cmd::Serve(args) => actix::System::new().block_on(async move {
+        Cmd::Serve(args) => with_engine_threads(async move {
             let (server, _) = actorllm::web::start(args).await?;
             server.await?;
             Ok(())
         }),
-        Cmd::Generate(args) => actix::System::new().block_on(generate(args)),
-        Cmd::Bench(args) => actix::System::new().block_on(actorllm::bench::run(args)),
+        Cmd::Generate(args) => with_engine_threads(generate(args)),
+        Cmd::Bench(args) => with_engine_threads(actorllm::bench::run(args)),
     }
+}
+
+/// Runs `fut` in an actix System, then lets the ModelRunner threads release their devices
+/// before the process exits (a GPU context or NCCL communicator torn down by the exit
+/// handlers while its thread still uses it can crash the process).
+fn with_engine_threads(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    let res = actix::System::new().block_on(fut);
+    actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(10));
+    res
 }
 
 async fn generate(args: GenerateArgs) -> anyhow::Result<()> {

@@ -179,6 +179,61 @@ fn every_kernel_matches_its_cpu_twin() {
     close("lora", &g.to_host(&yg), &c.to_host(&yc), 1e-4);
 }
 
+/// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
+/// of 1, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel): a
+/// 1,100-token prefill in one step, then a decode batch of three sequences of different
+/// lengths whose block tables interleave.
+#[test]
+fn long_contexts_and_gqa_groups_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuDevice::default();
+    for (heads, kv_heads, head_dim) in [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)] {
+        let s = AttnShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let bs = 16;
+        let shape = CacheShape { num_blocks: 240, block_size: bs, num_kv_heads: kv_heads, head_dim };
+        let (mut cc, mut cg) = (c.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
+        // Three sequences; their blocks interleave: sequence i owns blocks i, i+3, i+6, ...
+        let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..80).map(|b| b * 3 + i).collect()).collect();
+        let mut step = |seq_pos: &[(u32, std::ops::Range<u32>)], seed: u64| {
+            let mut meta = AttnMetadata { block_tables: tables.clone(), ..Default::default() };
+            for (seq, range) in seq_pos {
+                for p in range.clone() {
+                    meta.positions.push(p);
+                    meta.token_seq.push(*seq);
+                    let slot =
+                        tables[*seq as usize][p as usize / bs] as i64 * bs as i64 + (p as usize % bs) as i64;
+                    meta.slot_mapping.push(slot);
+                }
+            }
+            let n = meta.positions.len();
+            let (q, k, v) = (
+                rand(n * heads * head_dim, seed),
+                rand(n * kv_heads * head_dim, seed + 1),
+                rand(n * kv_heads * head_dim, seed + 2),
+            );
+            let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols));
+            let ((qc, qg), (kc, kg), (vc, vg)) =
+                (t(&q, heads * head_dim), t(&k, kv_heads * head_dim), t(&v, kv_heads * head_dim));
+            let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta);
+            let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta);
+            close(
+                &format!("attention {heads}:{kv_heads}x{head_dim}, {n} tokens"),
+                &g.to_host(&og),
+                &c.to_host(&oc),
+                1e-4,
+            );
+        };
+        step(&[(0, 0..1100)], 40);
+        step(&[(1, 0..300), (2, 0..37)], 41);
+        step(&[(0, 1100..1101), (1, 300..301), (2, 37..38)], 42);
+    }
+}
+
 #[actix_rt::test]
 async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     if gpu().is_none() {
@@ -236,8 +291,14 @@ async fn two_gpus_give_the_one_gpu_tokens() {
         let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(32) };
         let mut outs = Vec::new();
         for tp in [1, 2] {
-            let args =
-                EngineArgs { device: DeviceArg::Cuda, tensor_parallel_size: tp, ..common::args(&model) };
+            // Both engines stay up until the test ends: neither may take the GPUs' memory.
+            let args = EngineArgs {
+                device: DeviceArg::Cuda,
+                tensor_parallel_size: tp,
+                num_gpu_blocks_override: Some(1024),
+                max_model_len: Some(2048),
+                ..common::args(&model)
+            };
             let engine = Engine::start(args).await.unwrap();
             let got =
                 futures::future::join_all(prompts.iter().map(|p| run(&engine, p.clone(), params.clone())))

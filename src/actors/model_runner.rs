@@ -125,6 +125,35 @@ pub struct ModelRunner<D: Device> {
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
     peers: Vec<Addr<ModelRunner<D>>>,
+    /// Last, so that it drops after the device.
+    _live: LiveRunner,
+}
+
+/// ModelRunners whose device is not yet released.
+static LIVE_RUNNERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+struct LiveRunner;
+
+impl LiveRunner {
+    fn new() -> Self {
+        LIVE_RUNNERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        LiveRunner
+    }
+}
+
+impl Drop for LiveRunner {
+    fn drop(&mut self) {
+        LIVE_RUNNERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Waits (at most `limit`) until every ModelRunner has dropped its device: their threads
+/// end once the actors that send to them are gone.
+pub fn wait_for_runners(limit: std::time::Duration) {
+    let start = std::time::Instant::now();
+    while LIVE_RUNNERS.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < limit {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 impl<D: Device> ModelRunner<D> {
@@ -144,6 +173,7 @@ impl<D: Device> ModelRunner<D> {
             eos_ids,
             seqs: HashMap::new(),
             peers: Vec::new(),
+            _live: LiveRunner::new(),
         })
     }
 

@@ -66,6 +66,97 @@ extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, 
     }
 }
 
+// Split attention (PagedAttention v2 style), for GQA groups of up to 8 query heads and
+// head_dim up to 256. One block per (token, KV head, partition of `part` positions): each K
+// and V row of the partition is read once for the whole group of query heads. The block
+// writes its unnormalized partial output, running max and sum; paged_attention_reduce_f32
+// joins the partitions. Dynamic shared memory: group · part floats of scores.
+#define MAX_GROUP 8
+#define MAX_DIM_PER_LANE 8
+extern "C" __global__ void paged_attention_split_f32(const float* q, const float* kc, const float* vc,
+                                                     float* part_out, float* part_max, float* part_sum,
+                                                     const unsigned int* positions, const unsigned int* token_seq,
+                                                     const unsigned int* tables, const unsigned int* table_off,
+                                                     int heads, int kv_heads, int head_dim, int block_size,
+                                                     float scale, int part, int parts_max) {
+    extern __shared__ float sc[];
+    int t = blockIdx.x, kvh = blockIdx.y, pi = blockIdx.z;
+    int group = heads / kv_heads;
+    int ctx = positions[t] + 1;
+    int start = pi * part;
+    if (start >= ctx) return;  // the reduction reads only partitions inside the context
+    int end = min(ctx, start + part);
+    const unsigned int* table = tables + table_off[token_seq[t]];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int per_lane = head_dim / 32;
+    float qr[MAX_GROUP][MAX_DIM_PER_LANE];
+    for (int g = 0; g < group; g++)
+        for (int i = 0; i < per_lane; i++)
+            qr[g][i] = q[((size_t)t * heads + kvh * group + g) * head_dim + lane + 32 * i] * scale;
+    for (int p = start + warp; p < end; p += nw) {
+        size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
+        float kr[MAX_DIM_PER_LANE];
+        for (int i = 0; i < per_lane; i++) kr[i] = kc[at + lane + 32 * i];
+        for (int g = 0; g < group; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < per_lane; i++) s += qr[g][i] * kr[i];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            if (lane == 0) sc[g * part + (p - start)] = s;
+        }
+    }
+    __syncthreads();
+    int n = end - start;
+    for (int g = warp; g < group; g += nw) {
+        float m = -3.0e38f;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * part + j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+        float sum = 0.0f;
+        for (int j = lane; j < n; j += 32) {
+            float e = expf(sc[g * part + j] - m);
+            sc[g * part + j] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        if (lane == 0) {
+            size_t at = ((size_t)t * heads + kvh * group + g) * parts_max + pi;
+            part_max[at] = m;
+            part_sum[at] = sum;
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc[MAX_GROUP];
+        for (int g = 0; g < group; g++) acc[g] = 0.0f;
+        for (int j = 0; j < n; j++) {
+            int p = start + j;
+            size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
+            float v = vc[at + d];
+            for (int g = 0; g < group; g++) acc[g] += sc[g * part + j] * v;
+        }
+        for (int g = 0; g < group; g++)
+            part_out[(((size_t)t * heads + kvh * group + g) * parts_max + pi) * head_dim + d] = acc[g];
+    }
+}
+
+// Joins the partitions of paged_attention_split_f32: one block per (token, head).
+extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,
+                                                      const float* part_sum, float* out, const unsigned int* positions,
+                                                      int heads, int head_dim, int part, int parts_max) {
+    int t = blockIdx.x / heads, h = blockIdx.x % heads;
+    int parts = (positions[t] + part) / part;  // ceil((position + 1) / part)
+    size_t base = ((size_t)t * heads + h) * parts_max;
+    float m = -3.0e38f;
+    for (int p = 0; p < parts; p++) m = fmaxf(m, part_max[base + p]);
+    float total = 0.0f;
+    for (int p = 0; p < parts; p++) total += expf(part_max[base + p] - m) * part_sum[base + p];
+    float inv = 1.0f / total;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int p = 0; p < parts; p++) acc += expf(part_max[base + p] - m) * part_out[(base + p) * head_dim + d];
+        out[((size_t)t * heads + h) * head_dim + d] = acc * inv;
+    }
+}
+
 // Batched LoRA (BGMV): one block per row; row t with slot s >= 0 gets
 // y[t, off + o] += sum_r Bt[s, r, o] * (A[s, r, :] . x[t, :]). Dynamic shared: max_rank floats.
 extern "C" __global__ void lora_f32(float* y, const float* x, const float* a, const float* bt, const int* ranks,

@@ -16,7 +16,7 @@ use crate::models::attn::AttnMetadata;
 const SOURCES: [(&str, &str); 2] =
     [("elementwise", include_str!("elementwise.cu")), ("attention", include_str!("attention.cu"))];
 
-const KERNELS: [&str; 16] = [
+const KERNELS: [&str; 18] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -32,6 +32,8 @@ const KERNELS: [&str; 16] = [
     "split_qkv_rope_f32",
     "write_kv_f32",
     "paged_attention_f32",
+    "paged_attention_split_f32",
+    "paged_attention_reduce_f32",
     "lora_f32",
 ];
 
@@ -39,11 +41,79 @@ fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
 }
 
-/// `[rows, cols]` f32 on the device.
+/// `[rows, cols]` f32 on the device. Its buffer may be longer than `rows · cols` (pooled
+/// buffers come in power-of-two sizes).
 pub struct CudaTensor {
-    pub buf: CudaSlice<f32>,
+    pub buf: PooledBuf,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl CudaTensor {
+    /// The tensor's `rows · cols` values.
+    pub fn view(&self) -> cudarc::driver::CudaView<'_, f32> {
+        self.buf.slice(0..self.rows * self.cols)
+    }
+}
+
+/// Activation buffers no longer in use, by power-of-two length, for the next tensors of
+/// that size: in steady state a step allocates no device memory. At most `POOL_LIMIT`
+/// bytes wait here; beyond that a buffer is freed.
+#[derive(Default)]
+pub struct BufPool {
+    /// Bytes waiting, and the buffers by length.
+    free: std::sync::Mutex<(usize, FreeLists)>,
+}
+
+type FreeLists = std::collections::HashMap<usize, Vec<CudaSlice<f32>>>;
+
+const POOL_LIMIT: usize = 4 << 30;
+
+impl BufPool {
+    fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
+        let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = g.1.get_mut(&len)?.pop()?;
+        g.0 -= len * 4;
+        Some(buf)
+    }
+    fn put(&self, buf: CudaSlice<f32>) {
+        let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let bytes = buf.len() * 4;
+        if g.0 + bytes <= POOL_LIMIT {
+            g.0 += bytes;
+            g.1.entry(buf.len()).or_default().push(buf);
+        }
+    }
+}
+
+/// A device buffer that goes back to its pool when dropped.
+pub struct PooledBuf {
+    slice: std::mem::ManuallyDrop<CudaSlice<f32>>,
+    pool: Option<Arc<BufPool>>,
+}
+
+impl std::ops::Deref for PooledBuf {
+    type Target = CudaSlice<f32>;
+    fn deref(&self) -> &CudaSlice<f32> {
+        &self.slice
+    }
+}
+
+impl std::ops::DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.slice
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        // SAFETY: the slice is taken once, here, and never touched again.
+        let slice = unsafe { std::mem::ManuallyDrop::take(&mut self.slice) };
+        if let Some(pool) = &self.pool {
+            // Stream order makes reuse safe: later kernels run after earlier readers.
+            pool.put(slice);
+        }
+    }
 }
 
 /// A weight on the device; 16-bit types are kept as raw bits.
@@ -100,6 +170,9 @@ pub struct CudaDevice {
     /// The NCCL communicator of a tensor-parallel group, with this device's rank.
     comm: Option<cudarc::nccl::Comm>,
     tp: TpRank,
+    pool: Arc<BufPool>,
+    /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
+    scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,
 }
 
 /// Attention metadata of one step on the device, with the host copy it came from.
@@ -166,6 +239,10 @@ impl CudaDevice {
 
     fn open(ctx: Arc<CudaContext>, comm: Option<cudarc::nccl::Comm>) -> Result<Self, DeviceError> {
         let tp = comm.as_ref().map_or(TpRank::SINGLE, |c| TpRank { rank: c.rank(), world: c.world_size() });
+        // Every operation of this device runs on its one stream, in order: cudarc's
+        // cross-stream events (two created and destroyed per allocation) buy nothing here.
+        // SAFETY: no buffer of this context is used from another stream.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
@@ -191,6 +268,8 @@ impl CudaDevice {
             rope_positions: std::cell::RefCell::new(None),
             comm,
             tp,
+            pool: Arc::default(),
+            scratch16: std::cell::RefCell::new(None),
         })
     }
 
@@ -281,19 +360,19 @@ impl CudaDevice {
         let mut out = self.tensor(x.rows, x.cols);
         let cols = x.cols as i32;
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
-        launch.arg(&x.buf);
+        launch.arg(&*x.buf);
         let use_res = i32::from(residual.is_some());
         match residual {
-            Some(r) => launch.arg(&mut r.buf),
+            Some(r) => launch.arg(&mut *r.buf),
             // Not written when use_residual is 0: x's buffer only fills the slot.
-            None => launch.arg(&x.buf),
+            None => launch.arg(&*x.buf),
         };
         // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values.
         unsafe {
             launch
                 .arg(&use_res)
                 .arg(w.f32())
-                .arg(&mut out.buf)
+                .arg(&mut *out.buf)
                 .arg(&cols)
                 .arg(&eps)
                 .launch(Self::rows(x.rows))
@@ -313,8 +392,12 @@ impl CudaDevice {
     /// An uninitialized activation tensor: every kernel and GEMM that makes one writes all
     /// of it, so it is not cleared first.
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
-        // SAFETY: callers write every element before anything reads it.
-        let buf = unsafe { self.stream.alloc::<f32>((rows * cols).max(1)) }.expect("device allocation");
+        let len = (rows * cols).max(1).next_power_of_two();
+        let slice = self.pool.take(len).unwrap_or_else(|| {
+            // SAFETY: callers write every element before anything reads it.
+            unsafe { self.stream.alloc::<f32>(len) }.expect("device allocation")
+        });
+        let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(self.pool.clone()) };
         CudaTensor { buf, rows, cols }
     }
 
@@ -327,7 +410,8 @@ impl CudaDevice {
 
     /// Copies host f32 data into a new device tensor (tests and benchmarks).
     pub fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
-        CudaTensor { buf: self.stream.clone_htod(data).expect("host to device copy"), rows, cols }
+        let slice = self.stream.clone_htod(data).expect("host to device copy");
+        CudaTensor { buf: PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: None }, rows, cols }
     }
 
     fn grid(n: usize) -> LaunchConfig {
@@ -355,7 +439,7 @@ impl CudaDevice {
         };
         // SAFETY: w is [n, k] row-major (= k×n column-major, transposed to n×k), x is
         // [m, k] row-major (= k×m column-major), out holds m·n floats.
-        unsafe { self.blas.gemm(cfg, w, &x.buf, out) }.expect("cuBLAS sgemm");
+        unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.expect("cuBLAS sgemm");
     }
 }
 
@@ -378,14 +462,21 @@ impl CudaDevice {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (m, k) = (x.rows, x.cols);
         let total = (m * k) as i64;
-        let mut xh = self.stream.alloc_zeros::<u16>((m * k).max(1)).expect("device allocation");
+        let mut scratch = self.scratch16.borrow_mut();
+        if scratch.as_ref().is_none_or(|b| b.len() < m * k) {
+            // SAFETY: the conversion below writes the m·k values the GEMM reads.
+            *scratch = Some(
+                unsafe { self.stream.alloc::<u16>((m * k).next_power_of_two()) }.expect("device allocation"),
+            );
+        }
+        let xh = scratch.as_mut().expect("allocated above");
         let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
         // SAFETY: x holds m·k floats and xh m·k 16-bit values.
         unsafe {
             self.stream
                 .launch_builder(self.f(conv))
-                .arg(&x.buf)
-                .arg(&mut xh)
+                .arg(&*x.buf)
+                .arg(&mut *xh)
                 .arg(&total)
                 .launch(Self::grid(total as usize))
         }

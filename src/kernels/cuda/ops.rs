@@ -27,7 +27,9 @@ impl Device for CudaDevice {
 
     fn all_reduce(&self, x: &mut CudaTensor) {
         if let Some(c) = &self.comm {
-            c.all_reduce_in_place(&mut x.buf, &cudarc::nccl::ReduceOp::Sum).expect("NCCL all-reduce");
+            let n = x.rows * x.cols;
+            c.all_reduce_in_place(&mut x.buf.slice_mut(0..n), &cudarc::nccl::ReduceOp::Sum)
+                .expect("NCCL all-reduce");
         }
     }
 
@@ -37,13 +39,13 @@ impl Device for CudaDevice {
         let parts = match &self.comm {
             Some(c) => {
                 // SAFETY: NCCL writes all world·rows·cols values.
-                let mut p = unsafe { self.stream.alloc::<f32>(self.tp.world * x.buf.len()) }
+                let mut p = unsafe { self.stream.alloc::<f32>(self.tp.world * x.rows * x.cols) }
                     .expect("device allocation");
-                c.all_gather(&x.buf, &mut p).expect("NCCL all-gather");
+                c.all_gather(&x.view(), &mut p).expect("NCCL all-gather");
                 gathered = p;
                 &gathered
             }
-            None => &x.buf,
+            None => &*x.buf,
         };
         let (rows, cols, keep, total_i) = (x.rows as i32, x.cols as i32, keep as i32, total as i32);
         // SAFETY: parts holds world [rows, cols] shards; total ≤ world·keep and keep ≤ cols.
@@ -51,7 +53,7 @@ impl Device for CudaDevice {
             self.stream
                 .launch_builder(self.f("join_shards_f32"))
                 .arg(parts)
-                .arg(&mut out.buf)
+                .arg(&mut *out.buf)
                 .arg(&rows)
                 .arg(&cols)
                 .arg(&keep)
@@ -100,9 +102,7 @@ impl Device for CudaDevice {
     }
 
     fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
-        let mut v = self.stream.clone_dtoh(&t.buf).expect("device to host copy");
-        v.truncate(t.rows * t.cols);
-        v
+        self.stream.clone_dtoh(&t.view()).expect("device to host copy")
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
@@ -123,7 +123,7 @@ impl Device for CudaDevice {
         let mut launch = self.stream.launch_builder(self.f(name));
         table_ptr.push(&mut launch);
         // SAFETY: table is [vocab, hidden]; ids were validated against the vocabulary at admission.
-        unsafe { launch.arg(&ids).arg(&mut out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
+        unsafe { launch.arg(&ids).arg(&mut *out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
         out
     }
 
@@ -143,7 +143,7 @@ impl Device for CudaDevice {
             unsafe {
                 self.stream
                     .launch_builder(self.f("add_bias_f32"))
-                    .arg(&mut out.buf)
+                    .arg(&mut *out.buf)
                     .arg(b.f32())
                     .arg(&cols)
                     .arg(&total)
@@ -174,8 +174,8 @@ impl Device for CudaDevice {
         unsafe {
             self.stream
                 .launch_builder(self.f("add_f32"))
-                .arg(&mut acc.buf)
-                .arg(&x.buf)
+                .arg(&mut *acc.buf)
+                .arg(&*x.buf)
                 .arg(&n)
                 .launch(Self::grid(n as usize))
         }
@@ -191,8 +191,8 @@ impl Device for CudaDevice {
         unsafe {
             self.stream
                 .launch_builder(self.f("silu_mul_f32"))
-                .arg(&gate_up.buf)
-                .arg(&mut out.buf)
+                .arg(&*gate_up.buf)
+                .arg(&mut *out.buf)
                 .arg(&i)
                 .arg(&total)
                 .launch(Self::grid(total as usize))
@@ -226,10 +226,10 @@ impl Device for CudaDevice {
         unsafe {
             self.stream
                 .launch_builder(self.f("split_qkv_rope_f32"))
-                .arg(&qkv.buf)
-                .arg(&mut q.buf)
-                .arg(&mut k.buf)
-                .arg(&mut v.buf)
+                .arg(&*qkv.buf)
+                .arg(&mut *q.buf)
+                .arg(&mut *k.buf)
+                .arg(&mut *v.buf)
                 .arg(pos)
                 .arg(inv)
                 .arg(&h)
@@ -260,8 +260,8 @@ impl Device for CudaDevice {
         unsafe {
             self.stream
                 .launch_builder(self.f("write_kv_f32"))
-                .arg(&k.buf)
-                .arg(&v.buf)
+                .arg(&*k.buf)
+                .arg(&*v.buf)
                 .arg(&mut cache.k)
                 .arg(&mut cache.v)
                 .arg(slots)
@@ -272,21 +272,81 @@ impl Device for CudaDevice {
         let (tables, offs, pos, seq, ctx_max) =
             (&b.tables, &b.table_offsets, &b.positions, &b.token_seq, b.ctx_max);
         let mut out = self.tensor(q.rows, s.num_heads * s.head_dim);
+        let (h, kvh, hd, bs) =
+            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, cache.shape.block_size as i32);
+        if let Some(part) = split_partition(q.rows, s, ctx_max) {
+            let parts_max = ctx_max.div_ceil(part);
+            let slots = q.rows * s.num_heads * parts_max;
+            let mut part_out = self.tensor(slots, s.head_dim);
+            let (mut part_max, mut part_sum) = (self.tensor(slots, 1), self.tensor(slots, 1));
+            let group = s.num_heads / s.num_kv_heads;
+            let cfg = LaunchConfig {
+                grid_dim: (q.rows as u32, s.num_kv_heads as u32, parts_max as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: (group * part * 4) as u32,
+            };
+            let (part_i, parts_i) = (part as i32, parts_max as i32);
+            // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
+            // rows·heads·parts_max entries (of head_dim values for part_out).
+            unsafe {
+                self.stream
+                    .launch_builder(self.f("paged_attention_split_f32"))
+                    .arg(&*q.buf)
+                    .arg(&cache.k)
+                    .arg(&cache.v)
+                    .arg(&mut *part_out.buf)
+                    .arg(&mut *part_max.buf)
+                    .arg(&mut *part_sum.buf)
+                    .arg(pos)
+                    .arg(seq)
+                    .arg(tables)
+                    .arg(offs)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&hd)
+                    .arg(&bs)
+                    .arg(&s.scale)
+                    .arg(&part_i)
+                    .arg(&parts_i)
+                    .launch(cfg)
+            }
+            .expect("paged_attention_split launch");
+            let cfg = LaunchConfig {
+                grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; out is [rows, heads·head_dim].
+            unsafe {
+                self.stream
+                    .launch_builder(self.f("paged_attention_reduce_f32"))
+                    .arg(&*part_out.buf)
+                    .arg(&*part_max.buf)
+                    .arg(&*part_sum.buf)
+                    .arg(&mut *out.buf)
+                    .arg(pos)
+                    .arg(&h)
+                    .arg(&hd)
+                    .arg(&part_i)
+                    .arg(&parts_i)
+                    .launch(cfg)
+            }
+            .expect("paged_attention_reduce launch");
+            return out;
+        }
         let cfg = LaunchConfig {
             grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: (ctx_max * 4) as u32,
         };
-        let (h, kvh, hd, bs) =
-            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, cache.shape.block_size as i32);
         // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
         unsafe {
             self.stream
                 .launch_builder(self.f("paged_attention_f32"))
-                .arg(&q.buf)
+                .arg(&*q.buf)
                 .arg(&cache.k)
                 .arg(&cache.v)
-                .arg(&mut out.buf)
+                .arg(&mut *out.buf)
                 .arg(pos)
                 .arg(seq)
                 .arg(tables)
@@ -309,7 +369,7 @@ impl Device for CudaDevice {
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: x is [rows, cols]; one id per row.
         unsafe {
-            self.stream.launch_builder(self.f("argmax_f32")).arg(&x.buf).arg(&mut ids).arg(&cols).launch(cfg)
+            self.stream.launch_builder(self.f("argmax_f32")).arg(&*x.buf).arg(&mut ids).arg(&cols).launch(cfg)
         }
         .expect("argmax launch");
         let mut v = self.stream.clone_dtoh(&ids).expect("device to host copy");
@@ -326,9 +386,9 @@ impl Device for CudaDevice {
         unsafe {
             self.stream
                 .launch_builder(self.f("gather_rows_f32"))
-                .arg(&x.buf)
+                .arg(&*x.buf)
                 .arg(&r)
-                .arg(&mut out.buf)
+                .arg(&mut *out.buf)
                 .arg(&cols)
                 .launch(Self::rows(rows.len()))
         }
@@ -382,8 +442,8 @@ impl Device for CudaDevice {
             unsafe {
                 self.stream
                     .launch_builder(self.f("lora_f32"))
-                    .arg(&mut y.buf)
-                    .arg(&x.buf)
+                    .arg(&mut *y.buf)
+                    .arg(&*x.buf)
                     .arg(&l.a)
                     .arg(&l.bt)
                     .arg(&l.ranks_dev)
@@ -398,4 +458,27 @@ impl Device for CudaDevice {
             .expect("lora launch");
         }
     }
+}
+
+/// Positions per partition for the split attention kernel, or None where it does not apply
+/// (GQA groups over 8 heads, head sizes not a multiple of 32 or over 256, or a batch whose
+/// partial results would not fit the budget). Partitions start at 32 positions, so that
+/// one short decode still spreads over the GPU, and grow while the grid stays large and
+/// while the partial results would take more than 256 MiB.
+fn split_partition(rows: usize, s: AttnShape, ctx_max: usize) -> Option<usize> {
+    let group = s.num_heads / s.num_kv_heads;
+    if group > 8 || !s.head_dim.is_multiple_of(32) || s.head_dim > 256 {
+        return None;
+    }
+    let bytes = |part: usize| rows * s.num_heads * ctx_max.div_ceil(part) * (s.head_dim + 2) * 4;
+    let blocks = |part: usize| rows * s.num_kv_heads * ctx_max.div_ceil(part);
+    let mut part = 32;
+    while part < 512 && blocks(part) > 4096 {
+        part *= 2;
+    }
+    while bytes(part) > 256 << 20 {
+        part *= 2;
+    }
+    // Scores of the partition live in shared memory (48 KiB without opting in).
+    (group * part * 4 <= 48 << 10).then_some(part)
 }

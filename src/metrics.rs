@@ -70,7 +70,81 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
+    /// Where the engine's steps spend their time (`bench latency --breakdown`).
+    pub profile: StepProfile,
     seed_state: AtomicU64,
+}
+
+/// Cumulative nanoseconds of each phase of the engine's steps, and the step count.
+#[derive(Debug, Default)]
+pub struct StepProfile {
+    pub steps: AtomicU64,
+    /// The whole step, from scheduling to the outputs handled.
+    pub step_ns: AtomicU64,
+    /// The Scheduler choosing the batch and building the runner's message.
+    pub schedule_ns: AtomicU64,
+    /// The BlockManager's reservation round trip.
+    pub blocks_ns: AtomicU64,
+    /// The ModelRunner's phases (see [`RunnerTiming`](crate::actors::model_runner::RunnerTiming)).
+    pub prepare_ns: AtomicU64,
+    pub launch_ns: AtomicU64,
+    pub device_ns: AtomicU64,
+    pub sample_ns: AtomicU64,
+    /// The Scheduler applying the sampled tokens: detokenizing, stop checks, events.
+    pub output_ns: AtomicU64,
+}
+
+/// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct StepBreakdown {
+    pub steps: u64,
+    pub step_ms: f64,
+    pub schedule_ms: f64,
+    pub blocks_ms: f64,
+    pub prepare_ms: f64,
+    pub launch_ms: f64,
+    pub device_ms: f64,
+    pub sample_ms: f64,
+    pub output_ms: f64,
+    /// What is left: messages between the actors and waiting on their mailboxes.
+    pub messaging_ms: f64,
+}
+
+impl StepProfile {
+    pub fn snapshot(&self) -> [u64; 9] {
+        [
+            &self.steps,
+            &self.step_ns,
+            &self.schedule_ns,
+            &self.blocks_ns,
+            &self.prepare_ns,
+            &self.launch_ns,
+            &self.device_ns,
+            &self.sample_ns,
+            &self.output_ns,
+        ]
+        .map(|a| a.load(Relaxed))
+    }
+
+    /// The per-step breakdown of what happened between snapshots `a` and `b`.
+    pub fn between(a: [u64; 9], b: [u64; 9]) -> StepBreakdown {
+        let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
+        let steps = d[0].max(1);
+        let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
+        let parts: u64 = d[2..].iter().sum();
+        StepBreakdown {
+            steps: d[0],
+            step_ms: ms(d[1]),
+            schedule_ms: ms(d[2]),
+            blocks_ms: ms(d[3]),
+            prepare_ms: ms(d[4]),
+            launch_ms: ms(d[5]),
+            device_ms: ms(d[6]),
+            sample_ms: ms(d[7]),
+            output_ms: ms(d[8]),
+            messaging_ms: ms(d[1].saturating_sub(parts)),
+        }
+    }
 }
 
 impl Default for Metrics {
@@ -92,6 +166,7 @@ impl Default for Metrics {
             ttft: Histogram::new(),
             itl: Histogram::new(),
             e2e: Histogram::new(),
+            profile: StepProfile::default(),
             seed_state: AtomicU64::new(t),
         }
     }

@@ -68,6 +68,20 @@ pub struct Sampled {
 #[derive(Debug, Default)]
 pub struct StepOutput {
     pub sampled: Vec<Sampled>,
+    pub timing: RunnerTiming,
+}
+
+/// Where a runner's step went, in nanoseconds.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RunnerTiming {
+    /// Flat inputs and attention metadata built from the batch.
+    pub prepare_ns: u64,
+    /// The host issuing the forward and the logits (on the CPU: computing them).
+    pub launch_ns: u64,
+    /// Waiting for the device to finish them.
+    pub device_ns: u64,
+    /// Sampling, with the copies of ids or logits back to the host.
+    pub sample_ns: u64,
 }
 
 /// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
@@ -192,6 +206,7 @@ impl<D: Device> ModelRunner<D> {
 
     /// Runs one step. Public so that benchmarks can drive a runner without actors.
     pub fn execute(&mut self, batch: ExecuteBatch) -> Result<StepOutput, RunnerError> {
+        let t0 = std::time::Instant::now();
         for id in &batch.dropped {
             self.seqs.remove(id);
         }
@@ -244,12 +259,23 @@ impl<D: Device> ModelRunner<D> {
                 peer_steps.push(p.send(ShardStep { ids: shared_ids.clone(), meta: shared_meta.clone() }));
             }
         }
+        let t1 = std::time::Instant::now();
         let logits = self.forward(&ids, &meta);
+        let t2 = std::time::Instant::now();
+        self.dev.synchronize();
         for (rank, done) in peer_steps.into_iter().enumerate() {
             futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))?;
         }
+        let t3 = std::time::Instant::now();
+        let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
+        let mut timing = RunnerTiming {
+            prepare_ns: ns(t0, t1),
+            launch_ns: ns(t1, t2),
+            device_ns: ns(t2, t3),
+            sample_ns: 0,
+        };
         let Some(logits) = logits else {
-            return Ok(StepOutput::default());
+            return Ok(StepOutput { sampled: Vec::new(), timing });
         };
         // Plain greedy rows are sampled on the device (only their ids come back); rows that
         // need penalties, logprobs, masking or a random draw come to the host whole.
@@ -273,7 +299,8 @@ impl<D: Device> ModelRunner<D> {
                 results[i] = r;
             }
         }
-        let mut out = StepOutput { sampled: Vec::with_capacity(results.len()) };
+        timing.sample_ns = ns(t3, std::time::Instant::now());
+        let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
         for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
             if let Some(rs) = self.seqs.get_mut(&seq) {
                 rs.tokens.push(token);

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use actix::prelude::*;
@@ -356,6 +357,7 @@ impl SchedulerActor {
         if self.in_flight {
             return;
         }
+        let start = Instant::now();
         let Some(plan) = self.core.schedule() else { return };
         self.in_flight = true;
         self.metrics.on_preemptions(plan.num_preempted);
@@ -363,13 +365,18 @@ impl SchedulerActor {
         let dropped = plan.dropped;
         let lora_loads = plan.lora_loads;
         let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
+        let scheduled_at = Instant::now();
         let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, _| {
+            let reserved_at = Instant::now();
             let reserved = match res {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
                 Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
             };
             let batch = act.build_batch(&scheduled, dropped, &lora_loads, reserved);
+            let p = &act.metrics.profile;
+            p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
+            p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
             act.runner
                 .send(batch)
                 .into_actor(act)
@@ -380,16 +387,31 @@ impl SchedulerActor {
                 })
                 .boxed_local()
         });
-        ctx.spawn(step.map(|res, act, ctx| {
+        ctx.spawn(step.map(move |res, act, ctx| {
             act.in_flight = false;
             act.last_step = Some(Instant::now());
             match res {
-                Ok((scheduled, out)) => act.apply(&scheduled, out),
+                Ok((scheduled, out)) => {
+                    let (t, applying) = (out.timing, Instant::now());
+                    act.apply(&scheduled, out);
+                    let p = &act.metrics.profile;
+                    p.prepare_ns.fetch_add(t.prepare_ns, Relaxed);
+                    p.launch_ns.fetch_add(t.launch_ns, Relaxed);
+                    p.device_ns.fetch_add(t.device_ns, Relaxed);
+                    p.sample_ns.fetch_add(t.sample_ns, Relaxed);
+                    p.output_ns.fetch_add(nanos(applying, Instant::now()), Relaxed);
+                    p.step_ns.fetch_add(nanos(start, Instant::now()), Relaxed);
+                    p.steps.fetch_add(1, Relaxed);
+                }
                 Err(e) => act.fail_all(e.to_string()),
             }
             act.maybe_step(ctx);
         }));
     }
+}
+
+fn nanos(a: Instant, b: Instant) -> u64 {
+    (b - a).as_nanos() as u64
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -486,7 +508,7 @@ mod tests {
             self.0.lock().unwrap().push(b.seqs.iter().map(|s| s.seq).collect());
             let sampled =
                 b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None });
-            Ok(StepOutput { sampled: sampled.collect() })
+            Ok(StepOutput { sampled: sampled.collect(), ..Default::default() })
         }
     }
 

@@ -11,6 +11,7 @@ use super::{decode_run, prompt};
 use crate::config::{DeviceArg, EngineArgs};
 use crate::engine::Engine;
 use crate::kernels::cuda::CudaDevice;
+use crate::metrics::{StepBreakdown, StepProfile};
 use crate::request::{SamplingParams, TokenEvent};
 use crate::sampling::uniform;
 
@@ -65,18 +66,25 @@ struct LatencyReport {
     ms_per_step: f64,
     tokens_per_s: f64,
     bound: Bound,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    breakdown: Option<StepBreakdown>,
 }
 
-pub async fn latency(
-    args: EngineArgs,
-    batch_size: usize,
-    input_len: usize,
-    output_len: usize,
-    json: bool,
-) -> anyhow::Result<()> {
+/// The shape of a latency run.
+pub struct LatencyRun {
+    pub batch_size: usize,
+    pub input_len: usize,
+    pub output_len: usize,
+    pub breakdown: bool,
+}
+
+pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::Result<()> {
+    let LatencyRun { batch_size, input_len, output_len, .. } = run;
     let engine = Engine::start(args.clone()).await?;
     decode_run(&engine, batch_size, input_len, 8).await?;
+    let before = engine.metrics().profile.snapshot();
     let f = decode_run(&engine, batch_size, input_len, output_len).await?;
+    let breakdown = StepProfile::between(before, engine.metrics().profile.snapshot());
     let report = LatencyReport {
         batch_size,
         input_len,
@@ -84,6 +92,7 @@ pub async fn latency(
         ms_per_step: f.ms_per_step,
         tokens_per_s: f.decode_tokens_per_s,
         bound: bound(&engine, &args),
+        breakdown: run.breakdown.then_some(breakdown),
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -97,6 +106,23 @@ pub async fn latency(
             report.bound.weight_bytes as f64 / 1e9,
             report.bound.copy_bandwidth_gb_s
         );
+        if let Some(b) = report.breakdown {
+            println!(
+                "per step, over {} steps (the prefill step included): {:.3} ms = scheduling {:.3} + block \
+                 reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
+                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}",
+                b.steps,
+                b.step_ms,
+                b.schedule_ms,
+                b.blocks_ms,
+                b.prepare_ms,
+                b.launch_ms,
+                b.device_ms,
+                b.sample_ms,
+                b.output_ms,
+                b.messaging_ms
+            );
+        }
     }
     Ok(())
 }

@@ -61,6 +61,10 @@ pub enum BenchMode {
         input_len: usize,
         #[arg(long, default_value_t = 256)]
         output_len: usize,
+        /// Also print where a decode step's time goes (host scheduling, input preparation,
+        /// device time, sampling, output handling).
+        #[arg(long)]
+        breakdown: bool,
         #[arg(long)]
         json: bool,
     },
@@ -205,8 +209,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(a).await,
-        BenchMode::Latency { engine, batch_size, input_len, output_len, json } => {
-            gpu::latency(engine, batch_size, input_len, output_len, json).await?;
+        BenchMode::Latency { engine, batch_size, input_len, output_len, breakdown, json } => {
+            gpu::latency(engine, gpu::LatencyRun { batch_size, input_len, output_len, breakdown }, json)
+                .await?;
             actix::System::current().stop();
             return Ok(());
         }

@@ -147,6 +147,8 @@ pub trait Device: Send + Unpin + 'static {
     fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
     fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Waits for the work issued so far to finish (a no-op where operations are synchronous).
+    fn synchronize(&self);
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
 
     /// `out[i] = table[ids[i]]` → `[ids.len(), hidden]`.

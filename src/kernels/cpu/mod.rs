@@ -206,6 +206,8 @@ impl Device for CpuDevice {
         Ok(CpuCache { shape, k: vec![0.0; n], v: vec![0.0; n] })
     }
 
+    fn synchronize(&self) {}
+
     fn to_host(&self, t: &CpuTensor) -> Vec<f32> {
         t.data.clone()
     }

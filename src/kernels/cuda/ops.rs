@@ -105,6 +105,10 @@ impl Device for CudaDevice {
         self.stream.clone_dtoh(&t.view()).expect("device to host copy")
     }
 
+    fn synchronize(&self) {
+        self.stream.synchronize().expect("stream synchronize");
+    }
+
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }

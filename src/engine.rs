@@ -131,8 +131,10 @@ impl Engine {
                 bf16: l.bf16,
             }),
         };
+        let started = std::time::Instant::now();
         let ranks = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
             let devs = make().map_err(|e| EngineError::Device(e.to_string()))?;
+            tracing::info!(seconds = started.elapsed().as_secs_f32(), "devices open");
             let (registry, dir) = (&registry, &dir);
             std::thread::scope(|s| {
                 let loads: Vec<_> = devs
@@ -169,6 +171,7 @@ impl Engine {
                 .unwrap_or(0);
             config.resize_kv(&model_config, left)?;
         }
+        tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
         let dev_name = ranks[0].0.name();
         tracing::info!(
@@ -188,6 +191,7 @@ impl Engine {
             .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg, eos.clone()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::Device(e.to_string()))?;
+        tracing::info!(seconds = started.elapsed().as_secs_f32(), "KV cache allocated");
         let peers = runners.split_off(1).into_iter().map(start_runner).collect();
         let runner_addr = start_runner(runners.remove(0).with_peers(peers));
         let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();

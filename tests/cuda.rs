@@ -35,8 +35,8 @@ fn rand(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn host(data: &[f32], shape: &[usize]) -> HostTensor {
-    HostTensor { dtype: DType::F32, shape: shape.to_vec(), data: bytemuck::cast_slice(data).to_vec() }
+fn host(data: &[f32], shape: &[usize]) -> HostTensor<'static> {
+    HostTensor { dtype: DType::F32, shape: shape.to_vec(), data: bytemuck::cast_slice(data).to_vec().into() }
 }
 
 fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
@@ -90,7 +90,7 @@ fn every_kernel_matches_its_cpu_twin() {
     for dt in [DType::BF16, DType::F16] {
         let mut bytes = Vec::new();
         dt.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut bytes);
-        let t = || HostTensor { dtype: dt, shape: vec![97, hidden], data: bytes.clone() };
+        let t = || HostTensor { dtype: dt, shape: vec![97, hidden], data: bytes.clone().into() };
         let (wc16, wg16) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
         close(
             "linear 16-bit",

@@ -10,13 +10,15 @@ pub mod cuda;
 
 use crate::models::attn::AttnMetadata;
 
-/// A host-side tensor in a checkpoint dtype, ready to be uploaded as a weight.
-pub struct HostTensor {
+/// A host-side tensor in a checkpoint dtype, ready to be uploaded as a weight. Its bytes
+/// are borrowed straight from the memory-mapped checkpoint when no conversion or stacking
+/// was needed.
+pub struct HostTensor<'a> {
     pub dtype: DType,
     /// Row-major, outermost first (`[out_features, in_features]` for a linear weight).
     pub shape: Vec<usize>,
     /// Little-endian element bytes.
-    pub data: Vec<u8>,
+    pub data: std::borrow::Cow<'a, [u8]>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -144,7 +146,7 @@ pub trait Device: Send + Unpin + 'static {
     fn all_gather_cols(&self, x: &Self::Tensor, keep: usize, total: usize) -> Self::Tensor;
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;
-    fn upload(&self, t: HostTensor) -> Result<Self::Weight, DeviceError>;
+    fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
     fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
     /// Waits for the work issued so far to finish (a no-op where operations are synchronous).

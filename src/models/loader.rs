@@ -193,13 +193,13 @@ impl<'s, 'a> ParamView<'s, 'a> {
     }
 
     /// A plain parameter, checked against the expected shape, in the store's dtype.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor, ModelError> {
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor<'a>, ModelError> {
         self.get_part(name, shape, Part::Whole)
     }
 
     /// A part of a parameter (this rank's shard under tensor parallelism), checked against
     /// the full expected shape, in the store's dtype.
-    pub fn get_part(&self, name: &str, shape: &[usize], part: Part) -> Result<HostTensor, ModelError> {
+    pub fn get_part(&self, name: &str, shape: &[usize], part: Part) -> Result<HostTensor<'a>, ModelError> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_shape(&full, shape, t.shape)?;
@@ -216,7 +216,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         rows: &[usize],
         picks: &[std::ops::Range<usize>],
         cols: Option<usize>,
-    ) -> Result<HostTensor, ModelError> {
+    ) -> Result<HostTensor<'a>, ModelError> {
         let (full, shards) = self.shards(name)?;
         let mut data = Vec::new();
         for (i, (&r, shard)) in rows.iter().zip(shard_names).enumerate() {
@@ -231,38 +231,47 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 None => vec![r],
             };
             check_shape(&shard_name, &want, t.shape)?;
-            data.extend(self.convert(t, &want, Part::Rows(picks[i].clone())).data);
+            data.extend_from_slice(&self.convert(t, &want, Part::Rows(picks[i].clone())).data);
         }
         let total: usize = picks.iter().map(|p| p.len()).sum();
         let shape = match cols {
             Some(c) => vec![total, c],
             None => vec![total],
         };
-        Ok(HostTensor { dtype: self.store.dtype, shape, data })
+        Ok(HostTensor { dtype: self.store.dtype, shape, data: data.into() })
     }
 
-    /// Converts `part` of a checked tensor of `shape` to the store's dtype.
-    fn convert(&self, t: &TensorRef, shape: &[usize], part: Part) -> HostTensor {
+    /// `part` of a checked tensor of `shape` in the store's dtype: borrowed from the
+    /// mapped file when it is whole rows already in that dtype, else converted.
+    fn convert(&self, t: &TensorRef<'a>, shape: &[usize], part: Part) -> HostTensor<'a> {
         let size = t.dtype.size();
         let row_len: usize = shape[1..].iter().product();
-        let mut data = Vec::new();
-        let out_shape = match part {
-            Part::Whole => {
-                self.store.dtype.convert_from(t.dtype, t.bytes, &mut data);
-                shape.to_vec()
-            }
+        let mut out_shape = shape.to_vec();
+        let rows = |r: std::ops::Range<usize>| &t.bytes[r.start * row_len * size..r.end * row_len * size];
+        let bytes: &'a [u8] = match &part {
+            Part::Whole => t.bytes,
             Part::Rows(r) => {
-                let bytes = &t.bytes[r.start * row_len * size..r.end * row_len * size];
-                self.store.dtype.convert_from(t.dtype, bytes, &mut data);
-                let mut s = shape.to_vec();
-                s[0] = r.len();
-                s
+                out_shape[0] = r.len();
+                rows(r.clone())
             }
             Part::Cols(c) => {
+                let mut data = Vec::new();
                 for row in t.bytes.chunks_exact(row_len * size) {
                     self.store.dtype.convert_from(t.dtype, &row[c.start * size..c.end * size], &mut data);
                 }
-                vec![shape[0], c.len()]
+                return HostTensor {
+                    dtype: self.store.dtype,
+                    shape: vec![shape[0], c.len()],
+                    data: data.into(),
+                };
+            }
+        };
+        let data = match t.dtype == self.store.dtype {
+            true => std::borrow::Cow::Borrowed(bytes),
+            false => {
+                let mut data = Vec::new();
+                self.store.dtype.convert_from(t.dtype, bytes, &mut data);
+                data.into()
             }
         };
         HostTensor { dtype: self.store.dtype, shape: out_shape, data }

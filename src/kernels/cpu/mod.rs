@@ -174,7 +174,7 @@ impl Device for CpuDevice {
         }
     }
 
-    fn upload(&self, t: HostTensor) -> Result<CpuWeight, DeviceError> {
+    fn upload(&self, t: HostTensor<'_>) -> Result<CpuWeight, DeviceError> {
         let numel: usize = t.shape.iter().product();
         let need = numel * t.dtype.size();
         if t.data.len() != need {

@@ -408,6 +408,15 @@ impl CudaDevice {
         self.stream.clone_htod(v).expect("host to device copy")
     }
 
+    /// Uploads 16-bit elements, straight from `bytes` when they are 2-byte aligned (the
+    /// memory-mapped checkpoint's are).
+    fn upload_u16(&self, bytes: &[u8]) -> Result<CudaSlice<u16>, DeviceError> {
+        match bytemuck::try_cast_slice::<u8, u16>(bytes) {
+            Ok(v) => self.stream.clone_htod(v).map_err(err),
+            Err(_) => self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(bytes)).map_err(err),
+        }
+    }
+
     /// Copies host f32 data into a new device tensor (tests and benchmarks).
     pub fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
         let slice = self.stream.clone_htod(data).expect("host to device copy");

@@ -69,19 +69,15 @@ impl Device for CudaDevice {
         cudarc::driver::result::mem_get_info().ok()
     }
 
-    fn upload(&self, t: HostTensor) -> Result<CudaWeight, DeviceError> {
+    fn upload(&self, t: HostTensor<'_>) -> Result<CudaWeight, DeviceError> {
         let numel: usize = t.shape.iter().product();
         let need = numel * t.dtype.size();
         if t.data.len() != need {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         let buf = match (t.dtype, t.shape.len()) {
-            (DType::BF16, 2) => WeightBuf::Bf16(
-                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
-            ),
-            (DType::F16, 2) => WeightBuf::F16(
-                self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(&t.data)).map_err(err)?,
-            ),
+            (DType::BF16, 2) => WeightBuf::Bf16(self.upload_u16(&t.data)?),
+            (DType::F16, 2) => WeightBuf::F16(self.upload_u16(&t.data)?),
             _ => {
                 let mut bytes = Vec::new();
                 DType::F32.convert_from(t.dtype, &t.data, &mut bytes);

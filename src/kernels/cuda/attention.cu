@@ -157,6 +157,100 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
     }
 }
 
+// Tiled attention for prefill (FlashAttention's schedule, in f32): one block per (tile of
+// up to `tq` consecutive query tokens of one sequence, KV head), holding the tile's
+// tq · group query rows. K and V are read in chunks of TILE_K positions into shared memory
+// once for all those rows, with an online softmax. head_dim is 32, 64 or 128; 128 threads,
+// each owning one dimension of up to 32 rows' accumulators.
+#define TILE_K 16
+extern "C" __global__ void paged_attention_tiled_f32(const float* q, const float* kc, const float* vc, float* out,
+                                                     const unsigned int* positions, const unsigned int* token_seq,
+                                                     const unsigned int* tables, const unsigned int* table_off,
+                                                     const unsigned int* tile_start, const unsigned int* tile_len,
+                                                     int heads, int kv_heads, int head_dim, int block_size,
+                                                     float scale, int tq) {
+    extern __shared__ float sh[];
+    int group = heads / kv_heads;
+    int rows = tq * group;
+    int dp = head_dim + 1;  // padded rows: no bank conflicts across keys
+    float* qs = sh;                      // [rows][dp]
+    float* ks = qs + rows * dp;          // [TILE_K][dp]
+    float* vs = ks + TILE_K * dp;        // [TILE_K][head_dim]
+    float* ps = vs + TILE_K * head_dim;  // [rows][TILE_K]
+    float* alpha = ps + rows * TILE_K;   // [rows]
+    float* lsum = alpha + rows;          // [rows]
+    float* mrow = lsum + rows;           // [rows]
+    int tile = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+    int r0 = tile_start[tile], n = tile_len[tile];
+    int used = n * group;  // row r is query token r / group, head kvh * group + r % group
+    const unsigned int* table = tables + table_off[token_seq[r0]];
+    int ctx = positions[r0 + n - 1] + 1;
+    for (int e = tid; e < used * head_dim; e += blockDim.x) {
+        int r = e / head_dim, d = e % head_dim;
+        qs[r * dp + d] = q[((size_t)(r0 + r / group) * heads + kvh * group + r % group) * head_dim + d] * scale;
+    }
+    for (int r = tid; r < used; r += blockDim.x) {
+        mrow[r] = -3.0e38f;
+        lsum[r] = 0.0f;
+    }
+    int stride = blockDim.x / head_dim, dd = tid % head_dim, rbase = tid / head_dim;
+    float acc[32];
+#pragma unroll
+    for (int k = 0; k < 32; k++) acc[k] = 0.0f;
+    __syncthreads();
+    for (int p0 = 0; p0 < ctx; p0 += TILE_K) {
+        int m = min(TILE_K, ctx - p0);
+        for (int e = tid; e < m * head_dim; e += blockDim.x) {
+            int j = e / head_dim, d = e % head_dim, p = p0 + j;
+            size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim + d;
+            ks[j * dp + d] = kc[at];
+            vs[j * head_dim + d] = vc[at];
+        }
+        __syncthreads();
+        for (int e = tid; e < used * TILE_K; e += blockDim.x) {
+            int r = e / TILE_K, j = e % TILE_K;
+            float s = -3.0e38f;  // masked: beyond the chunk or after the query (causal)
+            if (j < m && p0 + j <= (int)positions[r0 + r / group]) {
+                s = 0.0f;
+                for (int d = 0; d < head_dim; d++) s += qs[r * dp + d] * ks[j * dp + d];
+            }
+            ps[r * TILE_K + j] = s;
+        }
+        __syncthreads();
+        for (int r = tid; r < used; r += blockDim.x) {
+            float mx = mrow[r];
+            for (int j = 0; j < TILE_K; j++) mx = fmaxf(mx, ps[r * TILE_K + j]);
+            float a = expf(mrow[r] - mx), l = lsum[r] * a;
+            for (int j = 0; j < TILE_K; j++) {
+                float s = ps[r * TILE_K + j];
+                float e = s <= -3.0e38f ? 0.0f : expf(s - mx);
+                ps[r * TILE_K + j] = e;
+                l += e;
+            }
+            mrow[r] = mx;
+            lsum[r] = l;
+            alpha[r] = a;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 32; k++) {
+            int r = rbase + k * stride;
+            if (r < used) {
+                float o = acc[k] * alpha[r];
+                for (int j = 0; j < m; j++) o += ps[r * TILE_K + j] * vs[j * head_dim + dd];
+                acc[k] = o;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k++) {
+        int r = rbase + k * stride;
+        if (r < used)
+            out[((size_t)(r0 + r / group) * heads + kvh * group + r % group) * head_dim + dd] = acc[k] / lsum[r];
+    }
+}
+
 // Batched LoRA (BGMV): one block per row; row t with slot s >= 0 gets
 // y[t, off + o] += sum_r Bt[s, r, o] * (A[s, r, :] . x[t, :]). Dynamic shared: max_rank floats.
 extern "C" __global__ void lora_f32(float* y, const float* x, const float* a, const float* bt, const int* ranks,

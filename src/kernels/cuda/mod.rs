@@ -16,7 +16,7 @@ use crate::models::attn::AttnMetadata;
 const SOURCES: [(&str, &str); 2] =
     [("elementwise", include_str!("elementwise.cu")), ("attention", include_str!("attention.cu"))];
 
-const KERNELS: [&str; 19] = [
+const KERNELS: [&str; 18] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -34,7 +34,6 @@ const KERNELS: [&str; 19] = [
     "paged_attention_f32",
     "paged_attention_split_f32",
     "paged_attention_reduce_f32",
-    "paged_attention_tiled_f32",
     "lora_f32",
 ];
 
@@ -185,31 +184,6 @@ struct StepBufs {
     tables: CudaSlice<u32>,
     table_offsets: CudaSlice<u32>,
     ctx_max: usize,
-    /// Whether some sequence brings more than one query token (a prefill chunk).
-    multi_token: bool,
-    /// Query tiles for the tiled kernel, built on first use: (tokens per tile, first
-    /// rows, lengths, count).
-    tiles: Option<(usize, CudaSlice<u32>, CudaSlice<u32>, usize)>,
-}
-
-/// Splits the step's query rows into tiles of at most `tq` consecutive tokens of one
-/// sequence: (first row, length) of each.
-pub fn query_tiles(meta: &AttnMetadata, tq: usize) -> (Vec<u32>, Vec<u32>) {
-    let (mut starts, mut lens) = (Vec::new(), Vec::<u32>::new());
-    for (row, &seq) in meta.token_seq.iter().enumerate() {
-        let extend = row > 0
-            && meta.token_seq[row - 1] == seq
-            && meta.positions[row] == meta.positions[row - 1] + 1
-            && lens.last().is_some_and(|&l| (l as usize) < tq);
-        match extend {
-            true => *lens.last_mut().expect("a tile is open") += 1,
-            false => {
-                starts.push(row as u32);
-                lens.push(1);
-            }
-        }
-    }
-    (starts, lens)
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -353,8 +327,6 @@ impl CudaDevice {
             tables: self.upload_u32(&flat),
             table_offsets: self.upload_u32(&offs),
             ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
-            multi_token: meta.token_seq.windows(2).any(|w| w[0] == w[1]),
-            tiles: None,
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
         *self.step.borrow_mut() = Some(bufs);
@@ -568,20 +540,3 @@ impl CudaDevice {
 }
 
 mod ops;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn query_tiles_stay_inside_one_sequence_and_run_of_positions() {
-        let meta = AttnMetadata {
-            positions: vec![0, 1, 2, 3, 4, 9, 7, 8, 20],
-            token_seq: vec![0, 0, 0, 0, 0, 1, 2, 2, 3],
-            ..Default::default()
-        };
-        let (starts, lens) = query_tiles(&meta, 3);
-        assert_eq!(starts, [0, 3, 5, 6, 8]);
-        assert_eq!(lens, [3, 2, 1, 2, 1]);
-    }
-}

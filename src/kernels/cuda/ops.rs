@@ -253,16 +253,6 @@ impl Device for CudaDevice {
     ) -> CudaTensor {
         let width = (s.num_kv_heads * s.head_dim) as i32;
         self.step_bufs(meta);
-        let tiled = self.step.borrow().as_ref().is_some_and(|b| b.multi_token) && tiled_rows(s).is_some();
-        if let Some(rows) = tiled_rows(s).filter(|_| tiled) {
-            let tq = rows / (s.num_heads / s.num_kv_heads);
-            let mut step = self.step.borrow_mut();
-            let b = step.as_mut().expect("uploaded above");
-            if b.tiles.as_ref().is_none_or(|t| t.0 != tq) {
-                let (starts, lens) = super::query_tiles(meta, tq);
-                b.tiles = Some((tq, self.upload_u32(&starts), self.upload_u32(&lens), starts.len()));
-            }
-        }
         let guard = self.step.borrow();
         let b = guard.as_ref().expect("uploaded above");
         let slots = &b.slots;
@@ -284,42 +274,6 @@ impl Device for CudaDevice {
         let mut out = self.tensor(q.rows, s.num_heads * s.head_dim);
         let (h, kvh, hd, bs) =
             (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, cache.shape.block_size as i32);
-        if let (true, Some((tq, starts, lens, count))) = (tiled, b.tiles.as_ref()) {
-            let rows = tq * (s.num_heads / s.num_kv_heads);
-            let (dp, tk) = (s.head_dim + 1, 16);
-            let floats = rows * dp + tk * dp + tk * s.head_dim + rows * tk + 3 * rows;
-            let cfg = LaunchConfig {
-                grid_dim: (*count as u32, s.num_kv_heads as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: (floats * 4) as u32,
-            };
-            let tq_i = *tq as i32;
-            // SAFETY: tiles cover the step's rows, each inside one sequence; indices are
-            // bounded by the metadata built from the scheduler's tables.
-            unsafe {
-                self.stream
-                    .launch_builder(self.f("paged_attention_tiled_f32"))
-                    .arg(&*q.buf)
-                    .arg(&cache.k)
-                    .arg(&cache.v)
-                    .arg(&mut *out.buf)
-                    .arg(pos)
-                    .arg(seq)
-                    .arg(tables)
-                    .arg(offs)
-                    .arg(starts)
-                    .arg(lens)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&bs)
-                    .arg(&s.scale)
-                    .arg(&tq_i)
-                    .launch(cfg)
-            }
-            .expect("paged_attention_tiled launch");
-            return out;
-        }
         if let Some(part) = split_partition(q.rows, s, ctx_max) {
             let parts_max = ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;
@@ -527,11 +481,4 @@ fn split_partition(rows: usize, s: AttnShape, ctx_max: usize) -> Option<usize> {
     }
     // Scores of the partition live in shared memory (48 KiB without opting in).
     (group * part * 4 <= 48 << 10).then_some(part)
-}
-
-/// Query rows per block of the tiled prefill kernel (32 rows of 128 dimensions, 64 of 64,
-/// 128 of 32), or None where it does not apply (GQA groups over 8, other head sizes).
-fn tiled_rows(s: AttnShape) -> Option<usize> {
-    let group = s.num_heads / s.num_kv_heads;
-    (group <= 8 && matches!(s.head_dim, 32 | 64 | 128)).then_some(32 * 128 / s.head_dim)
 }

@@ -254,14 +254,6 @@ impl EngineConfig {
         }
         let tp = args.tensor_parallel_size;
         check_tensor_parallel(model, tp)?;
-        if tp > 1 && args.lora.enable_lora {
-            return Err(ConfigError::TensorParallel {
-                tp,
-                reason:
-                    "LoRA adapters are not split over ranks yet; serve them with --tensor-parallel-size 1"
-                        .into(),
-            });
-        }
         // f32 cache on the CPU: K and V per layer per token, of one rank's KV heads.
         let kv_heads = kv_heads_per_rank(model, tp);
         let bytes_per_block = 2 * model.num_layers * bs * kv_heads * model.head_dim * 4;

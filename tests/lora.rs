@@ -54,11 +54,22 @@ fn base_outputs() -> Vec<(Vec<u32>, Vec<u32>)> {
 
 #[actix_rt::test]
 async fn adapters_match_peft_in_one_mixed_batch_with_the_base_model() {
+    adapters_match_peft(1).await;
+}
+
+/// Split over 3 ranks, each holds its share of every adapter (B's rows under q/k/v and
+/// gate/up, A's columns under o and down), and the outputs are still PEFT's.
+#[actix_rt::test]
+async fn adapters_match_peft_over_three_ranks() {
+    adapters_match_peft(3).await;
+}
+
+async fn adapters_match_peft(tensor_parallel_size: usize) {
     let g = golden();
-    let root = scratch("peft");
+    let root = scratch(&format!("peft-tp{tensor_parallel_size}"));
     let modules =
         g.adapters.iter().map(|a| (a.spec.name.clone(), write_adapter(&root, &a.spec, false))).collect();
-    let engine = Engine::start(lora_args(modules, 2)).await.unwrap();
+    let engine = Engine::start(EngineArgs { tensor_parallel_size, ..lora_args(modules, 2) }).await.unwrap();
     let mut runs = Vec::new();
     let mut want = Vec::new();
     for a in &g.adapters {

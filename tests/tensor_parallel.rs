@@ -77,13 +77,6 @@ async fn shapes_that_do_not_split_are_refused_by_name() {
     assert!(e.contains("6 KV heads"), "{e}");
     let e = err(0).await;
     assert!(e.contains("at least 1"), "{e}");
-
-    let lora = EngineArgs {
-        lora: actorllm::config::LoraArgs { enable_lora: true, ..Default::default() },
-        ..args(&tiny_model(32), 2)
-    };
-    let e = Engine::start(lora).await.err().expect("refused").to_string();
-    assert!(e.contains("LoRA") && e.contains("--tensor-parallel-size 1"), "{e}");
 }
 
 #[actix_rt::test]

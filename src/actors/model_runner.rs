@@ -90,6 +90,8 @@ pub struct RunnerTiming {
 pub struct ShardStep {
     pub ids: Arc<[u32]>,
     pub meta: Arc<AttnMetadata>,
+    /// Adapters to place in slots first (each rank keeps its share of them).
+    pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -213,6 +215,7 @@ impl<D: Device> ModelRunner<D> {
         for (slot, adapter) in &batch.lora_loads {
             self.model.set_lora_slot(&self.dev, *slot, Some(adapter));
         }
+        let batch_lora_loads = batch.lora_loads;
         let any_lora = batch.seqs.iter().any(|s| s.lora_slot >= 0);
         let mut ids = Vec::new();
         let mut meta = AttnMetadata::default();
@@ -256,7 +259,11 @@ impl<D: Device> ModelRunner<D> {
         if !self.peers.is_empty() {
             let (shared_ids, shared_meta): (Arc<[u32]>, _) = (ids.as_slice().into(), Arc::new(meta.clone()));
             for p in &self.peers {
-                peer_steps.push(p.send(ShardStep { ids: shared_ids.clone(), meta: shared_meta.clone() }));
+                peer_steps.push(p.send(ShardStep {
+                    ids: shared_ids.clone(),
+                    meta: shared_meta.clone(),
+                    lora_loads: batch_lora_loads.clone(),
+                }));
             }
         }
         let t1 = std::time::Instant::now();
@@ -318,6 +325,9 @@ impl<D: Device> Actor for ModelRunner<D> {
 impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
     type Result = ();
     fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) {
+        for (slot, adapter) in &msg.lora_loads {
+            self.model.set_lora_slot(&self.dev, *slot, Some(adapter));
+        }
         self.forward(&msg.ids, &msg.meta);
     }
 }

@@ -5,9 +5,11 @@
 
 use super::attn::AttnMetadata;
 use super::config::ModelConfig;
+use std::borrow::Cow;
+
 use super::layers::{
     MergedColumnParallelLinear, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-    RowParallelLinear, VocabParallelEmbedding,
+    RowParallelLinear, VocabParallelEmbedding, qkv_heads, shard,
 };
 use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LORA_MODULES, LoraAdapter};
@@ -29,20 +31,60 @@ pub fn skip_tensor(name: &str, cfg: &ModelConfig) -> bool {
 }
 
 /// Per-module LoRA buffers of one decoder layer, indexed like [`LORA_MODULES`], with the
-/// column offset of each module's output inside its (possibly fused) projection.
+/// column offset of each module's output inside its (possibly fused) projection and the
+/// part of the adapter's weights this rank holds.
 pub struct LayerLora<D: Device> {
     modules: Vec<(D::Lora, usize)>,
+    parts: Vec<LoraPart>,
+}
+
+/// The share of one module's adapter weights a tensor-parallel rank holds, following its
+/// base layer: a column-parallel layer's output rows (rows of B), a row-parallel layer's
+/// input columns (columns of A, whose delta joins the partial product before the sum).
+#[derive(Debug, Clone)]
+enum LoraPart {
+    Out(std::ops::Range<usize>),
+    In { cols: std::ops::Range<usize>, of: usize },
+}
+
+impl LoraPart {
+    /// (A, B) of this rank from an adapter's full `a` `[rank, in]` and `b` `[out, rank]`.
+    fn slice<'w>(&self, a: &'w [f32], b: &'w [f32], rank: usize) -> (Cow<'w, [f32]>, Cow<'w, [f32]>) {
+        match self {
+            LoraPart::Out(rows) => (a.into(), b[rows.start * rank..rows.end * rank].into()),
+            LoraPart::In { cols, of } => {
+                let a: Vec<f32> = a.chunks_exact(*of).flat_map(|row| &row[cols.clone()]).copied().collect();
+                (a.into(), b.into())
+            }
+        }
+    }
 }
 
 impl<D: Device> LayerLora<D> {
     fn new(dev: &D, cfg: &ModelConfig, cap: LoraCapacity) -> Result<Self, ModelError> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-        // (in, out, offset in the fused output) for q, k, v, o, gate, up, down.
-        let dims = [(h, q, 0), (h, kv, q), (h, kv, q + kv), (q, h, 0), (h, i, 0), (h, i, i), (i, h, 0)];
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let (qh, kvh) = qkv_heads(cfg.num_heads, cfg.num_kv_heads, dev.tp());
+        let (q, kv, i) =
+            (qh.start * d..qh.end * d, kvh.start * d..kvh.end * d, shard(cfg.intermediate_size, dev.tp()));
+        let (ql, kvl, il) = (q.len(), kv.len(), i.len());
+        let (q_in, i_in) = (
+            LoraPart::In { cols: q.clone(), of: cfg.num_heads * d },
+            LoraPart::In { cols: i.clone(), of: cfg.intermediate_size },
+        );
+        // (in, out, offset in the fused output, this rank's part) for q, k, v, o, gate, up, down.
+        let dims = [
+            (h, ql, 0, LoraPart::Out(q)),
+            (h, kvl, ql, LoraPart::Out(kv.clone())),
+            (h, kvl, ql + kvl, LoraPart::Out(kv)),
+            (ql, h, 0, q_in),
+            (h, il, 0, LoraPart::Out(i.clone())),
+            (h, il, il, LoraPart::Out(i)),
+            (il, h, 0, i_in),
+        ];
+        let parts = dims.iter().map(|d| d.3.clone()).collect();
         let modules = dims
             .iter()
-            .map(|&(fin, fout, off)| {
+            .map(|&(fin, fout, off, _)| {
                 let shape = LoraShape {
                     slots: cap.slots,
                     max_rank: cap.max_rank,
@@ -53,7 +95,7 @@ impl<D: Device> LayerLora<D> {
                 Ok((dev.alloc_lora(shape)?, off))
             })
             .collect::<Result<_, ModelError>>()?;
-        Ok(Self { modules })
+        Ok(Self { modules, parts })
     }
 
     /// Adds the LoRA deltas of modules `range` (into one projection's output) for the batch.
@@ -98,11 +140,11 @@ impl<D: Device> LlamaMlp<D> {
             l.apply(dev, &mut gate_up, x, GATE_UP, meta);
         }
         let act = dev.silu_mul(&gate_up); // [n, intermediate]
-        let mut out = self.down_proj.forward(dev, &act); // [n, hidden]
-        if let Some(l) = lora {
-            l.apply(dev, &mut out, &act, DOWN, meta);
-        }
-        out
+        self.down_proj.forward_with(dev, &act, |out| {
+            if let Some(l) = lora {
+                l.apply(dev, out, &act, DOWN, meta);
+            }
+        }) // [n, hidden]
     }
 }
 
@@ -139,11 +181,11 @@ impl<D: Device> LlamaAttention<D> {
             l.apply(dev, &mut qkv, x, QKV, meta);
         }
         let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta); // [n, heads·head_dim]
-        let mut out = self.o_proj.forward(dev, &attn); // [n, hidden]
-        if let Some(l) = lora {
-            l.apply(dev, &mut out, &attn, O, meta);
-        }
-        out
+        self.o_proj.forward_with(dev, &attn, |out| {
+            if let Some(l) = lora {
+                l.apply(dev, out, &attn, O, meta);
+            }
+        }) // [n, hidden]
     }
 }
 
@@ -255,10 +297,15 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) {
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let Some(l) = layer.lora.as_mut() else { return };
-            for (m, (buf, _)) in l.modules.iter_mut().enumerate() {
+            for (m, ((buf, _), part)) in l.modules.iter_mut().zip(&l.parts).enumerate() {
                 let w = adapter.and_then(|a| a.weights.get(&(i, m)).map(|w| (a, w)));
-                let slot_weights =
-                    w.map(|(a, w)| LoraSlotWeights { a: &w.a, b: &w.b, rank: a.rank, scale: a.scale });
+                let sliced = w.map(|(a, w)| (part.slice(&w.a, &w.b, a.rank), a.rank, a.scale));
+                let slot_weights = sliced.as_ref().map(|((a, b), rank, scale)| LoraSlotWeights {
+                    a,
+                    b,
+                    rank: *rank,
+                    scale: *scale,
+                });
                 dev.set_lora_slot(buf, slot, slot_weights);
             }
         }

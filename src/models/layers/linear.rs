@@ -16,6 +16,18 @@ pub fn shard(n: usize, tp: TpRank) -> Range<usize> {
     tp.rank * per..(tp.rank + 1) * per
 }
 
+/// This rank's query heads, and its KV heads: a share of them, or the one KV head its query
+/// heads read when there are fewer KV heads than ranks (replicated).
+pub fn qkv_heads(heads: usize, kv_heads: usize, tp: TpRank) -> (Range<usize>, Range<usize>) {
+    let kv = if kv_heads >= tp.world {
+        shard(kv_heads, tp)
+    } else {
+        let h = tp.rank * kv_heads / tp.world;
+        h..h + 1
+    };
+    (shard(heads, tp), kv)
+}
+
 /// Fused q/k/v projection: rows `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]` of this
 /// rank's heads. With fewer KV heads than ranks, each KV head is replicated on the ranks
 /// whose query heads read it.
@@ -35,14 +47,7 @@ impl<D: Device> QKVParallelLinear<D> {
         (heads, kv_heads, head_dim): (usize, usize, usize),
         bias: bool,
     ) -> Result<Self, ModelError> {
-        let tp = dev.tp();
-        let q = shard(heads, tp);
-        let kv = if kv_heads >= tp.world {
-            shard(kv_heads, tp)
-        } else {
-            let h = tp.rank * kv_heads / tp.world;
-            h..h + 1
-        };
+        let (q, kv) = qkv_heads(heads, kv_heads, dev.tp());
         let rows_of = |r: &Range<usize>| r.start * head_dim..r.end * head_dim;
         let picks = [rows_of(&q), rows_of(&kv), rows_of(&kv)];
         let names = ["q_proj", "k_proj", "v_proj"];
@@ -95,9 +100,15 @@ impl<D: Device> RowParallelLinear<D> {
         let part = if tp.world == 1 { Part::Whole } else { Part::Cols(shard(input, tp)) };
         Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)? })
     }
-    /// `x @ wᵀ` summed over the ranks (before any LoRA delta is added).
+    /// `x @ wᵀ` summed over the ranks.
     pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
+        self.forward_with(dev, x, |_| {})
+    }
+    /// As [`Self::forward`], with `delta` (a LoRA's, from this rank's share of the input)
+    /// added to the partial product before the sum over the ranks.
+    pub fn forward_with(&self, dev: &D, x: &D::Tensor, delta: impl FnOnce(&mut D::Tensor)) -> D::Tensor {
         let mut out = dev.linear(x, &self.weight, None);
+        delta(&mut out);
         dev.all_reduce(&mut out);
         out
     }

@@ -85,3 +85,67 @@ async fn more_ranks_than_gpus_is_refused_with_the_count() {
     let e = Engine::start(cuda).await.err().expect("refused").to_string();
     assert!(e.contains("needs 4 GPUs, this machine has"), "{e}");
 }
+
+/// The parallel layers themselves, split over 1, 2 and 3 CPU ranks: a column-parallel
+/// layer (with bias, its outputs kept split or gathered) feeding a row-parallel one gives
+/// one rank's result on every rank.
+#[test]
+fn column_then_row_parallel_layers_equal_the_unsplit_ones() {
+    use actorllm::kernels::Device;
+    use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
+    use actorllm::models::layers::{ColumnParallelLinear, RowParallelLinear};
+    use actorllm::models::loader::{Checkpoint, WeightStore};
+
+    let vals = |n: usize, k: f32| {
+        (0..n).map(|i| ((i as f32 * k).sin() * 0.5).to_le_bytes()).collect::<Vec<_>>().concat()
+    };
+    let tensors = [
+        ("lin.weight", vec![6, 4], vals(24, 0.7)),
+        ("lin.bias", vec![6], vals(6, 1.3)),
+        ("row.weight", vec![4, 6], vals(24, 0.3)),
+    ];
+    let views = tensors.iter().map(|(n, s, b)| {
+        (n.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+    });
+    let path = std::env::temp_dir().join(format!("actorllm-tp-layers-{}.safetensors", std::process::id()));
+    safetensors::tensor::serialize_to_file(views, &None, &path).unwrap();
+    let ckpt = Checkpoint::open_file(&path).unwrap();
+    let store = WeightStore::load_weights(ckpt.tensors(), &[], |_| false, DType::F32);
+    let x: Vec<f32> = (0..8).map(|i| i as f32 * 0.25 - 1.0).collect();
+    let run = |world: usize| -> Vec<(Vec<f32>, Vec<f32>)> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = CpuDevice::group(world)
+                .into_iter()
+                .map(|dev| {
+                    let (store, x) = (&store, x.clone());
+                    s.spawn(move || {
+                        let root = store.root();
+                        let split =
+                            ColumnParallelLinear::load(&dev, &root.pp("lin"), (4, 6), true, false).unwrap();
+                        let gathered =
+                            ColumnParallelLinear::load(&dev, &root.pp("lin"), (4, 6), true, true).unwrap();
+                        let row = RowParallelLinear::load(&dev, &root.pp("row"), 6, 4).unwrap();
+                        let x = CpuTensor::new(x, 2, 4);
+                        let h = split.forward(&dev, &x);
+                        assert_eq!(dev.shape(&h), (2, 6 / world));
+                        (dev.to_host(&gathered.forward(&dev, &x)), dev.to_host(&row.forward(&dev, &h)))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let one = run(1).remove(0);
+    for world in [2, 3] {
+        for (rank, (gathered, y)) in run(world).into_iter().enumerate() {
+            assert_eq!(gathered, one.0, "gathered outputs, rank {rank} of {world}");
+            for (a, b) in y.iter().zip(&one.1) {
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "row-parallel output, rank {rank} of {world}: {y:?} vs {:?}",
+                    one.1
+                );
+            }
+        }
+    }
+}

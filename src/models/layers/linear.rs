@@ -28,6 +28,49 @@ pub fn qkv_heads(heads: usize, kv_heads: usize, tp: TpRank) -> (Range<usize>, Ra
     (shard(heads, tp), kv)
 }
 
+/// A linear layer split by output features: each rank computes its share of the outputs
+/// (for a following row-parallel layer), or, with `gather_output`, every rank ends with all
+/// of them. The fused layers below are its stacked forms.
+pub struct ColumnParallelLinear<D: Device> {
+    pub weight: D::Weight,
+    pub bias: Option<D::Weight>,
+    output: usize,
+    gather_output: bool,
+}
+
+impl<D: Device> ColumnParallelLinear<D> {
+    pub fn load(
+        dev: &D,
+        w: &ParamView,
+        (input, output): (usize, usize),
+        bias: bool,
+        gather_output: bool,
+    ) -> Result<Self, ModelError> {
+        let tp = dev.tp();
+        if !output.is_multiple_of(tp.world) {
+            return Err(ModelError::Config(format!(
+                "{} output features do not split over {} ranks",
+                output, tp.world
+            )));
+        }
+        let rows = shard(output, tp);
+        let weight = dev.upload(w.get_part("weight", &[output, input], Part::Rows(rows.clone()))?)?;
+        let bias = match bias {
+            true => Some(dev.upload(w.get_part("bias", &[output], Part::Rows(rows))?)?),
+            false => None,
+        };
+        Ok(Self { weight, bias, output, gather_output })
+    }
+    /// `[n, input]` → `[n, output / ranks]`, or `[n, output]` when gathering.
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
+        let y = dev.linear(x, &self.weight, self.bias.as_ref());
+        match self.gather_output && dev.tp().world > 1 {
+            true => dev.all_gather_cols(&y, self.output / dev.tp().world, self.output),
+            false => y,
+        }
+    }
+}
+
 /// Fused q/k/v projection: rows `[q (heads·d) | k (kv_heads·d) | v (kv_heads·d)]` of this
 /// rank's heads. With fewer KV heads than ranks, each KV head is replicated on the ranks
 /// whose query heads read it.

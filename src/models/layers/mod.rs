@@ -5,7 +5,9 @@ mod attention;
 mod linear;
 
 pub use attention::{PagedAttention, RotaryEmbedding};
-pub use linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, qkv_heads, shard};
+pub use linear::{
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, qkv_heads, shard,
+};
 
 use super::ModelError;
 use super::loader::{ParamView, Part};

@@ -1,20 +1,59 @@
 //! Tensor parallelism on the CPU: the ranks are threads of one process, and the collectives
 //! meet at a barrier over shared buffers. Every rank sums or joins the buffers in rank
-//! order, so all ranks end with bit-identical results.
+//! order, so all ranks end with bit-identical results. A rank that goes away (its device
+//! dropped, as when its thread panics) breaks the group: the others stop waiting for it
+//! and fail instead of hanging.
 
-use std::sync::{Barrier, RwLock};
+use std::sync::{Condvar, Mutex, RwLock};
 
 /// The shared state of one group of `world` rank threads.
 pub struct CpuGroup {
     world: usize,
-    barrier: Barrier,
+    barrier: Mutex<BarrierState>,
+    arrivals: Condvar,
     /// Each rank's contribution to the collective in progress.
     bufs: Vec<RwLock<Vec<f32>>>,
 }
 
+#[derive(Default)]
+struct BarrierState {
+    arrived: usize,
+    generation: u64,
+    broken: bool,
+}
+
 impl CpuGroup {
     pub fn new(world: usize) -> Self {
-        Self { world, barrier: Barrier::new(world), bufs: (0..world).map(|_| RwLock::default()).collect() }
+        Self {
+            world,
+            barrier: Mutex::default(),
+            arrivals: Condvar::new(),
+            bufs: (0..world).map(|_| RwLock::default()).collect(),
+        }
+    }
+
+    /// Marks the group broken: a rank has gone and no collective can complete.
+    pub fn abandon(&self) {
+        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        s.broken = true;
+        self.arrivals.notify_all();
+    }
+
+    /// Waits until every rank has arrived. Panics when the group is broken: the rank's
+    /// runner fails (and with rank 0, every request in flight) rather than wait forever.
+    fn wait(&self) {
+        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = s.generation;
+        s.arrived += 1;
+        if s.arrived == self.world {
+            s.arrived = 0;
+            s.generation += 1;
+            self.arrivals.notify_all();
+        }
+        while s.generation == generation && !s.broken {
+            s = self.arrivals.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        assert!(s.generation != generation, "tensor-parallel group broken: a peer rank has stopped");
     }
 
     pub fn world(&self) -> usize {
@@ -29,13 +68,13 @@ impl CpuGroup {
             mine.clear();
             mine.extend_from_slice(data);
         }
-        self.barrier.wait();
+        self.wait();
         let guards: Vec<_> = self.bufs.iter().map(|b| b.read().unwrap_or_else(|e| e.into_inner())).collect();
         let parts: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
         let out = combine(&parts);
         drop(guards);
         // Nobody may overwrite its part before every rank has read all of them.
-        self.barrier.wait();
+        self.wait();
         out
     }
 
@@ -82,6 +121,21 @@ impl CpuGroup {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_rank_that_goes_away_fails_the_others_instead_of_hanging() {
+        let g = Arc::new(CpuGroup::new(2));
+        let waiting = {
+            let g = g.clone();
+            std::thread::spawn(move || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.all_reduce(0, &mut [1.0])))
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        g.abandon();
+        let outcome = waiting.join().unwrap();
+        assert!(outcome.is_err(), "rank 0 gave up on the collective");
+    }
 
     #[test]
     fn all_reduce_and_gather_agree_on_every_rank() {

@@ -116,7 +116,20 @@ pub struct CpuCache {
 /// The CPU, alone or as one rank of an in-process tensor-parallel group.
 #[derive(Clone, Default)]
 pub struct CpuDevice {
-    group: Option<(Arc<CpuGroup>, usize)>,
+    group: Option<Arc<Member>>,
+}
+
+/// One rank's membership of a group; when its last handle goes (the rank's runner is
+/// dropped, also after a panic), the group is broken so that the others fail, not hang.
+struct Member {
+    group: Arc<CpuGroup>,
+    rank: usize,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.group.abandon();
+    }
 }
 
 impl CpuDevice {
@@ -126,7 +139,9 @@ impl CpuDevice {
             return vec![CpuDevice::default()];
         }
         let g = Arc::new(CpuGroup::new(world));
-        (0..world).map(|rank| CpuDevice { group: Some((g.clone(), rank)) }).collect()
+        (0..world)
+            .map(|rank| CpuDevice { group: Some(Arc::new(Member { group: g.clone(), rank })) })
+            .collect()
     }
 }
 
@@ -146,21 +161,21 @@ impl Device for CpuDevice {
 
     fn tp(&self) -> TpRank {
         match &self.group {
-            Some((g, rank)) => TpRank { rank: *rank, world: g.world() },
+            Some(m) => TpRank { rank: m.rank, world: m.group.world() },
             None => TpRank::SINGLE,
         }
     }
 
     fn all_reduce(&self, x: &mut CpuTensor) {
-        if let Some((g, rank)) = &self.group {
-            g.all_reduce(*rank, &mut x.data);
+        if let Some(m) = &self.group {
+            m.group.all_reduce(m.rank, &mut x.data);
         }
     }
 
     fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> CpuTensor {
         match &self.group {
-            Some((g, rank)) => CpuTensor {
-                data: g.all_gather_cols(*rank, &x.data, x.rows, keep, total),
+            Some(m) => CpuTensor {
+                data: m.group.all_gather_cols(m.rank, &x.data, x.rows, keep, total),
                 rows: x.rows,
                 cols: total,
             },

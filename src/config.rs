@@ -193,7 +193,8 @@ pub struct EngineConfig {
 /// KV heads each rank holds: a share of them, or one replicated head when there are fewer
 /// KV heads than ranks.
 pub fn kv_heads_per_rank(model: &ModelConfig, tp: usize) -> usize {
-    (model.num_kv_heads / tp).max(1)
+    let tp = crate::kernels::TpRank { rank: 0, world: tp };
+    crate::models::layers::qkv_heads(model.num_heads, model.num_kv_heads, tp).1.len()
 }
 
 /// Checks that the model's shapes split over `tp` ranks (vLLM's rules).

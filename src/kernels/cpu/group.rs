@@ -60,14 +60,16 @@ impl CpuGroup {
         self.world
     }
 
-    /// Publishes `data` as `rank`'s part, waits for every rank, then runs `combine` over all
-    /// parts (in rank order); returns once every rank has read them.
-    fn exchange<R>(&self, rank: usize, data: &[f32], combine: impl FnOnce(&[&[f32]]) -> R) -> R {
-        {
-            let mut mine = self.bufs[rank].write().unwrap_or_else(|e| e.into_inner());
-            mine.clear();
-            mine.extend_from_slice(data);
-        }
+    /// Publishes `data` as `rank`'s part of the collective in progress.
+    fn publish(&self, rank: usize, data: &[f32]) {
+        let mut mine = self.bufs[rank].write().unwrap_or_else(|e| e.into_inner());
+        mine.clear();
+        mine.extend_from_slice(data);
+    }
+
+    /// Waits for every rank's part, then runs `combine` over all parts (in rank order);
+    /// returns once every rank has read them.
+    fn combine<R>(&self, combine: impl FnOnce(&[&[f32]]) -> R) -> R {
         self.wait();
         let guards: Vec<_> = self.bufs.iter().map(|b| b.read().unwrap_or_else(|e| e.into_inner())).collect();
         let parts: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
@@ -80,8 +82,8 @@ impl CpuGroup {
 
     /// `x ← Σ_ranks x`, summed in rank order.
     pub fn all_reduce(&self, rank: usize, x: &mut [f32]) {
-        let snapshot = x.to_vec();
-        self.exchange(rank, &snapshot, |parts| {
+        self.publish(rank, x);
+        self.combine(|parts| {
             x.copy_from_slice(parts[0]);
             for p in &parts[1..] {
                 for (a, b) in x.iter_mut().zip(p.iter()) {
@@ -102,7 +104,8 @@ impl CpuGroup {
         total: usize,
     ) -> Vec<f32> {
         let cols = x.len().checked_div(rows).unwrap_or(0);
-        self.exchange(rank, x, |parts| {
+        self.publish(rank, x);
+        self.combine(|parts| {
             let mut out = Vec::with_capacity(rows * total);
             for r in 0..rows {
                 let mut left = total;

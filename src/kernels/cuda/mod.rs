@@ -171,6 +171,8 @@ pub struct CudaDevice {
     comm: Option<cudarc::nccl::Comm>,
     tp: TpRank,
     pool: Arc<BufPool>,
+    /// Per-step index lists (token ids, sampled rows, argmax results) by use.
+    staging: std::cell::RefCell<std::collections::HashMap<&'static str, CudaSlice<u32>>>,
     /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
     scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,
 }
@@ -269,6 +271,7 @@ impl CudaDevice {
             comm,
             tp,
             pool: Arc::default(),
+            staging: Default::default(),
             scratch16: std::cell::RefCell::new(None),
         })
     }
@@ -320,12 +323,20 @@ impl CudaDevice {
             flat.extend_from_slice(t);
         }
         let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
+        // Last step's buffers take this step's metadata when it fits.
+        let old = self.step.borrow_mut().take();
+        let (mut positions, mut slot_buf, mut token_seq, mut tables, mut table_offsets) = match old {
+            Some(b) => {
+                (Some(b.positions), Some(b.slots), Some(b.token_seq), Some(b.tables), Some(b.table_offsets))
+            }
+            None => (None, None, None, None, None),
+        };
         let bufs = StepBufs {
-            positions: self.upload_u32(&meta.positions),
-            slots: self.stream.clone_htod(&slots).expect("host to device copy"),
-            token_seq: self.upload_u32(&meta.token_seq),
-            tables: self.upload_u32(&flat),
-            table_offsets: self.upload_u32(&offs),
+            positions: self.refill(positions.take(), &meta.positions),
+            slots: self.refill(slot_buf.take(), &slots),
+            token_seq: self.refill(token_seq.take(), &meta.token_seq),
+            tables: self.refill(tables.take(), &flat),
+            table_offsets: self.refill(table_offsets.take(), &offs),
             ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
@@ -336,7 +347,8 @@ impl CudaDevice {
         if self.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
             return;
         }
-        let dev = self.upload_u32(positions);
+        let old = self.rope_positions.borrow_mut().take().map(|(_, d)| d);
+        let dev = self.refill(old, positions);
         *self.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
     }
 
@@ -401,11 +413,34 @@ impl CudaDevice {
         CudaTensor { buf, rows, cols }
     }
 
-    fn upload_u32(&self, v: &[u32]) -> CudaSlice<u32> {
-        if v.is_empty() {
-            return self.stream.alloc_zeros::<u32>(1).expect("device allocation");
+    /// Copies `v` into `buf` when it fits, else into a new buffer of the next power-of-two
+    /// length: per-step inputs reuse the device buffers of earlier steps. Stream order
+    /// keeps the copy behind the kernels still reading the old contents.
+    fn refill<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        buf: Option<CudaSlice<T>>,
+        v: &[T],
+    ) -> CudaSlice<T> {
+        let need = v.len().max(1);
+        let mut buf = match buf {
+            Some(b) if b.len() >= need => b,
+            _ => self.stream.alloc_zeros::<T>(need.next_power_of_two()).expect("device allocation"),
+        };
+        if !v.is_empty() {
+            self.stream.memcpy_htod(v, &mut buf.slice_mut(0..v.len())).expect("host to device copy");
         }
-        self.stream.clone_htod(v).expect("host to device copy")
+        buf
+    }
+
+    /// Uploads a per-step index list into the named staging buffer (see [`Self::refill`]);
+    /// hand it back with [`Self::restage`] once the launches that read it are issued.
+    fn stage(&self, name: &'static str, v: &[u32]) -> CudaSlice<u32> {
+        let old = self.staging.borrow_mut().remove(name);
+        self.refill(old, v)
+    }
+
+    fn restage(&self, name: &'static str, buf: CudaSlice<u32>) {
+        self.staging.borrow_mut().insert(name, buf);
     }
 
     /// Uploads 16-bit elements, straight from `bytes` when they are 2-byte aligned (the

@@ -38,12 +38,11 @@ impl Device for CudaDevice {
         let gathered;
         let parts = match &self.comm {
             Some(c) => {
-                // SAFETY: NCCL writes all world·rows·cols values.
-                let mut p = unsafe { self.stream.alloc::<f32>(self.tp.world * x.rows * x.cols) }
-                    .expect("device allocation");
-                c.all_gather(&x.view(), &mut p).expect("NCCL all-gather");
+                // NCCL writes all world·rows·cols values.
+                let mut p = self.tensor(self.tp.world * x.rows, x.cols);
+                c.all_gather(&x.view(), &mut *p.buf).expect("NCCL all-gather");
                 gathered = p;
-                &gathered
+                &*gathered.buf
             }
             None => &*x.buf,
         };
@@ -112,7 +111,7 @@ impl Device for CudaDevice {
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
         let hidden = table.shape[1];
         let mut out = self.tensor(ids.len(), hidden);
-        let ids = self.upload_u32(ids);
+        let ids = self.stage("embedding ids", ids);
         let h = hidden as i32;
         let cfg = Self::rows(out.rows);
         let (name, table_ptr) = match &table.buf {
@@ -124,6 +123,7 @@ impl Device for CudaDevice {
         table_ptr.push(&mut launch);
         // SAFETY: table is [vocab, hidden]; ids were validated against the vocabulary at admission.
         unsafe { launch.arg(&ids).arg(&mut *out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
+        self.restage("embedding ids", ids);
         out
     }
 
@@ -363,7 +363,10 @@ impl Device for CudaDevice {
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
-        let mut ids = self.stream.alloc_zeros::<u32>(x.rows.max(1)).expect("device allocation");
+        let mut ids = self.stage("argmax ids", &[]);
+        if ids.len() < x.rows {
+            ids = self.stream.alloc_zeros::<u32>(x.rows.next_power_of_two()).expect("device allocation");
+        }
         let cols = x.cols as i32;
         let cfg =
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
@@ -372,15 +375,15 @@ impl Device for CudaDevice {
             self.stream.launch_builder(self.f("argmax_f32")).arg(&*x.buf).arg(&mut ids).arg(&cols).launch(cfg)
         }
         .expect("argmax launch");
-        let mut v = self.stream.clone_dtoh(&ids).expect("device to host copy");
-        v.truncate(x.rows);
+        let v = self.stream.clone_dtoh(&ids.slice(0..x.rows)).expect("device to host copy");
+        self.restage("argmax ids", ids);
         v
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
         let mut out = self.tensor(rows.len(), x.cols);
         let r: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let r = self.upload_u32(&r);
+        let r = self.stage("gathered rows", &r);
         let cols = x.cols as i32;
         // SAFETY: rows index inside x.
         unsafe {
@@ -393,6 +396,7 @@ impl Device for CudaDevice {
                 .launch(Self::rows(rows.len()))
         }
         .expect("gather launch");
+        self.restage("gathered rows", r);
         out
     }
 
@@ -429,7 +433,8 @@ impl Device for CudaDevice {
     }
 
     fn add_lora(&self, y: &mut CudaTensor, x: &CudaTensor, modules: &[(&CudaLora, usize)], slots: &[i32]) {
-        let s = self.stream.clone_htod(slots).expect("host to device copy");
+        // The kernel reads the slots as int: same bits.
+        let s = self.stage("lora slots", bytemuck::cast_slice(slots));
         for (l, off) in modules {
             let LoraShape { max_rank, in_features, out_features, .. } = l.shape;
             let args = [max_rank as i32, in_features as i32, out_features as i32, *off as i32, y.cols as i32];
@@ -457,6 +462,7 @@ impl Device for CudaDevice {
             }
             .expect("lora launch");
         }
+        self.restage("lora slots", s);
     }
 }
 

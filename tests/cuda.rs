@@ -182,12 +182,17 @@ fn every_kernel_matches_its_cpu_twin() {
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel): a
 /// 1,100-token prefill in one step, then a decode batch of three sequences of different
-/// lengths whose block tables interleave.
+/// lengths whose block tables interleave. Then again with prefill on tensor cores (bf16
+/// inputs, f32 accumulation: head_dim 64 and 128), within bf16's rounding.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuDevice::default();
-    for (heads, kv_heads, head_dim) in [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)] {
+    let shapes = [(32, 8, 128, false), (14, 2, 64, false), (12, 1, 32, false), (4, 4, 32, false)];
+    let tensor_cores = [(32, 8, 128, true), (14, 2, 64, true), (12, 1, 128, true)];
+    for (heads, kv_heads, head_dim, flash) in shapes.into_iter().chain(tensor_cores) {
+        g.set_tensor_core_attention(flash);
+        let tol = if flash { 1e-2 } else { 1e-4 };
         let s = AttnShape {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -222,10 +227,10 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta);
             let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta);
             close(
-                &format!("attention {heads}:{kv_heads}x{head_dim}, {n} tokens"),
+                &format!("attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}"),
                 &g.to_host(&og),
                 &c.to_host(&oc),
-                1e-4,
+                tol,
             );
         };
         step(&[(0, 0..1100)], 40);

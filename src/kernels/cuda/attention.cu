@@ -1,5 +1,5 @@
 // Paged KV cache and attention. Cache layout per layer: [num_blocks, block_size, kv_heads,
-// head_dim] for K and for V, f32.
+// head_dim] for K and for V, f32. (common.cuh comes first.)
 
 extern "C" __global__ void write_kv_f32(const float* k, const float* v, float* kc, float* vc, const long long* slots, int width) {
     int t = blockIdx.x;
@@ -11,16 +11,21 @@ extern "C" __global__ void write_kv_f32(const float* k, const float* v, float* k
     }
 }
 
-// One block per (token, head): scores over the token's causal context through its
-// sequence's block table, softmax, weighted sum of V. `tables` holds every sequence's
-// block table at `table_off[seq]`. Dynamic shared memory: ctx_max floats of scores.
+// The attention kernels below take `rows`, the query rows they handle (the others are left
+// to flash_prefill), and write their output also rounded to 16 bits at `out16` when `kind`
+// is 1 (bf16) or 2 (f16), for the o_proj GEMM.
+
+// One block per (row, head): scores over the token's causal context through its sequence's
+// block table, softmax, weighted sum of V. `tables` holds every sequence's block table at
+// `table_off[seq]`. Dynamic shared memory: ctx_max floats of scores.
 extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, const float* vc, float* out,
+                                               void* out16, int kind, const unsigned int* rows,
                                                const unsigned int* positions, const unsigned int* token_seq,
                                                const unsigned int* tables, const unsigned int* table_off,
                                                int heads, int kv_heads, int head_dim, int block_size, float scale) {
     extern __shared__ float scores[];
     __shared__ float red[32];
-    int t = blockIdx.x / heads, h = blockIdx.x % heads;
+    int t = rows[blockIdx.x / heads], h = blockIdx.x % heads;
     int kvh = h / (heads / kv_heads);
     int width = kv_heads * head_dim;
     int ctx = positions[t] + 1;
@@ -62,46 +67,81 @@ extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, 
             size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
             acc += scores[p] * vc[at + d];
         }
-        out[((size_t)t * heads + h) * head_dim + d] = acc * inv;
+        size_t o = ((size_t)t * heads + h) * head_dim + d;
+        out[o] = acc * inv;
+        if (kind) store16(out16, o, acc * inv, kind);
     }
 }
 
 // Split attention (PagedAttention v2 style), for GQA groups of up to 8 query heads and
-// head_dim up to 256. One block per (token, KV head, partition of `part` positions): each K
-// and V row of the partition is read once for the whole group of query heads. The block
+// head_dim up to 256 (a multiple of 32). One block per (row, KV head, partition of `part`
+// positions): the partition's K rows, then its V rows, are staged through shared memory
+// CHUNK at a time by all threads at once (so the loads overlap instead of queueing behind
+// one another), and each row is read once for the whole group of query heads. The block
 // writes its unnormalized partial output, running max and sum; paged_attention_reduce_f32
-// joins the partitions. Dynamic shared memory: group · part floats of scores.
+// joins the partitions. Dynamic shared memory: group · part + CHUNK · head_dim floats.
 #define MAX_GROUP 8
 #define MAX_DIM_PER_LANE 8
+#define CHUNK 32
 extern "C" __global__ void paged_attention_split_f32(const float* q, const float* kc, const float* vc,
                                                      float* part_out, float* part_max, float* part_sum,
-                                                     const unsigned int* positions, const unsigned int* token_seq,
-                                                     const unsigned int* tables, const unsigned int* table_off,
-                                                     int heads, int kv_heads, int head_dim, int block_size,
-                                                     float scale, int part, int parts_max) {
-    extern __shared__ float sc[];
-    int t = blockIdx.x, kvh = blockIdx.y, pi = blockIdx.z;
+                                                     const unsigned int* rows, const unsigned int* positions,
+                                                     const unsigned int* token_seq, const unsigned int* tables,
+                                                     const unsigned int* table_off, int heads, int kv_heads,
+                                                     int head_dim, int block_size, float scale, int part,
+                                                     int parts_max) {
+    extern __shared__ float smem[];
     int group = heads / kv_heads;
+    float* sc = smem;
+    float* stage = smem + group * part;
+    int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z;
     int ctx = positions[t] + 1;
     int start = pi * part;
     if (start >= ctx) return;  // the reduction reads only partitions inside the context
     int end = min(ctx, start + part);
     const unsigned int* table = tables + table_off[token_seq[t]];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int per_lane = head_dim / 32;
+    int per_lane = head_dim / 32, hd4 = head_dim / 4;
+    // Register arrays are indexed only by unrolled constant loops (guarded by the runtime
+    // sizes): a runtime index would put them in local memory.
     float qr[MAX_GROUP][MAX_DIM_PER_LANE];
-    for (int g = 0; g < group; g++)
-        for (int i = 0; i < per_lane; i++)
-            qr[g][i] = q[((size_t)t * heads + kvh * group + g) * head_dim + lane + 32 * i] * scale;
-    for (int p = start + warp; p < end; p += nw) {
-        size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-        float kr[MAX_DIM_PER_LANE];
-        for (int i = 0; i < per_lane; i++) kr[i] = kc[at + lane + 32 * i];
-        for (int g = 0; g < group; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < per_lane; i++) s += qr[g][i] * kr[i];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-            if (lane == 0) sc[g * part + (p - start)] = s;
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++)
+#pragma unroll
+        for (int i = 0; i < MAX_DIM_PER_LANE; i++)
+            qr[g][i] = g < group && i < per_lane
+                           ? q[((size_t)t * heads + kvh * group + g) * head_dim + lane + 32 * i] * scale
+                           : 0.0f;
+    for (int c0 = start; c0 < end; c0 += CHUNK) {
+        int cn = min(CHUNK, end - c0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
+            int p = c0 + i / hd4;
+            size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
+            ((float4*)stage)[i] = ((const float4*)(kc + at))[i % hd4];
+        }
+        __syncthreads();
+        for (int r = warp; r < cn; r += nw) {
+            float kr[MAX_DIM_PER_LANE];
+#pragma unroll
+            for (int i = 0; i < MAX_DIM_PER_LANE; i++) kr[i] = i < per_lane ? stage[r * head_dim + lane + 32 * i] : 0.0f;
+            float s[MAX_GROUP];
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; g++) {
+                s[g] = 0.0f;
+#pragma unroll
+                for (int i = 0; i < MAX_DIM_PER_LANE; i++) s[g] += qr[g][i] * kr[i];
+            }
+            // The group's sums reduced together: independent shuffles overlap.
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; g++)
+                    if (g < group) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+            if (lane == 0)
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; g++)
+                    if (g < group) sc[g * part + (c0 - start) + r] = s[g];
         }
     }
     __syncthreads();
@@ -123,26 +163,49 @@ extern "C" __global__ void paged_attention_split_f32(const float* q, const float
             part_sum[at] = sum;
         }
     }
-    __syncthreads();
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc[MAX_GROUP];
-        for (int g = 0; g < group; g++) acc[g] = 0.0f;
-        for (int j = 0; j < n; j++) {
-            int p = start + j;
+    // Each thread owns dims threadIdx.x and threadIdx.x + blockDim.x (head_dim ≤ 2·blockDim).
+    float acc[MAX_GROUP][2];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) acc[g][0] = acc[g][1] = 0.0f;
+    for (int c0 = start; c0 < end; c0 += CHUNK) {
+        int cn = min(CHUNK, end - c0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
+            int p = c0 + i / hd4;
             size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-            float v = vc[at + d];
-            for (int g = 0; g < group; g++) acc[g] += sc[g * part + j] * v;
+            ((float4*)stage)[i] = ((const float4*)(vc + at))[i % hd4];
         }
-        for (int g = 0; g < group; g++)
-            part_out[(((size_t)t * heads + kvh * group + g) * parts_max + pi) * head_dim + d] = acc[g];
+        __syncthreads();
+#pragma unroll
+        for (int di = 0; di < 2; di++) {
+            int d = threadIdx.x + di * blockDim.x;
+            if (d < head_dim)
+                for (int j = 0; j < cn; j++) {
+                    float v = stage[j * head_dim + d];
+                    const float* w = sc + (c0 - start) + j;
+#pragma unroll
+                    for (int g = 0; g < MAX_GROUP; g++)
+                        if (g < group) acc[g][di] += w[g * part] * v;
+                }
+        }
+    }
+#pragma unroll
+    for (int di = 0; di < 2; di++) {
+        int d = threadIdx.x + di * blockDim.x;
+        if (d < head_dim)
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; g++)
+                if (g < group)
+                    part_out[(((size_t)t * heads + kvh * group + g) * parts_max + pi) * head_dim + d] = acc[g][di];
     }
 }
 
-// Joins the partitions of paged_attention_split_f32: one block per (token, head).
+// Joins the partitions of paged_attention_split_f32: one block per (row, head).
 extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,
-                                                      const float* part_sum, float* out, const unsigned int* positions,
+                                                      const float* part_sum, float* out, void* out16, int kind,
+                                                      const unsigned int* rows, const unsigned int* positions,
                                                       int heads, int head_dim, int part, int parts_max) {
-    int t = blockIdx.x / heads, h = blockIdx.x % heads;
+    int t = rows[blockIdx.x / heads], h = blockIdx.x % heads;
     int parts = (positions[t] + part) / part;  // ceil((position + 1) / part)
     size_t base = ((size_t)t * heads + h) * parts_max;
     float m = -3.0e38f;
@@ -153,7 +216,9 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
         for (int p = 0; p < parts; p++) acc += expf(part_max[base + p] - m) * part_out[(base + p) * head_dim + d];
-        out[((size_t)t * heads + h) * head_dim + d] = acc * inv;
+        size_t o = ((size_t)t * heads + h) * head_dim + d;
+        out[o] = acc * inv;
+        if (kind) store16(out16, o, acc * inv, kind);
     }
 }
 

@@ -1,5 +1,6 @@
 // Row-wise and element-wise ops on f32 activations [rows, cols] (row-major).
 // Entry points are named {op}_{dtype}; each launch uses one block per row unless noted.
+// (common.cuh comes first.)
 
 extern "C" __global__ void embedding_f32(const float* table, const unsigned int* ids, float* out, int hidden) {
     int row = blockIdx.x;
@@ -26,30 +27,72 @@ __device__ float block_sum(float v) {
 }
 
 // HF LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)). With `residual`, first residual += x
-// and the norm is taken of the sum (written back to residual).
-extern "C" __global__ void rms_norm_f32(const float* x, float* residual, int use_residual, const float* w, float* out,
+// and the norm is taken of the sum (written back to residual). With `kind` 1 (bf16) or 2
+// (f16) the output is also written rounded to 16 bits at `out16`, for the next GEMM.
+// float4 loads where the row allows them; blockDim.x up to 1024.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __restrict__ residual, int use_residual,
+                                        const float* __restrict__ w, float* __restrict__ out, void* out16, int kind,
                                         int cols, float eps) {
-    int row = blockIdx.x;
-    const float* xr = x + (size_t)row * cols;
-    float* rr = use_residual ? residual + (size_t)row * cols : nullptr;
+    size_t base = (size_t)blockIdx.x * cols;
+    const float* xr = x + base;
+    float* rr = use_residual ? residual + base : nullptr;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = xr[i];
-        if (rr) { v += rr[i]; rr[i] = v; }
-        ss += v * v;
+    bool vec = (cols & 3) == 0;
+    if (vec) {
+        const float4* x4 = (const float4*)xr;
+        float4* r4 = (float4*)rr;
+        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+            float4 v = x4[i];
+            if (r4) {
+                float4 r = r4[i];
+                v.x += r.x; v.y += r.y; v.z += r.z; v.w += r.w;
+                r4[i] = v;
+            }
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            float v = xr[i];
+            if (rr) { v += rr[i]; rr[i] = v; }
+            ss += v * v;
+        }
     }
-    ss = block_sum(ss);
+    ss = block_sum(ss);  // also orders the residual writes before the reads below
     float r = rsqrtf(ss / cols + eps);
     const float* src = rr ? rr : xr;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)row * cols + i] = w[i] * (src[i] * r);
+    if (vec) {
+        const float4* s4 = (const float4*)src;
+        const float4* w4 = (const float4*)w;
+        float4* o4 = (float4*)(out + base);
+        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+            float4 v = s4[i], g = w4[i];
+            float4 o = make_float4(g.x * (v.x * r), g.y * (v.y * r), g.z * (v.z * r), g.w * (v.w * r));
+            o4[i] = o;
+            if (kind) {
+                store16(out16, base + 4 * i, o.x, kind);
+                store16(out16, base + 4 * i + 1, o.y, kind);
+                store16(out16, base + 4 * i + 2, o.z, kind);
+                store16(out16, base + 4 * i + 3, o.w, kind);
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            float o = w[i] * (src[i] * r);
+            out[base + i] = o;
+            if (kind) store16(out16, base + i, o, kind);
+        }
+    }
 }
 
-extern "C" __global__ void silu_mul_f32(const float* gate_up, float* out, int inter, long long total) {
+extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
+                                        int inter, long long total) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     long long row = i / inter, c = i % inter;
     float g = gate_up[row * 2 * inter + c], u = gate_up[row * 2 * inter + inter + c];
-    out[i] = g / (1.0f + expf(-g)) * u;
+    float o = g / (1.0f + expf(-g)) * u;
+    out[i] = o;
+    if (kind) store16(out16, i, o, kind);
 }
 
 extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {
@@ -105,36 +148,38 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
     }
 }
 
-// Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half) at each
-// token's position. One block per token.
-extern "C" __global__ void split_qkv_rope_f32(const float* qkv, float* q, float* k, float* v, const unsigned int* positions,
-                                              const float* inv_freq, int heads, int kv_heads, int head_dim, int half) {
-    int t = blockIdx.x;
-    int qn = heads * head_dim, kn = kv_heads * head_dim, cols = qn + 2 * kn;
-    const float* row = qkv + (size_t)t * cols;
+// Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half, the first
+// 2·half dims of each head) at each token's position. One block per (token, head slot).
+extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
+                                              float* __restrict__ k, float* __restrict__ v,
+                                              const unsigned int* positions, const float* inv_freq, int heads,
+                                              int kv_heads, int head_dim, int half) {
+    int t = blockIdx.x, slot = blockIdx.y;
+    int qn = heads * head_dim, kn = kv_heads * head_dim;
+    const float* src = qkv + (size_t)t * (qn + 2 * kn) + (size_t)slot * head_dim;
+    float* dst;
+    if (slot < heads) dst = q + (size_t)t * qn + slot * head_dim;
+    else if (slot < heads + kv_heads) dst = k + (size_t)t * kn + (slot - heads) * head_dim;
+    else {
+        dst = v + (size_t)t * kn + (slot - heads - kv_heads) * head_dim;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
     float p = (float)positions[t];
-    for (int i = threadIdx.x; i < qn + 2 * kn; i += blockDim.x) {
-        float val = row[i];
-        float* dst;
-        int off;
-        if (i < qn) { dst = q + (size_t)t * qn; off = i; }
-        else if (i < qn + kn) { dst = k + (size_t)t * kn; off = i - qn; }
-        else { v[(size_t)t * kn + (i - qn - kn)] = val; continue; }
-        int d = off % head_dim;
-        if (d < 2 * half) {
-            int j = d < half ? d : d - half;
+    for (int j = threadIdx.x; j < head_dim - half; j += blockDim.x) {
+        if (j < half) {
             float a = p * inv_freq[j];
             float c = cosf(a), s = sinf(a);
-            float other = row[i + (d < half ? half : -half)];
-            val = d < half ? val * c - other * s : val * c + other * s;
+            float x0 = src[j], x1 = src[j + half];
+            dst[j] = x0 * c - x1 * s;
+            dst[j + half] = x1 * c + x0 * s;
+        } else {
+            dst[j + half] = src[j + half];
         }
-        dst[off] = val;
     }
 }
 
 // Conversions for cuBLAS GEMMs with 16-bit weights, and the embedding of a 16-bit table.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -10,13 +10,19 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{CacheShape, DeviceError, LoraShape, RopeSpec, TpRank};
+use super::{AttnShape, CacheShape, DeviceError, LoraShape, RopeSpec, TpRank};
 use crate::models::attn::AttnMetadata;
 
-const SOURCES: [(&str, &str); 2] =
-    [("elementwise", include_str!("elementwise.cu")), ("attention", include_str!("attention.cu"))];
+/// Prepended to every source (16-bit types and the rounding store the kernels share).
+const COMMON: &str = include_str!("common.cuh");
 
-const KERNELS: [&str; 18] = [
+const SOURCES: [(&str, &str); 3] = [
+    ("elementwise", include_str!("elementwise.cu")),
+    ("attention", include_str!("attention.cu")),
+    ("flash", include_str!("flash.cu")),
+];
+
+const KERNELS: [&str; 20] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -35,6 +41,8 @@ const KERNELS: [&str; 18] = [
     "paged_attention_split_f32",
     "paged_attention_reduce_f32",
     "lora_f32",
+    "flash_prefill_h64",
+    "flash_prefill_h128",
 ];
 
 fn err(e: impl std::fmt::Debug) -> DeviceError {
@@ -42,11 +50,20 @@ fn err(e: impl std::fmt::Debug) -> DeviceError {
 }
 
 /// `[rows, cols]` f32 on the device. Its buffer may be longer than `rows · cols` (pooled
-/// buffers come in power-of-two sizes).
+/// buffers come in power-of-two sizes). Tensors that feed a GEMM of 16-bit weights (norm,
+/// SiLU·mul and attention outputs) also carry their values rounded to that type in `half`,
+/// written by the same kernel, so the GEMM needs no conversion first.
 pub struct CudaTensor {
     pub buf: PooledBuf,
     pub rows: usize,
     pub cols: usize,
+    half: Option<Half>,
+}
+
+/// 16-bit copy of a tensor's values: `kind` 1 is bf16, 2 is f16 (in f32-sized slots).
+struct Half {
+    buf: PooledBuf,
+    kind: i32,
 }
 
 impl CudaTensor {
@@ -175,11 +192,26 @@ pub struct CudaDevice {
     staging: std::cell::RefCell<std::collections::HashMap<&'static str, CudaSlice<u32>>>,
     /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
     scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,
+    /// GPU time per operation, when `ACTORLLM_PROFILE_KERNELS` asks for it.
+    prof: Option<profile::Profiler>,
+    /// The 16-bit type of the 2-D weights (1 bf16, 2 f16; 0 for f32): activations that feed
+    /// GEMMs are also written in it.
+    act16: std::cell::Cell<i32>,
+    /// Prefill attention on tensor cores: by default for 16-bit models on sm_80 and later.
+    tensor_core_attention: std::cell::Cell<Option<bool>>,
 }
 
 /// Attention metadata of one step on the device, with the host copy it came from.
 struct StepBufs {
     host: AttnMetadata,
+    /// Whether `rows` and `tiles` split the rows between flash_prefill and the others.
+    flash: bool,
+    /// Query rows for the split (or one-block-per-head) kernel, and how many.
+    rows: CudaSlice<u32>,
+    num_rows: usize,
+    /// (first row, rows) of each flash_prefill tile, and how many tiles.
+    tiles: CudaSlice<u32>,
+    num_tiles: usize,
     positions: CudaSlice<u32>,
     slots: CudaSlice<i64>,
     token_seq: CudaSlice<u32>,
@@ -251,7 +283,7 @@ impl CudaDevice {
         let arch = format!("sm_{major}{minor}");
         let mut funcs = std::collections::HashMap::new();
         for (name, src) in SOURCES {
-            let ptx = Self::compile(name, src, &arch)?;
+            let ptx = Self::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
             let module = ctx.load_module(ptx).map_err(err)?;
             for k in KERNELS {
                 if let Ok(f) = module.load_function(k) {
@@ -259,6 +291,7 @@ impl CudaDevice {
                 }
             }
         }
+        let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,
             stream,
@@ -273,6 +306,9 @@ impl CudaDevice {
             pool: Arc::default(),
             staging: Default::default(),
             scratch16: std::cell::RefCell::new(None),
+            prof,
+            act16: std::cell::Cell::new(0),
+            tensor_core_attention: std::cell::Cell::new(None),
         })
     }
 
@@ -306,9 +342,10 @@ impl CudaDevice {
 
     /// Uploads `meta` unless the cached step buffers already hold it (every layer of a
     /// forward passes the same metadata: one upload per step).
-    fn step_bufs(&self, meta: &AttnMetadata) {
+    fn step_bufs(&self, meta: &AttnMetadata, flash: bool) {
         let fresh = self.step.borrow().as_ref().is_some_and(|b| {
-            b.host.positions == meta.positions
+            b.flash == flash
+                && b.host.positions == meta.positions
                 && b.host.slot_mapping == meta.slot_mapping
                 && b.host.token_seq == meta.token_seq
                 && b.host.block_tables == meta.block_tables
@@ -323,15 +360,35 @@ impl CudaDevice {
             flat.extend_from_slice(t);
         }
         let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
+        let (rows, tiles) = split_rows(meta, flash);
         // Last step's buffers take this step's metadata when it fits.
         let old = self.step.borrow_mut().take();
-        let (mut positions, mut slot_buf, mut token_seq, mut tables, mut table_offsets) = match old {
-            Some(b) => {
-                (Some(b.positions), Some(b.slots), Some(b.token_seq), Some(b.tables), Some(b.table_offsets))
-            }
-            None => (None, None, None, None, None),
+        let (
+            mut positions,
+            mut slot_buf,
+            mut token_seq,
+            mut tables,
+            mut table_offsets,
+            mut rows_buf,
+            mut tiles_buf,
+        ) = match old {
+            Some(b) => (
+                Some(b.positions),
+                Some(b.slots),
+                Some(b.token_seq),
+                Some(b.tables),
+                Some(b.table_offsets),
+                Some(b.rows),
+                Some(b.tiles),
+            ),
+            None => (None, None, None, None, None, None, None),
         };
         let bufs = StepBufs {
+            flash,
+            rows: self.refill(rows_buf.take(), &rows),
+            num_rows: rows.len(),
+            tiles: self.refill(tiles_buf.take(), &tiles),
+            num_tiles: tiles.len() / 2,
             positions: self.refill(positions.take(), &meta.positions),
             slots: self.refill(slot_buf.take(), &slots),
             token_seq: self.refill(token_seq.take(), &meta.token_seq),
@@ -341,6 +398,28 @@ impl CudaDevice {
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
         *self.step.borrow_mut() = Some(bufs);
+    }
+
+    /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as
+    /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
+    fn flash_for(&self, s: AttnShape) -> bool {
+        let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
+        let sm80 = self.arch.trim_start_matches("sm_").parse::<u32>().is_ok_and(|a| a >= 80);
+        on && sm80 && matches!(s.head_dim, 64 | 128)
+    }
+
+    /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
+    pub fn set_tensor_core_attention(&self, on: bool) {
+        self.tensor_core_attention.set(Some(on));
+    }
+
+    /// An uninitialized 16-bit copy for a `[rows, cols]` output when GEMMs take 16-bit
+    /// inputs, with the kernels' `kind` argument (0: none).
+    fn half(&self, rows: usize, cols: usize) -> (Option<Half>, i32) {
+        match self.act16.get() {
+            0 => (None, 0),
+            kind => (Some(Half { buf: self.tensor((rows * cols).div_ceil(2), 1).buf, kind }), kind),
+        }
     }
 
     fn rope_positions(&self, positions: &[u32]) {
@@ -370,7 +449,9 @@ impl CudaDevice {
         eps: f32,
     ) -> CudaTensor {
         let mut out = self.tensor(x.rows, x.cols);
+        let (mut half, kind) = self.half(x.rows, x.cols);
         let cols = x.cols as i32;
+        let _t = self.span(if residual.is_some() { "add_rms_norm" } else { "rms_norm" }, (0, 0), x.rows);
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
         launch.arg(&*x.buf);
         let use_res = i32::from(residual.is_some());
@@ -379,18 +460,24 @@ impl CudaDevice {
             // Not written when use_residual is 0: x's buffer only fills the slot.
             None => launch.arg(&*x.buf),
         };
-        // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values.
-        unsafe {
-            launch
-                .arg(&use_res)
-                .arg(w.f32())
-                .arg(&mut *out.buf)
-                .arg(&cols)
-                .arg(&eps)
-                .launch(Self::rows(x.rows))
-        }
-        .expect("rms_norm launch");
+        launch.arg(&use_res).arg(w.f32()).arg(&mut *out.buf);
+        match &mut half {
+            Some(h) => launch.arg(&mut *h.buf),
+            None => launch.arg(&*x.buf), // not written with kind 0
+        };
+        let threads = (x.cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let cfg =
+            LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values; half (when
+        // kind is not 0) holds rows·cols 16-bit values.
+        unsafe { launch.arg(&kind).arg(&cols).arg(&eps).launch(cfg) }.expect("rms_norm launch");
+        out.half = half;
         out
+    }
+
+    /// Times the operation issued until the span drops (profiling only).
+    fn span(&self, name: &'static str, nk: (usize, usize), rows: usize) -> Option<profile::Span<'_>> {
+        self.prof.as_ref().map(|p| p.span(&self.stream, name, nk, rows))
     }
 
     pub fn arch(&self) -> &str {
@@ -410,7 +497,7 @@ impl CudaDevice {
             unsafe { self.stream.alloc::<f32>(len) }.expect("device allocation")
         });
         let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(self.pool.clone()) };
-        CudaTensor { buf, rows, cols }
+        CudaTensor { buf, rows, cols, half: None }
     }
 
     /// Copies `v` into `buf` when it fits, else into a new buffer of the next power-of-two
@@ -455,7 +542,12 @@ impl CudaDevice {
     /// Copies host f32 data into a new device tensor (tests and benchmarks).
     pub fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
         let slice = self.stream.clone_htod(data).expect("host to device copy");
-        CudaTensor { buf: PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: None }, rows, cols }
+        CudaTensor {
+            buf: PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: None },
+            rows,
+            cols,
+            half: None,
+        }
     }
 
     fn grid(n: usize) -> LaunchConfig {
@@ -481,6 +573,7 @@ impl CudaDevice {
             beta: 0.0f32,
             ldc: n as i32,
         };
+        let _t = self.span("gemm_f32", (n as usize, k as usize), m as usize);
         // SAFETY: w is [n, k] row-major (= k×n column-major, transposed to n×k), x is
         // [m, k] row-major (= k×m column-major), out holds m·n floats.
         unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.expect("cuBLAS sgemm");
@@ -502,9 +595,16 @@ impl CudaDevice {
     /// `out = x @ wᵀ` for 16-bit weights: x is rounded to the weight's type, cuBLAS
     /// accumulates in f32 and writes f32.
     fn gemm_16(&self, x: &CudaTensor, w: &CudaSlice<u16>, n: usize, out: &mut CudaSlice<f32>, f16: bool) {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        use cudarc::cublas::sys::cudaDataType;
+        use cudarc::driver::DevicePtr;
         let (m, k) = (x.rows, x.cols);
+        let ty = if f16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
+        if let Some(h) = x.half.as_ref().filter(|h| h.kind == if f16 { 2 } else { 1 }) {
+            let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
+            let (xp, _x) = h.buf.device_ptr(&self.stream);
+            self.gemm_16_raw(w, xp, ty, n, m, k, out);
+            return;
+        }
         let total = (m * k) as i64;
         let mut scratch = self.scratch16.borrow_mut();
         if scratch.as_ref().is_none_or(|b| b.len() < m * k) {
@@ -515,6 +615,7 @@ impl CudaDevice {
         }
         let xh = scratch.as_mut().expect("allocated above");
         let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
+        let t = self.span(conv, (0, 0), m);
         // SAFETY: x holds m·k floats and xh m·k 16-bit values.
         unsafe {
             self.stream
@@ -525,10 +626,28 @@ impl CudaDevice {
                 .launch(Self::grid(total as usize))
         }
         .expect("conversion launch");
-        let ty = if f16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
+        drop(t);
+        let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
+        let (xp, _x) = xh.device_ptr(&self.stream);
+        self.gemm_16_raw(w, xp, ty, n, m, k, out);
+    }
+
+    /// `out = x @ wᵀ` with x `[m, k]` of 16-bit type `ty` at device address `xp`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_16_raw(
+        &self,
+        w: &CudaSlice<u16>,
+        xp: cudarc::driver::sys::CUdeviceptr,
+        ty: cudarc::cublas::sys::cudaDataType,
+        n: usize,
+        m: usize,
+        k: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (wp, _w) = w.device_ptr(&self.stream);
-        let (xp, _x) = xh.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
         // SAFETY: as in `gemm`: w is [n, k], xh [m, k], out [m, n]; pointers live for the call.
         unsafe {
@@ -575,3 +694,62 @@ impl CudaDevice {
 }
 
 mod ops;
+mod profile;
+
+/// Splits a step's query rows between the attention kernels: with `flash`, runs of two or
+/// more rows of one sequence at consecutive positions (prefill chunks) become flash_prefill
+/// tiles of up to 64 rows, `[first row, rows]` pairs; every other row (decodes) goes to the
+/// split kernel's row list.
+fn split_rows(meta: &AttnMetadata, flash: bool) -> (Vec<u32>, Vec<u32>) {
+    const TILE: usize = 64;
+    let n = meta.positions.len();
+    if !flash {
+        return ((0..n as u32).collect(), Vec::new());
+    }
+    let (mut rows, mut tiles) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < n {
+        let mut j = i + 1;
+        while j < n
+            && meta.token_seq[j] == meta.token_seq[i]
+            && meta.positions[j] == meta.positions[j - 1] + 1
+        {
+            j += 1;
+        }
+        if j - i >= 2 {
+            for start in (i..j).step_by(TILE) {
+                tiles.extend([start as u32, (j - start).min(TILE) as u32]);
+            }
+        } else {
+            rows.push(i as u32);
+        }
+        i = j;
+    }
+    (rows, tiles)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_runs_become_tiles_and_decodes_stay_rows() {
+        // Sequence 0 decodes one token; sequence 1 prefills 130; sequence 2 decodes one.
+        let mut meta = AttnMetadata::default();
+        let mut push = |seq: u32, pos: std::ops::Range<u32>| {
+            for p in pos {
+                meta.token_seq.push(seq);
+                meta.positions.push(p);
+            }
+        };
+        push(0, 17..18);
+        push(1, 5..135);
+        push(2, 40..41);
+        let (rows, tiles) = split_rows(&meta, true);
+        assert_eq!(rows, vec![0, 131]);
+        assert_eq!(tiles, vec![1, 64, 65, 64, 129, 2]);
+        let (rows, tiles) = split_rows(&meta, false);
+        assert_eq!(rows, (0..132).collect::<Vec<u32>>());
+        assert!(tiles.is_empty());
+    }
+}

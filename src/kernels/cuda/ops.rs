@@ -3,7 +3,9 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, WeightArg, WeightBuf, err};
+use super::{
+    CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, Half, StepBufs, WeightArg, WeightBuf, err,
+};
 use crate::kernels::{
     AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
     TpRank,
@@ -28,6 +30,7 @@ impl Device for CudaDevice {
     fn all_reduce(&self, x: &mut CudaTensor) {
         if let Some(c) = &self.comm {
             let n = x.rows * x.cols;
+            let _t = self.span("all_reduce", (0, 0), x.rows);
             c.all_reduce_in_place(&mut x.buf.slice_mut(0..n), &cudarc::nccl::ReduceOp::Sum)
                 .expect("NCCL all-reduce");
         }
@@ -40,6 +43,7 @@ impl Device for CudaDevice {
             Some(c) => {
                 // NCCL writes all world·rows·cols values.
                 let mut p = self.tensor(self.tp.world * x.rows, x.cols);
+                let _t = self.span("all_gather", (0, 0), x.rows);
                 c.all_gather(&x.view(), &mut *p.buf).expect("NCCL all-gather");
                 gathered = p;
                 &*gathered.buf
@@ -75,8 +79,14 @@ impl Device for CudaDevice {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         let buf = match (t.dtype, t.shape.len()) {
-            (DType::BF16, 2) => WeightBuf::Bf16(self.upload_u16(&t.data)?),
-            (DType::F16, 2) => WeightBuf::F16(self.upload_u16(&t.data)?),
+            (DType::BF16, 2) => {
+                self.act16.set(1);
+                WeightBuf::Bf16(self.upload_u16(&t.data)?)
+            }
+            (DType::F16, 2) => {
+                self.act16.set(2);
+                WeightBuf::F16(self.upload_u16(&t.data)?)
+            }
             _ => {
                 let mut bytes = Vec::new();
                 DType::F32.convert_from(t.dtype, &t.data, &mut bytes);
@@ -112,6 +122,7 @@ impl Device for CudaDevice {
         let hidden = table.shape[1];
         let mut out = self.tensor(ids.len(), hidden);
         let ids = self.stage("embedding ids", ids);
+        let _t = self.span("embedding", (0, 0), ids.len());
         let h = hidden as i32;
         let cfg = Self::rows(out.rows);
         let (name, table_ptr) = match &table.buf {
@@ -137,6 +148,7 @@ impl Device for CudaDevice {
             WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true),
         }
         if let Some(b) = bias {
+            let _t = self.span("add_bias", (0, 0), x.rows);
             let total = (x.rows * n) as i64;
             let cols = n as i32;
             // SAFETY: out is [rows, n] and b holds n values.
@@ -170,6 +182,7 @@ impl Device for CudaDevice {
 
     fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) {
         let n = (acc.rows * acc.cols) as i64;
+        let _t = self.span("add", (0, 0), acc.rows);
         // SAFETY: both hold n values.
         unsafe {
             self.stream
@@ -185,19 +198,20 @@ impl Device for CudaDevice {
     fn silu_mul(&self, gate_up: &CudaTensor) -> CudaTensor {
         let inter = gate_up.cols / 2;
         let mut out = self.tensor(gate_up.rows, inter);
+        let (mut half, kind) = self.half(gate_up.rows, inter);
         let total = (gate_up.rows * inter) as i64;
         let i = inter as i32;
-        // SAFETY: gate_up is [rows, 2·inter], out [rows, inter].
-        unsafe {
-            self.stream
-                .launch_builder(self.f("silu_mul_f32"))
-                .arg(&*gate_up.buf)
-                .arg(&mut *out.buf)
-                .arg(&i)
-                .arg(&total)
-                .launch(Self::grid(total as usize))
-        }
-        .expect("silu_mul launch");
+        let _t = self.span("silu_mul", (0, 0), gate_up.rows);
+        let mut launch = self.stream.launch_builder(self.f("silu_mul_f32"));
+        launch.arg(&*gate_up.buf).arg(&mut *out.buf);
+        match &mut half {
+            Some(h) => launch.arg(&mut *h.buf),
+            None => launch.arg(&*gate_up.buf), // not written with kind 0
+        };
+        // SAFETY: gate_up is [rows, 2·inter], out [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
+        unsafe { launch.arg(&kind).arg(&i).arg(&total).launch(Self::grid(total as usize)) }
+            .expect("silu_mul launch");
+        out.half = half;
         out
     }
 
@@ -222,6 +236,7 @@ impl Device for CudaDevice {
         let inv = &inv_guard.as_ref().expect("uploaded above").1;
         let (h, kvh, hd, half) =
             (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
+        let _t = self.span("split_qkv_rope", (0, 0), n);
         // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q, k, v are sized for their heads.
         unsafe {
             self.stream
@@ -236,7 +251,11 @@ impl Device for CudaDevice {
                 .arg(&kvh)
                 .arg(&hd)
                 .arg(&half)
-                .launch(Self::rows(n))
+                .launch(LaunchConfig {
+                    grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads) as u32, 1),
+                    block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(1024) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })
         }
         .expect("rope launch");
         (q, k, v)
@@ -252,10 +271,10 @@ impl Device for CudaDevice {
         meta: &AttnMetadata,
     ) -> CudaTensor {
         let width = (s.num_kv_heads * s.head_dim) as i32;
-        self.step_bufs(meta);
+        self.step_bufs(meta, self.flash_for(s));
         let guard = self.step.borrow();
         let b = guard.as_ref().expect("uploaded above");
-        let slots = &b.slots;
+        let t = self.span("write_kv", (0, 0), k.rows);
         // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
         unsafe {
             self.stream
@@ -264,101 +283,103 @@ impl Device for CudaDevice {
                 .arg(&*v.buf)
                 .arg(&mut cache.k)
                 .arg(&mut cache.v)
-                .arg(slots)
+                .arg(&b.slots)
                 .arg(&width)
                 .launch(Self::rows(k.rows))
         }
         .expect("write_kv launch");
-        let (tables, offs, pos, seq, ctx_max) =
-            (&b.tables, &b.table_offsets, &b.positions, &b.token_seq, b.ctx_max);
-        let mut out = self.tensor(q.rows, s.num_heads * s.head_dim);
-        let (h, kvh, hd, bs) =
-            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, cache.shape.block_size as i32);
-        if let Some(part) = split_partition(q.rows, s, ctx_max) {
-            let parts_max = ctx_max.div_ceil(part);
+        drop(t);
+        let cols = s.num_heads * s.head_dim;
+        let mut out = self.tensor(q.rows, cols);
+        let (mut half, kind) = self.half(q.rows, cols);
+        let dims = AttnDims {
+            heads: s.num_heads as i32,
+            kv_heads: s.num_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            block_size: cache.shape.block_size as i32,
+            scale: s.scale,
+        };
+        if b.num_tiles > 0 {
+            let _t = self.span("flash_prefill", (0, 0), q.rows - b.num_rows);
+            let name = if s.head_dim == 64 { "flash_prefill_h64" } else { "flash_prefill_h128" };
+            let mut launch = self.stream.launch_builder(self.f(name));
+            launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v).arg(&mut *out.buf);
+            push_half(&mut launch, &mut half, q, &kind);
+            push_tables(&mut launch, b);
+            launch.arg(&b.tiles);
+            dims.push(&mut launch);
+            let cfg = LaunchConfig {
+                grid_dim: (b.num_tiles as u32, s.num_heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: tiles hold rows of one sequence each; every index is bounded by the
+            // step's metadata; out (and half) are [rows, heads·head_dim].
+            unsafe { launch.launch(cfg) }.expect("flash_prefill launch");
+        }
+        if b.num_rows == 0 {
+            out.half = half;
+            return out;
+        }
+        if let Some(part) = split_partition(b.num_rows, s, b.ctx_max) {
+            let parts_max = b.ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;
             let mut part_out = self.tensor(slots, s.head_dim);
             let (mut part_max, mut part_sum) = (self.tensor(slots, 1), self.tensor(slots, 1));
             let group = s.num_heads / s.num_kv_heads;
             let cfg = LaunchConfig {
-                grid_dim: (q.rows as u32, s.num_kv_heads as u32, parts_max as u32),
+                grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max as u32),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: (group * part * 4) as u32,
+                shared_mem_bytes: ((group * part + SPLIT_CHUNK * s.head_dim) * 4) as u32,
             };
             let (part_i, parts_i) = (part as i32, parts_max as i32);
+            let t = self.span("attention_split", (0, 0), b.num_rows);
+            let mut launch = self.stream.launch_builder(self.f("paged_attention_split_f32"));
+            launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v);
+            launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf).arg(&b.rows);
+            push_tables(&mut launch, b);
+            dims.push(&mut launch);
+            launch.arg(&part_i).arg(&parts_i);
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out).
-            unsafe {
-                self.stream
-                    .launch_builder(self.f("paged_attention_split_f32"))
-                    .arg(&*q.buf)
-                    .arg(&cache.k)
-                    .arg(&cache.v)
-                    .arg(&mut *part_out.buf)
-                    .arg(&mut *part_max.buf)
-                    .arg(&mut *part_sum.buf)
-                    .arg(pos)
-                    .arg(seq)
-                    .arg(tables)
-                    .arg(offs)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&hd)
-                    .arg(&bs)
-                    .arg(&s.scale)
-                    .arg(&part_i)
-                    .arg(&parts_i)
-                    .launch(cfg)
-            }
-            .expect("paged_attention_split launch");
+            unsafe { launch.launch(cfg) }.expect("paged_attention_split launch");
+            drop(t);
+            let _t = self.span("attention_reduce", (0, 0), b.num_rows);
             let cfg = LaunchConfig {
-                grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
+                grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: as above; out is [rows, heads·head_dim].
-            unsafe {
-                self.stream
-                    .launch_builder(self.f("paged_attention_reduce_f32"))
-                    .arg(&*part_out.buf)
-                    .arg(&*part_max.buf)
-                    .arg(&*part_sum.buf)
-                    .arg(&mut *out.buf)
-                    .arg(pos)
-                    .arg(&h)
-                    .arg(&hd)
-                    .arg(&part_i)
-                    .arg(&parts_i)
-                    .launch(cfg)
-            }
-            .expect("paged_attention_reduce launch");
+            let mut launch = self.stream.launch_builder(self.f("paged_attention_reduce_f32"));
+            launch.arg(&*part_out.buf).arg(&*part_max.buf).arg(&*part_sum.buf).arg(&mut *out.buf);
+            push_half(&mut launch, &mut half, q, &kind);
+            launch
+                .arg(&b.rows)
+                .arg(&b.positions)
+                .arg(&dims.heads)
+                .arg(&dims.head_dim)
+                .arg(&part_i)
+                .arg(&parts_i);
+            // SAFETY: as above; out (and half) are [rows, heads·head_dim].
+            unsafe { launch.launch(cfg) }.expect("paged_attention_reduce launch");
+            out.half = half;
             return out;
         }
+        let _t = self.span("attention", (0, 0), b.num_rows);
         let cfg = LaunchConfig {
-            grid_dim: ((q.rows * s.num_heads) as u32, 1, 1),
+            grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (ctx_max * 4) as u32,
+            shared_mem_bytes: (b.ctx_max * 4) as u32,
         };
+        let mut launch = self.stream.launch_builder(self.f("paged_attention_f32"));
+        launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v).arg(&mut *out.buf);
+        push_half(&mut launch, &mut half, q, &kind);
+        launch.arg(&b.rows);
+        push_tables(&mut launch, b);
+        dims.push(&mut launch);
         // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
-        unsafe {
-            self.stream
-                .launch_builder(self.f("paged_attention_f32"))
-                .arg(&*q.buf)
-                .arg(&cache.k)
-                .arg(&cache.v)
-                .arg(&mut *out.buf)
-                .arg(pos)
-                .arg(seq)
-                .arg(tables)
-                .arg(offs)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&hd)
-                .arg(&bs)
-                .arg(&s.scale)
-                .launch(cfg)
-        }
-        .expect("paged_attention launch");
+        unsafe { launch.launch(cfg) }.expect("paged_attention launch");
+        out.half = half;
         out
     }
 
@@ -370,11 +391,13 @@ impl Device for CudaDevice {
         let cols = x.cols as i32;
         let cfg =
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let t = self.span("argmax", (0, 0), x.rows);
         // SAFETY: x is [rows, cols]; one id per row.
         unsafe {
             self.stream.launch_builder(self.f("argmax_f32")).arg(&*x.buf).arg(&mut ids).arg(&cols).launch(cfg)
         }
         .expect("argmax launch");
+        drop(t);
         let v = self.stream.clone_dtoh(&ids.slice(0..x.rows)).expect("device to host copy");
         self.restage("argmax ids", ids);
         v
@@ -385,6 +408,7 @@ impl Device for CudaDevice {
         let r: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let r = self.stage("gathered rows", &r);
         let cols = x.cols as i32;
+        let _t = self.span("gather_rows", (0, 0), rows.len());
         // SAFETY: rows index inside x.
         unsafe {
             self.stream
@@ -443,6 +467,7 @@ impl Device for CudaDevice {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: (max_rank * 4) as u32,
             };
+            let _t = self.span("lora", (0, 0), y.rows);
             // SAFETY: slots hold one entry per row of y and x; offsets are within y's row.
             unsafe {
                 self.stream
@@ -466,6 +491,49 @@ impl Device for CudaDevice {
     }
 }
 
+/// The shape arguments the attention kernels end with.
+struct AttnDims {
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    block_size: i32,
+    scale: f32,
+}
+
+impl AttnDims {
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        launch
+            .arg(&self.heads)
+            .arg(&self.kv_heads)
+            .arg(&self.head_dim)
+            .arg(&self.block_size)
+            .arg(&self.scale);
+    }
+}
+
+/// The step's per-token positions and sequences and the block tables, in the order the
+/// attention kernels take them.
+fn push_tables<'a>(launch: &mut cudarc::driver::LaunchArgs<'a>, b: &'a StepBufs) {
+    launch.arg(&b.positions).arg(&b.token_seq).arg(&b.tables).arg(&b.table_offsets);
+}
+
+/// The 16-bit output and its kind (with kind 0 any buffer fills the slot; it is not written).
+fn push_half<'a>(
+    launch: &mut cudarc::driver::LaunchArgs<'a>,
+    half: &'a mut Option<Half>,
+    any: &'a CudaTensor,
+    kind: &'a i32,
+) {
+    match half {
+        Some(h) => launch.arg(&mut *h.buf),
+        None => launch.arg(&*any.buf),
+    };
+    launch.arg(kind);
+}
+
+/// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
+const SPLIT_CHUNK: usize = 32;
+
 /// Positions per partition for the split attention kernel, or None where it does not apply
 /// (GQA groups over 8 heads, head sizes not a multiple of 32 or over 256, or a batch whose
 /// partial results would not fit the budget). Partitions start at 32 positions, so that
@@ -485,6 +553,7 @@ fn split_partition(rows: usize, s: AttnShape, ctx_max: usize) -> Option<usize> {
     while bytes(part) > 256 << 20 {
         part *= 2;
     }
-    // Scores of the partition live in shared memory (48 KiB without opting in).
-    (group * part * 4 <= 48 << 10).then_some(part)
+    // Scores of the partition and a chunk of K or V rows live in shared memory (48 KiB
+    // without opting in).
+    ((group * part + SPLIT_CHUNK * s.head_dim) * 4 <= 48 << 10).then_some(part)
 }

@@ -1,0 +1,191 @@
+// Prefill attention on tensor cores (FlashAttention-2's schedule), for models with 16-bit
+// weights: Q, K and V are rounded to bf16, scores and the output accumulate in f32 through
+// mma.sync m16n8k16, and the softmax is taken online in registers. (common.cuh comes first.)
+//
+// One block of 4 warps per (tile, query head). A tile is up to 64 consecutive query rows of
+// one sequence with consecutive positions (`tiles` holds row0, nrows pairs); each warp owns
+// 16 of them. The block walks the sequence's keys 0..last position in chunks of 64, staging
+// each chunk's K (row-major) and V (transposed) into shared memory as bf16 from the paged
+// f32 cache; a warp skips chunks that lie wholly after its rows (causal).
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, q = lane % 4): A a0 = (g, 2q..2q+1),
+// a1 = (g+8, 2q..), a2 = (g, 2q+8..), a3 = (g+8, 2q+8..); B b0 = (k 2q..2q+1, n g),
+// b1 = (k 2q+8.., n g); C c0,c1 = (g, 2q..2q+1), c2,c3 = (g+8, 2q..2q+1).
+
+#define BR 64
+#define BC 64
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(unsigned*)&v;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <int HD>
+__device__ void flash_prefill(const float* __restrict__ q, const float* __restrict__ kc,
+                              const float* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
+                              const unsigned int* positions, const unsigned int* token_seq,
+                              const unsigned int* tables, const unsigned int* table_off, const unsigned int* tiles,
+                              int heads, int kv_heads, int block_size, float scale) {
+    constexpr int KS = HD + 8;  // padded rows: the fragment loads hit 32 distinct banks
+    constexpr int VS = BC + 8;
+    __shared__ __nv_bfloat16 ks[BC * KS];
+    __shared__ __nv_bfloat16 vt[HD * VS];
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    int row0 = tiles[2 * blockIdx.x], nrows = tiles[2 * blockIdx.x + 1];
+    int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const unsigned int* table = tables + table_off[token_seq[row0]];
+    int ctx_end = positions[row0 + nrows - 1] + 1;
+    int width = kv_heads * HD;
+    int ra = warp * 16 + g, rb = ra + 8;
+    bool va = ra < nrows, vb = rb < nrows;
+    int pa = va ? (int)positions[row0 + ra] : -1, pb = vb ? (int)positions[row0 + rb] : -1;
+    int last = min(warp * 16 + 15, nrows - 1);
+    int warp_end = warp * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
+
+    unsigned qf[HD / 16][4];
+    const float* qa = q + ((size_t)(row0 + ra) * heads + h) * HD;
+    const float* qb = q + ((size_t)(row0 + rb) * heads + h) * HD;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        int c = kk * 16 + tq * 2;
+        qf[kk][0] = va ? pack_bf16(qa[c] * scale, qa[c + 1] * scale) : 0u;
+        qf[kk][1] = vb ? pack_bf16(qb[c] * scale, qb[c + 1] * scale) : 0u;
+        qf[kk][2] = va ? pack_bf16(qa[c + 8] * scale, qa[c + 9] * scale) : 0u;
+        qf[kk][3] = vb ? pack_bf16(qb[c + 8] * scale, qb[c + 9] * scale) : 0u;
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float ma = NEG, mb = NEG, la = 0.0f, lb = 0.0f;
+
+    for (int c0 = 0; c0 < ctx_end; c0 += BC) {
+        int cn = min(BC, ctx_end - c0);
+        __syncthreads();
+        for (int i = threadIdx.x; i < BC * (HD / 4); i += blockDim.x) {
+            int r = i / (HD / 4), c4 = (i % (HD / 4)) * 4;
+            float4 kx = make_float4(0.f, 0.f, 0.f, 0.f), vx = kx;
+            if (r < cn) {
+                int p = c0 + r;
+                size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD + c4;
+                kx = *(const float4*)(kc + at);
+                vx = *(const float4*)(vc + at);
+            }
+            *(unsigned*)&ks[r * KS + c4] = pack_bf16(kx.x, kx.y);
+            *(unsigned*)&ks[r * KS + c4 + 2] = pack_bf16(kx.z, kx.w);
+            vt[(c4 + 0) * VS + r] = __float2bfloat16(vx.x);
+            vt[(c4 + 1) * VS + r] = __float2bfloat16(vx.y);
+            vt[(c4 + 2) * VS + r] = __float2bfloat16(vx.z);
+            vt[(c4 + 3) * VS + r] = __float2bfloat16(vx.w);
+        }
+        __syncthreads();
+        if (c0 >= warp_end) continue;  // every key of the chunk is after this warp's rows
+
+        float s[BC / 8][4];
+#pragma unroll
+        for (int j = 0; j < BC / 8; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const __nv_bfloat16* kr = ks + (j * 8 + g) * KS + kk * 16 + tq * 2;
+                mma_bf16(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+            }
+        }
+        float mxa = ma, mxb = mb;
+#pragma unroll
+        for (int j = 0; j < BC / 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                int key = c0 + j * 8 + tq * 2 + e;
+                if (key > pa) s[j][e] = NEG;
+                if (key > pb) s[j][2 + e] = NEG;
+                mxa = fmaxf(mxa, s[j][e]);
+                mxb = fmaxf(mxb, s[j][2 + e]);
+            }
+        }
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 2));
+        // A row with no key yet (or no row at all) keeps a zero base: exp(-inf - 0) = 0.
+        float ba = mxa == NEG ? 0.0f : mxa, bb = mxb == NEG ? 0.0f : mxb;
+        float fa = expf(ma - ba), fb = expf(mb - bb);
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BC / 8; j++) {
+            s[j][0] = expf(s[j][0] - ba);
+            s[j][1] = expf(s[j][1] - ba);
+            s[j][2] = expf(s[j][2] - bb);
+            s[j][3] = expf(s[j][3] - bb);
+            sa += s[j][0] + s[j][1];
+            sb += s[j][2] + s[j][3];
+        }
+        la = la * fa + sa;
+        lb = lb * fb + sb;
+        ma = mxa;
+        mb = mxb;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++) {
+            o[n][0] *= fa;
+            o[n][1] *= fa;
+            o[n][2] *= fb;
+            o[n][3] *= fb;
+        }
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; kk++) {
+            unsigned a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                const __nv_bfloat16* vr = vt + (n * 8 + g) * VS + kk * 16 + tq * 2;
+                mma_bf16(o[n], a, *(const unsigned*)vr, *(const unsigned*)(vr + 8));
+            }
+        }
+    }
+    la += __shfl_xor_sync(0xffffffff, la, 1);
+    la += __shfl_xor_sync(0xffffffff, la, 2);
+    lb += __shfl_xor_sync(0xffffffff, lb, 1);
+    lb += __shfl_xor_sync(0xffffffff, lb, 2);
+    float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        int c = n * 8 + tq * 2;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            if (va) {
+                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
+                out[at] = o[n][e] * ia;
+                if (kind) store16(out16, at, o[n][e] * ia, kind);
+            }
+            if (vb) {
+                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
+                out[at] = o[n][2 + e] * ib;
+                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
+            }
+        }
+    }
+}
+
+#define FLASH_ENTRY(HD)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) flash_prefill_h##HD(                                      \
+        const float* q, const float* kc, const float* vc, float* out, void* out16, int kind,                   \
+        const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
+        const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
+        int block_size, float scale) {                                                                          \
+        flash_prefill<HD>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles, heads,   \
+                          kv_heads, block_size, scale);                                                         \
+    }
+
+FLASH_ENTRY(64)
+FLASH_ENTRY(128)

@@ -169,7 +169,7 @@ impl Engine {
                 })
                 .min()
                 .unwrap_or(0);
-            config.resize_kv(&model_config, left)?;
+            config.resize_kv(&model_config, left, ranks[0].0.kv_cache_elem_bytes())?;
         }
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();

@@ -121,6 +121,9 @@ fn every_kernel_matches_its_cpu_twin() {
     let rows = [3usize, 0, 12, 7];
     close("gather_rows", &g.to_host(&g.gather_rows(&xg, &rows)), &c.to_host(&c.gather_rows(&xc, &rows)), 0.0);
 
+    // Uploading 16-bit weights above switched the device to a 16-bit model's activations and
+    // cache; this part checks the f32 ones exactly.
+    g.set_activation_dtype(DType::F32);
     // RoPE + paged attention: GQA 6:2, head_dim 32, block size 4; sequence 0 prefills
     // 9 tokens, sequence 1 decodes its 14th token over blocks out of order.
     let s = AttnShape { num_heads: 6, num_kv_heads: 2, head_dim: 32, scale: 1.0 / (32f32).sqrt() };
@@ -182,17 +185,20 @@ fn every_kernel_matches_its_cpu_twin() {
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel): a
 /// 1,100-token prefill in one step, then a decode batch of three sequences of different
-/// lengths whose block tables interleave. Then again with prefill on tensor cores (bf16
-/// inputs, f32 accumulation: head_dim 64 and 128), within bf16's rounding.
+/// lengths whose block tables interleave. Then again, within bf16's rounding, with prefill
+/// on tensor cores (bf16 inputs, f32 accumulation: head_dim 64 and 128) over the f32 cache,
+/// and as a bf16 model runs: bf16 cache, tensor-core prefill, split decode.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuDevice::default();
-    let shapes = [(32, 8, 128, false), (14, 2, 64, false), (12, 1, 32, false), (4, 4, 32, false)];
-    let tensor_cores = [(32, 8, 128, true), (14, 2, 64, true), (12, 1, 128, true)];
-    for (heads, kv_heads, head_dim, flash) in shapes.into_iter().chain(tensor_cores) {
+    let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32));
+    let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32));
+    let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32)].map(|s| (s, true, DType::BF16));
+    for ((heads, kv_heads, head_dim), flash, act) in f32_cache.into_iter().chain(tensor_cores).chain(bf16) {
         g.set_tensor_core_attention(flash);
-        let tol = if flash { 1e-2 } else { 1e-4 };
+        g.set_activation_dtype(act);
+        let tol = if flash || act != DType::F32 { 1e-2 } else { 1e-4 };
         let s = AttnShape {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -227,7 +233,9 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta);
             let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta);
             close(
-                &format!("attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}"),
+                &format!(
+                    "attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}, {act:?}"
+                ),
                 &g.to_host(&og),
                 &c.to_host(&oc),
                 tol,

@@ -148,6 +148,11 @@ pub trait Device: Send + Unpin + 'static {
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
     fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
+    /// Bytes per K or V element of the caches `alloc_cache` makes (f32 unless the device
+    /// keeps a 16-bit model's cache in its type).
+    fn kv_cache_elem_bytes(&self) -> usize {
+        4
+    }
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
     /// Waits for the work issued so far to finish (a no-op where operations are synchronous).
     fn synchronize(&self);

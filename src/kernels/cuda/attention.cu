@@ -1,13 +1,15 @@
 // Paged KV cache and attention. Cache layout per layer: [num_blocks, block_size, kv_heads,
-// head_dim] for K and for V, f32. (common.cuh comes first.)
+// head_dim] for K and for V, of type T: f32, or bf16/f16 for 16-bit models (entry points
+// end in _f32, _bf16, _f16). (common.cuh comes first.)
 
-extern "C" __global__ void write_kv_f32(const float* k, const float* v, float* kc, float* vc, const long long* slots, int width) {
+template <typename T>
+__device__ void write_kv(const float* k, const float* v, T* kc, T* vc, const long long* slots, int width) {
     int t = blockIdx.x;
     long long s = slots[t];
     if (s < 0) return;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        kc[s * width + i] = k[(size_t)t * width + i];
-        vc[s * width + i] = v[(size_t)t * width + i];
+        st(kc + s * width + i, k[(size_t)t * width + i]);
+        st(vc + s * width + i, v[(size_t)t * width + i]);
     }
 }
 
@@ -18,11 +20,12 @@ extern "C" __global__ void write_kv_f32(const float* k, const float* v, float* k
 // One block per (row, head): scores over the token's causal context through its sequence's
 // block table, softmax, weighted sum of V. `tables` holds every sequence's block table at
 // `table_off[seq]`. Dynamic shared memory: ctx_max floats of scores.
-extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, const float* vc, float* out,
-                                               void* out16, int kind, const unsigned int* rows,
-                                               const unsigned int* positions, const unsigned int* token_seq,
-                                               const unsigned int* tables, const unsigned int* table_off,
-                                               int heads, int kv_heads, int head_dim, int block_size, float scale) {
+template <typename T>
+__device__ void paged_attention(const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,
+                                const unsigned int* rows, const unsigned int* positions,
+                                const unsigned int* token_seq, const unsigned int* tables,
+                                const unsigned int* table_off, int heads, int kv_heads, int head_dim,
+                                int block_size, float scale) {
     extern __shared__ float scores[];
     __shared__ float red[32];
     int t = rows[blockIdx.x / heads], h = blockIdx.x % heads;
@@ -36,7 +39,7 @@ extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, 
     for (int p = warp; p < ctx; p += nw) {
         size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
         float s = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) s += qv[d] * kc[at + d];
+        for (int d = lane; d < head_dim; d += 32) s += qv[d] * ld(kc + at + d);
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
         if (lane == 0) scores[p] = s * scale;
     }
@@ -65,7 +68,7 @@ extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, 
         float acc = 0.0f;
         for (int p = 0; p < ctx; p++) {
             size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
-            acc += scores[p] * vc[at + d];
+            acc += scores[p] * ld(vc + at + d);
         }
         size_t o = ((size_t)t * heads + h) * head_dim + d;
         out[o] = acc * inv;
@@ -83,13 +86,12 @@ extern "C" __global__ void paged_attention_f32(const float* q, const float* kc, 
 #define MAX_GROUP 8
 #define MAX_DIM_PER_LANE 8
 #define CHUNK 32
-extern "C" __global__ void paged_attention_split_f32(const float* q, const float* kc, const float* vc,
-                                                     float* part_out, float* part_max, float* part_sum,
-                                                     const unsigned int* rows, const unsigned int* positions,
-                                                     const unsigned int* token_seq, const unsigned int* tables,
-                                                     const unsigned int* table_off, int heads, int kv_heads,
-                                                     int head_dim, int block_size, float scale, int part,
-                                                     int parts_max) {
+template <typename T>
+__device__ void paged_attention_split(const float* q, const T* kc, const T* vc, float* part_out, float* part_max,
+                                      float* part_sum, const unsigned int* rows, const unsigned int* positions,
+                                      const unsigned int* token_seq, const unsigned int* tables,
+                                      const unsigned int* table_off, int heads, int kv_heads, int head_dim,
+                                      int block_size, float scale, int part, int parts_max) {
     extern __shared__ float smem[];
     int group = heads / kv_heads;
     float* sc = smem;
@@ -118,7 +120,7 @@ extern "C" __global__ void paged_attention_split_f32(const float* q, const float
         for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
             int p = c0 + i / hd4;
             size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-            ((float4*)stage)[i] = ((const float4*)(kc + at))[i % hd4];
+            ((float4*)stage)[i] = ld4(kc + at + 4 * (i % hd4));
         }
         __syncthreads();
         for (int r = warp; r < cn; r += nw) {
@@ -173,7 +175,7 @@ extern "C" __global__ void paged_attention_split_f32(const float* q, const float
         for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
             int p = c0 + i / hd4;
             size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-            ((float4*)stage)[i] = ((const float4*)(vc + at))[i % hd4];
+            ((float4*)stage)[i] = ld4(vc + at + 4 * (i % hd4));
         }
         __syncthreads();
 #pragma unroll
@@ -200,7 +202,32 @@ extern "C" __global__ void paged_attention_split_f32(const float* q, const float
     }
 }
 
-// Joins the partitions of paged_attention_split_f32: one block per (row, head).
+#define KV_ENTRIES(SUF, T)                                                                                     \
+    extern "C" __global__ void write_kv_##SUF(const float* k, const float* v, T* kc, T* vc,                     \
+                                              const long long* slots, int width) {                              \
+        write_kv<T>(k, v, kc, vc, slots, width);                                                                \
+    }                                                                                                           \
+    extern "C" __global__ void paged_attention_##SUF(                                                           \
+        const float* q, const T* kc, const T* vc, float* out, void* out16, int kind, const unsigned int* rows,  \
+        const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
+        const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale) {    \
+        paged_attention<T>(q, kc, vc, out, out16, kind, rows, positions, token_seq, tables, table_off, heads,  \
+                           kv_heads, head_dim, block_size, scale);                                              \
+    }                                                                                                           \
+    extern "C" __global__ void paged_attention_split_##SUF(                                                     \
+        const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
+        const unsigned int* rows, const unsigned int* positions, const unsigned int* token_seq,                \
+        const unsigned int* tables, const unsigned int* table_off, int heads, int kv_heads, int head_dim,      \
+        int block_size, float scale, int part, int parts_max) {                                                 \
+        paged_attention_split<T>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq, tables,  \
+                                 table_off, heads, kv_heads, head_dim, block_size, scale, part, parts_max);     \
+    }
+
+KV_ENTRIES(f32, float)
+KV_ENTRIES(bf16, __nv_bfloat16)
+KV_ENTRIES(f16, __half)
+
+// Joins the partitions of paged_attention_split: one block per (row, head).
 extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,
                                                       const float* part_sum, float* out, void* out16, int kind,
                                                       const unsigned int* rows, const unsigned int* positions,

@@ -7,3 +7,23 @@ __device__ __forceinline__ void store16(void* p, size_t i, float v, int kind) {
     if (kind == 1) ((__nv_bfloat16*)p)[i] = __float2bfloat16(v);
     else ((__half*)p)[i] = __float2half(v);
 }
+
+// KV cache elements: f32, or the 16-bit type of a 16-bit model, read and written as f32.
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float ld(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void st(__half* p, float v) { *p = __float2half(v); }
+// Four consecutive elements (16-byte aligned for f32, 8-byte for 16-bit types).
+__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 ld4(const __nv_bfloat16* p) {
+    uint2 u = *(const uint2*)p;
+    float2 a = __bfloat1622float2(*(__nv_bfloat162*)&u.x), b = __bfloat1622float2(*(__nv_bfloat162*)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 ld4(const __half* p) {
+    uint2 u = *(const uint2*)p;
+    float2 a = __half22float2(*(__half2*)&u.x), b = __half22float2(*(__half2*)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}

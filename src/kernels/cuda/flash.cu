@@ -30,9 +30,8 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 #endif
 }
 
-template <int HD>
-__device__ void flash_prefill(const float* __restrict__ q, const float* __restrict__ kc,
-                              const float* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
+template <int HD, typename T>
+__device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
                               const unsigned int* positions, const unsigned int* token_seq,
                               const unsigned int* tables, const unsigned int* table_off, const unsigned int* tiles,
                               int heads, int kv_heads, int block_size, float scale) {
@@ -78,8 +77,8 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
             if (r < cn) {
                 int p = c0 + r;
                 size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD + c4;
-                kx = *(const float4*)(kc + at);
-                vx = *(const float4*)(vc + at);
+                kx = ld4(kc + at);
+                vx = ld4(vc + at);
             }
             *(unsigned*)&ks[r * KS + c4] = pack_bf16(kx.x, kx.y);
             *(unsigned*)&ks[r * KS + c4 + 2] = pack_bf16(kx.z, kx.w);
@@ -177,15 +176,19 @@ __device__ void flash_prefill(const float* __restrict__ q, const float* __restri
     }
 }
 
-#define FLASH_ENTRY(HD)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) flash_prefill_h##HD(                                      \
-        const float* q, const float* kc, const float* vc, float* out, void* out16, int kind,                   \
+#define FLASH_ENTRY(HD, SUF, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) flash_prefill_h##HD##_##SUF(                              \
+        const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
         int block_size, float scale) {                                                                          \
-        flash_prefill<HD>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles, heads,   \
+        flash_prefill<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles, heads,   \
                           kv_heads, block_size, scale);                                                         \
     }
 
-FLASH_ENTRY(64)
-FLASH_ENTRY(128)
+FLASH_ENTRY(64, f32, float)
+FLASH_ENTRY(128, f32, float)
+FLASH_ENTRY(64, bf16, __nv_bfloat16)
+FLASH_ENTRY(128, bf16, __nv_bfloat16)
+FLASH_ENTRY(64, f16, __half)
+FLASH_ENTRY(128, f16, __half)

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{AttnShape, CacheShape, DeviceError, LoraShape, RopeSpec, TpRank};
+use super::{AttnShape, CacheShape, DType, DeviceError, LoraShape, RopeSpec, TpRank};
 use crate::models::attn::AttnMetadata;
 
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
@@ -22,7 +22,7 @@ const SOURCES: [(&str, &str); 3] = [
     ("flash", include_str!("flash.cu")),
 ];
 
-const KERNELS: [&str; 20] = [
+const KERNELS: [&str; 30] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -37,12 +37,22 @@ const KERNELS: [&str; 20] = [
     "argmax_f32",
     "split_qkv_rope_f32",
     "write_kv_f32",
+    "write_kv_bf16",
+    "write_kv_f16",
     "paged_attention_f32",
+    "paged_attention_bf16",
+    "paged_attention_f16",
     "paged_attention_split_f32",
+    "paged_attention_split_bf16",
+    "paged_attention_split_f16",
     "paged_attention_reduce_f32",
     "lora_f32",
-    "flash_prefill_h64",
-    "flash_prefill_h128",
+    "flash_prefill_h64_f32",
+    "flash_prefill_h128_f32",
+    "flash_prefill_h64_bf16",
+    "flash_prefill_h128_bf16",
+    "flash_prefill_h64_f16",
+    "flash_prefill_h128_f16",
 ];
 
 fn err(e: impl std::fmt::Debug) -> DeviceError {
@@ -155,10 +165,28 @@ impl CudaWeight {
     }
 }
 
+/// One layer's K and V cache: f32, or the 16-bit type of a 16-bit model's weights (half the
+/// bytes for attention to read).
 pub struct CudaCache {
     pub shape: CacheShape,
-    pub k: CudaSlice<f32>,
-    pub v: CudaSlice<f32>,
+    k: KvBuf,
+    v: KvBuf,
+    /// The element type's kernel suffix: "f32", "bf16" or "f16".
+    suffix: &'static str,
+}
+
+enum KvBuf {
+    F32(CudaSlice<f32>),
+    Half(CudaSlice<u16>),
+}
+
+impl KvBuf {
+    fn arg(&mut self) -> &mut dyn WeightArg {
+        match self {
+            KvBuf::F32(b) => b,
+            KvBuf::Half(b) => b,
+        }
+    }
 }
 
 /// LoRA A `[slots, R, in]` and Bᵀ `[slots, R, out]` (scale folded in), ranks per slot.
@@ -486,6 +514,26 @@ impl CudaDevice {
 
     fn f(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
+    }
+
+    /// The KV cache's element type for caches allocated now: the 16-bit type of the
+    /// weights, else f32.
+    fn kv_suffix(&self) -> &'static str {
+        match self.act16.get() {
+            1 => "bf16",
+            2 => "f16",
+            _ => "f32",
+        }
+    }
+
+    /// Rounds activations feeding GEMMs (and KV caches allocated after this) to `dtype`, as
+    /// loading 16-bit weights does; F32 turns it off (tests).
+    pub fn set_activation_dtype(&self, dtype: DType) {
+        self.act16.set(match dtype {
+            DType::BF16 => 1,
+            DType::F16 => 2,
+            _ => 0,
+        });
     }
 
     /// An uninitialized activation tensor: every kernel and GEMM that makes one writes all

@@ -4,7 +4,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
-    CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, Half, StepBufs, WeightArg, WeightBuf, err,
+    CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, Half, KvBuf, StepBufs, WeightArg, WeightBuf, err,
 };
 use crate::kernels::{
     AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
@@ -99,11 +99,18 @@ impl Device for CudaDevice {
 
     fn alloc_cache(&self, shape: CacheShape) -> Result<CudaCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
-        Ok(CudaCache {
-            shape,
-            k: self.stream.alloc_zeros(n).map_err(err)?,
-            v: self.stream.alloc_zeros(n).map_err(err)?,
-        })
+        let suffix = self.kv_suffix();
+        let buf = || -> Result<KvBuf, DeviceError> {
+            Ok(match suffix {
+                "f32" => KvBuf::F32(self.stream.alloc_zeros(n).map_err(err)?),
+                _ => KvBuf::Half(self.stream.alloc_zeros(n).map_err(err)?),
+            })
+        };
+        Ok(CudaCache { shape, k: buf()?, v: buf()?, suffix })
+    }
+
+    fn kv_cache_elem_bytes(&self) -> usize {
+        if self.kv_suffix() == "f32" { 4 } else { 2 }
     }
 
     fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
@@ -275,19 +282,14 @@ impl Device for CudaDevice {
         let guard = self.step.borrow();
         let b = guard.as_ref().expect("uploaded above");
         let t = self.span("write_kv", (0, 0), k.rows);
+        let sfx = cache.suffix;
+        let (kc, vc) = (cache.k.arg(), cache.v.arg());
+        let mut launch = self.stream.launch_builder(self.f(&format!("write_kv_{sfx}")));
+        launch.arg(&*k.buf).arg(&*v.buf);
+        kc.push(&mut launch);
+        vc.push(&mut launch);
         // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
-        unsafe {
-            self.stream
-                .launch_builder(self.f("write_kv_f32"))
-                .arg(&*k.buf)
-                .arg(&*v.buf)
-                .arg(&mut cache.k)
-                .arg(&mut cache.v)
-                .arg(&b.slots)
-                .arg(&width)
-                .launch(Self::rows(k.rows))
-        }
-        .expect("write_kv launch");
+        unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }.expect("write_kv launch");
         drop(t);
         let cols = s.num_heads * s.head_dim;
         let mut out = self.tensor(q.rows, cols);
@@ -301,9 +303,12 @@ impl Device for CudaDevice {
         };
         if b.num_tiles > 0 {
             let _t = self.span("flash_prefill", (0, 0), q.rows - b.num_rows);
-            let name = if s.head_dim == 64 { "flash_prefill_h64" } else { "flash_prefill_h128" };
-            let mut launch = self.stream.launch_builder(self.f(name));
-            launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v).arg(&mut *out.buf);
+            let mut launch =
+                self.stream.launch_builder(self.f(&format!("flash_prefill_h{}_{sfx}", s.head_dim)));
+            launch.arg(&*q.buf);
+            kc.push(&mut launch);
+            vc.push(&mut launch);
+            launch.arg(&mut *out.buf);
             push_half(&mut launch, &mut half, q, &kind);
             push_tables(&mut launch, b);
             launch.arg(&b.tiles);
@@ -334,8 +339,10 @@ impl Device for CudaDevice {
             };
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             let t = self.span("attention_split", (0, 0), b.num_rows);
-            let mut launch = self.stream.launch_builder(self.f("paged_attention_split_f32"));
-            launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v);
+            let mut launch = self.stream.launch_builder(self.f(&format!("paged_attention_split_{sfx}")));
+            launch.arg(&*q.buf);
+            kc.push(&mut launch);
+            vc.push(&mut launch);
             launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf).arg(&b.rows);
             push_tables(&mut launch, b);
             dims.push(&mut launch);
@@ -371,8 +378,11 @@ impl Device for CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: (b.ctx_max * 4) as u32,
         };
-        let mut launch = self.stream.launch_builder(self.f("paged_attention_f32"));
-        launch.arg(&*q.buf).arg(&cache.k).arg(&cache.v).arg(&mut *out.buf);
+        let mut launch = self.stream.launch_builder(self.f(&format!("paged_attention_{sfx}")));
+        launch.arg(&*q.buf);
+        kc.push(&mut launch);
+        vc.push(&mut launch);
+        launch.arg(&mut *out.buf);
         push_half(&mut launch, &mut half, q, &kind);
         launch.arg(&b.rows);
         push_tables(&mut launch, b);

@@ -76,17 +76,16 @@ __device__ void paged_attention(const float* q, const T* kc, const T* vc, float*
     }
 }
 
-// Split attention (PagedAttention v2 style), for GQA groups of up to 8 query heads and
-// head_dim up to 256 (a multiple of 32). One block per (row, KV head, partition of `part`
+// Split attention (PagedAttention v2 style), for GQA groups of up to G query heads and
+// head_dim up to 32·D (a multiple of 32); instantiated for G in 1, 2, 4, 8 and D in 2, 4, 8
+// so that the per-thread arrays take no more registers than the shape needs. One block per (row, KV head, partition of `part`
 // positions): the partition's K rows, then its V rows, are staged through shared memory
 // CHUNK at a time by all threads at once (so the loads overlap instead of queueing behind
 // one another), and each row is read once for the whole group of query heads. The block
 // writes its unnormalized partial output, running max and sum; paged_attention_reduce_f32
 // joins the partitions. Dynamic shared memory: group · part + CHUNK · head_dim floats.
-#define MAX_GROUP 8
-#define MAX_DIM_PER_LANE 8
 #define CHUNK 32
-template <typename T>
+template <typename T, int MAX_GROUP, int MAX_DIM_PER_LANE>
 __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, float* part_out, float* part_max,
                                       float* part_sum, const unsigned int* rows, const unsigned int* positions,
                                       const unsigned int* token_seq, const unsigned int* tables,
@@ -213,19 +212,28 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
         const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale) {    \
         paged_attention<T>(q, kc, vc, out, out16, kind, rows, positions, token_seq, tables, table_off, heads,  \
                            kv_heads, head_dim, block_size, scale);                                              \
-    }                                                                                                           \
-    extern "C" __global__ void paged_attention_split_##SUF(                                                     \
+    }
+
+#define SPLIT_ENTRY(SUF, T, G, D)                                                                              \
+    extern "C" __global__ void paged_attention_split_g##G##_d##D##_##SUF(                                       \
         const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
         const unsigned int* rows, const unsigned int* positions, const unsigned int* token_seq,                \
         const unsigned int* tables, const unsigned int* table_off, int heads, int kv_heads, int head_dim,      \
         int block_size, float scale, int part, int parts_max) {                                                 \
-        paged_attention_split<T>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq, tables,  \
-                                 table_off, heads, kv_heads, head_dim, block_size, scale, part, parts_max);     \
+        paged_attention_split<T, G, D>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq,    \
+                                       tables, table_off, heads, kv_heads, head_dim, block_size, scale, part,   \
+                                       parts_max);                                                              \
     }
+#define SPLIT_ENTRIES_G(SUF, T, G) SPLIT_ENTRY(SUF, T, G, 2) SPLIT_ENTRY(SUF, T, G, 4) SPLIT_ENTRY(SUF, T, G, 8)
+#define SPLIT_ENTRIES(SUF, T) \
+    SPLIT_ENTRIES_G(SUF, T, 1) SPLIT_ENTRIES_G(SUF, T, 2) SPLIT_ENTRIES_G(SUF, T, 4) SPLIT_ENTRIES_G(SUF, T, 8)
 
 KV_ENTRIES(f32, float)
 KV_ENTRIES(bf16, __nv_bfloat16)
 KV_ENTRIES(f16, __half)
+SPLIT_ENTRIES(f32, float)
+SPLIT_ENTRIES(bf16, __nv_bfloat16)
+SPLIT_ENTRIES(f16, __half)
 
 // Joins the partitions of paged_attention_split: one block per (row, head).
 extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,

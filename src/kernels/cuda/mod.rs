@@ -22,7 +22,7 @@ const SOURCES: [(&str, &str); 3] = [
     ("flash", include_str!("flash.cu")),
 ];
 
-const KERNELS: [&str; 30] = [
+const KERNELS: [&str; 27] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -42,9 +42,6 @@ const KERNELS: [&str; 30] = [
     "paged_attention_f32",
     "paged_attention_bf16",
     "paged_attention_f16",
-    "paged_attention_split_f32",
-    "paged_attention_split_bf16",
-    "paged_attention_split_f16",
     "paged_attention_reduce_f32",
     "lora_f32",
     "flash_prefill_h64_f32",
@@ -57,6 +54,20 @@ const KERNELS: [&str; 30] = [
 
 fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
+}
+
+/// Every entry point: [`KERNELS`] and the split attention kernel's instantiations
+/// `paged_attention_split_g{G}_d{D}_{kv type}` (see [`ops::split_kernel`]).
+fn kernel_names() -> Vec<String> {
+    let mut names: Vec<String> = KERNELS.iter().map(|k| k.to_string()).collect();
+    for sfx in ["f32", "bf16", "f16"] {
+        for g in [1, 2, 4, 8] {
+            for d in [2, 4, 8] {
+                names.push(format!("paged_attention_split_g{g}_d{d}_{sfx}"));
+            }
+        }
+    }
+    names
 }
 
 /// `[rows, cols]` f32 on the device. Its buffer may be longer than `rows · cols` (pooled
@@ -202,7 +213,7 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    funcs: std::collections::HashMap<&'static str, CudaFunction>,
+    funcs: std::collections::HashMap<String, CudaFunction>,
     arch: String,
     /// This step's attention metadata on the device, uploaded once for all layers.
     step: std::cell::RefCell<Option<StepBufs>>,
@@ -313,8 +324,8 @@ impl CudaDevice {
         for (name, src) in SOURCES {
             let ptx = Self::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
             let module = ctx.load_module(ptx).map_err(err)?;
-            for k in KERNELS {
-                if let Ok(f) = module.load_function(k) {
+            for k in kernel_names() {
+                if let Ok(f) = module.load_function(&k) {
                     funcs.insert(k, f);
                 }
             }

@@ -339,7 +339,7 @@ impl Device for CudaDevice {
             };
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             let t = self.span("attention_split", (0, 0), b.num_rows);
-            let mut launch = self.stream.launch_builder(self.f(&format!("paged_attention_split_{sfx}")));
+            let mut launch = self.stream.launch_builder(self.f(&split_kernel(s, sfx)));
             launch.arg(&*q.buf);
             kc.push(&mut launch);
             vc.push(&mut launch);
@@ -539,6 +539,14 @@ fn push_half<'a>(
         None => launch.arg(&*any.buf),
     };
     launch.arg(kind);
+}
+
+/// The split kernel's instantiation for a shape: the smallest group bound G and dims-per-lane
+/// bound D that hold it (split_partition has checked group ≤ 8 and head_dim ≤ 256).
+pub(super) fn split_kernel(s: AttnShape, kv: &str) -> String {
+    let g = (s.num_heads / s.num_kv_heads).next_power_of_two();
+    let d = (s.head_dim / 32).next_power_of_two().max(2);
+    format!("paged_attention_split_g{g}_d{d}_{kv}")
 }
 
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).

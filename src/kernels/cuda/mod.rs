@@ -632,7 +632,7 @@ impl CudaDevice {
             beta: 0.0f32,
             ldc: n as i32,
         };
-        let _t = self.span("gemm_f32", (n as usize, k as usize), m as usize);
+        let _t = self.span("gemm_f32", (n, k as usize), m as usize);
         // SAFETY: w is [n, k] row-major (= k×n column-major, transposed to n×k), x is
         // [m, k] row-major (= k×m column-major), out holds m·n floats.
         unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.expect("cuBLAS sgemm");

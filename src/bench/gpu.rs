@@ -65,6 +65,8 @@ struct LatencyReport {
     output_len: usize,
     ms_per_step: f64,
     tokens_per_s: f64,
+    /// Until every sequence had its first token (batch 1: time to first token).
+    first_token_ms: f64,
     bound: Bound,
     #[serde(skip_serializing_if = "Option::is_none")]
     breakdown: Option<StepBreakdown>,
@@ -91,6 +93,7 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
         output_len,
         ms_per_step: f.ms_per_step,
         tokens_per_s: f.decode_tokens_per_s,
+        first_token_ms: f.first_token_ms,
         bound: bound(&engine, &args),
         breakdown: run.breakdown.then_some(breakdown),
     };
@@ -99,12 +102,13 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
     } else {
         println!(
             "latency: batch {batch_size}, input {input_len}, output {output_len}: {:.2} ms/step, {:.1} tok/s \
-             (bandwidth bound {:.1} tok/s: {:.2} GB of weights at {:.0} GB/s)",
+             (bandwidth bound {:.1} tok/s: {:.2} GB of weights at {:.0} GB/s); first token after {:.1} ms",
             report.ms_per_step,
             report.tokens_per_s,
             report.bound.bound_tokens_per_s,
             report.bound.weight_bytes as f64 / 1e9,
-            report.bound.copy_bandwidth_gb_s
+            report.bound.copy_bandwidth_gb_s,
+            report.first_token_ms
         );
         if let Some(b) = report.breakdown {
             println!(

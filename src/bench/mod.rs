@@ -92,6 +92,9 @@ pub(crate) struct DecodeFigure {
     /// All generated tokens / wall time including prefill.
     total_tokens_per_s: f64,
     ms_per_step: f64,
+    /// From submission until every sequence of the batch had its first token (at batch 1,
+    /// the time to first token).
+    first_token_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -175,6 +178,7 @@ pub(crate) async fn decode_run_lora(
         decode_tokens_per_s: decode_tokens as f64 / decode_time,
         total_tokens_per_s: tokens as f64 / (end - start).as_secs_f64(),
         ms_per_step: decode_time * 1e3 / (output_len - 1).max(1) as f64,
+        first_token_ms: (last_first - start).as_secs_f64() * 1e3,
     })
 }
 

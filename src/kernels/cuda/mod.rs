@@ -1,9 +1,11 @@
 //! The CUDA device (cudarc, loaded dynamically so that the crate builds and runs without
 //! CUDA): kernels are CUDA C sources in this folder compiled by NVRTC at start-up for the
 //! device's architecture and cached on disk (keyed by source hash and architecture);
-//! GEMMs go through cuBLAS. Activations and the KV cache are f32; 2-D weights stay in
-//! their dtype (f32, or bf16/f16 multiplied by cublasGemmEx with f32 accumulation after the
-//! activations are rounded to the weight's type), 1-D weights (norms, biases) are f32.
+//! GEMMs go through cuBLAS. Activations are f32; 2-D weights stay in their dtype (f32, or
+//! bf16/f16 multiplied by cublasGemmEx with f32 accumulation, the kernels that feed a GEMM
+//! also writing their output in the weights' type), 1-D weights (norms, biases) are f32.
+//! The KV cache is f32 for an f32 model and the weights' type for a 16-bit one; prefill
+//! attention of 16-bit models runs on tensor cores (flash.cu).
 
 use std::sync::Arc;
 

@@ -232,6 +232,10 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
                 (t(&q, heads * head_dim), t(&k, kv_heads * head_dim), t(&v, kv_heads * head_dim));
             let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta);
             let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta);
+            // Prefill runs (more than one position of a sequence) take the tensor-core
+            // kernel whenever it applies; decode rows never do.
+            let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
+            assert_eq!(g.tensor_core_tiles() > 0, flash && prefill && matches!(head_dim, 64 | 128));
             close(
                 &format!(
                     "attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}, {act:?}"

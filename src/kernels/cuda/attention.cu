@@ -85,6 +85,20 @@ __device__ void paged_attention(const float* q, const T* kc, const T* vc, float*
 // writes its unnormalized partial output, running max and sum; paged_attention_reduce_f32
 // joins the partitions. Dynamic shared memory: group · part + CHUNK · head_dim floats.
 #define CHUNK 32
+
+// Copies cache rows c0..c0+cn of KV head kvh (through the block table) into `stage` as f32,
+// all threads of the block loading at once.
+template <typename T>
+__device__ __forceinline__ void stage_rows(float* stage, const T* cache, const unsigned int* table, int c0, int cn,
+                                           int kv_heads, int kvh, int head_dim, int block_size) {
+    int hd4 = head_dim / 4;
+    for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
+        int p = c0 + i / hd4;
+        size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
+        ((float4*)stage)[i] = ld4(cache + at + 4 * (i % hd4));
+    }
+}
+
 template <typename T, int MAX_GROUP, int MAX_DIM_PER_LANE>
 __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, float* part_out, float* part_max,
                                       float* part_sum, const unsigned int* rows, const unsigned int* positions,
@@ -102,7 +116,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
     int end = min(ctx, start + part);
     const unsigned int* table = tables + table_off[token_seq[t]];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int per_lane = head_dim / 32, hd4 = head_dim / 4;
+    int per_lane = head_dim / 32;
     // Register arrays are indexed only by unrolled constant loops (guarded by the runtime
     // sizes): a runtime index would put them in local memory.
     float qr[MAX_GROUP][MAX_DIM_PER_LANE];
@@ -116,11 +130,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
     for (int c0 = start; c0 < end; c0 += CHUNK) {
         int cn = min(CHUNK, end - c0);
         __syncthreads();
-        for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
-            int p = c0 + i / hd4;
-            size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-            ((float4*)stage)[i] = ld4(kc + at + 4 * (i % hd4));
-        }
+        stage_rows(stage, kc, table, c0, cn, kv_heads, kvh, head_dim, block_size);
         __syncthreads();
         for (int r = warp; r < cn; r += nw) {
             float kr[MAX_DIM_PER_LANE];
@@ -171,11 +181,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
     for (int c0 = start; c0 < end; c0 += CHUNK) {
         int cn = min(CHUNK, end - c0);
         __syncthreads();
-        for (int i = threadIdx.x; i < cn * hd4; i += blockDim.x) {
-            int p = c0 + i / hd4;
-            size_t at = (((size_t)table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-            ((float4*)stage)[i] = ld4(vc + at + 4 * (i % hd4));
-        }
+        stage_rows(stage, vc, table, c0, cn, kv_heads, kvh, head_dim, block_size);
         __syncthreads();
 #pragma unroll
         for (int di = 0; di < 2; di++) {

@@ -9,11 +9,19 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use super::{AttnShape, CacheShape, DType, DeviceError, LoraShape, RopeSpec, TpRank};
-use crate::models::attn::AttnMetadata;
+
+mod gemm;
+mod ops;
+mod pool;
+mod profile;
+mod step;
+
+use pool::{BufPool, PooledBuf};
+use step::StepBufs;
 
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 const COMMON: &str = include_str!("common.cuh");
@@ -58,18 +66,32 @@ fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
 }
 
-/// Every entry point: [`KERNELS`] and the split attention kernel's instantiations
-/// `paged_attention_split_g{G}_d{D}_{kv type}` (see [`ops::split_kernel`]).
+/// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'
+/// `split` order: group bound G, then dims-per-lane bound D.
+fn split_names(sfx: &str) -> impl Iterator<Item = String> + '_ {
+    [1, 2, 4, 8].into_iter().flat_map(move |g| {
+        [2, 4, 8].into_iter().map(move |d| format!("paged_attention_split_g{g}_d{d}_{sfx}"))
+    })
+}
+
+/// Every entry point: [`KERNELS`] and the split attention kernel's instantiations.
 fn kernel_names() -> Vec<String> {
     let mut names: Vec<String> = KERNELS.iter().map(|k| k.to_string()).collect();
     for sfx in ["f32", "bf16", "f16"] {
-        for g in [1, 2, 4, 8] {
-            for d in [2, 4, 8] {
-                names.push(format!("paged_attention_split_g{g}_d{d}_{sfx}"));
-            }
-        }
+        names.extend(split_names(sfx));
     }
     names
+}
+
+/// The attention kernels of one KV cache element type, looked up when a cache is made so
+/// that a step's launches find them without building names.
+struct KvKernels {
+    write_kv: CudaFunction,
+    attention: CudaFunction,
+    /// flash_prefill for head_dim 64 and 128.
+    flash: [CudaFunction; 2],
+    /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `ops::split_index`).
+    split: Vec<CudaFunction>,
 }
 
 /// `[rows, cols]` f32 on the device. Its buffer may be longer than `rows · cols` (pooled
@@ -93,66 +115,6 @@ impl CudaTensor {
     /// The tensor's `rows · cols` values.
     pub fn view(&self) -> cudarc::driver::CudaView<'_, f32> {
         self.buf.slice(0..self.rows * self.cols)
-    }
-}
-
-/// Activation buffers no longer in use, by power-of-two length, for the next tensors of
-/// that size: in steady state a step allocates no device memory. At most `POOL_LIMIT`
-/// bytes wait here; beyond that a buffer is freed.
-#[derive(Default)]
-pub struct BufPool {
-    /// Bytes waiting, and the buffers by length.
-    free: std::sync::Mutex<(usize, FreeLists)>,
-}
-
-type FreeLists = std::collections::HashMap<usize, Vec<CudaSlice<f32>>>;
-
-const POOL_LIMIT: usize = 4 << 30;
-
-impl BufPool {
-    fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
-        let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let buf = g.1.get_mut(&len)?.pop()?;
-        g.0 -= len * 4;
-        Some(buf)
-    }
-    fn put(&self, buf: CudaSlice<f32>) {
-        let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let bytes = buf.len() * 4;
-        if g.0 + bytes <= POOL_LIMIT {
-            g.0 += bytes;
-            g.1.entry(buf.len()).or_default().push(buf);
-        }
-    }
-}
-
-/// A device buffer that goes back to its pool when dropped.
-pub struct PooledBuf {
-    slice: std::mem::ManuallyDrop<CudaSlice<f32>>,
-    pool: Option<Arc<BufPool>>,
-}
-
-impl std::ops::Deref for PooledBuf {
-    type Target = CudaSlice<f32>;
-    fn deref(&self) -> &CudaSlice<f32> {
-        &self.slice
-    }
-}
-
-impl std::ops::DerefMut for PooledBuf {
-    fn deref_mut(&mut self) -> &mut CudaSlice<f32> {
-        &mut self.slice
-    }
-}
-
-impl Drop for PooledBuf {
-    fn drop(&mut self) {
-        // SAFETY: the slice is taken once, here, and never touched again.
-        let slice = unsafe { std::mem::ManuallyDrop::take(&mut self.slice) };
-        if let Some(pool) = &self.pool {
-            // Stream order makes reuse safe: later kernels run after earlier readers.
-            pool.put(slice);
-        }
     }
 }
 
@@ -184,8 +146,8 @@ pub struct CudaCache {
     pub shape: CacheShape,
     k: KvBuf,
     v: KvBuf,
-    /// The element type's kernel suffix: "f32", "bf16" or "f16".
-    suffix: &'static str,
+    /// The attention kernels for the cache's element type.
+    kernels: KvKernels,
 }
 
 enum KvBuf {
@@ -217,6 +179,8 @@ pub struct CudaDevice {
     blas: CudaBlas,
     funcs: std::collections::HashMap<String, CudaFunction>,
     arch: String,
+    /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
+    sm80: bool,
     /// This step's attention metadata on the device, uploaded once for all layers.
     step: std::cell::RefCell<Option<StepBufs>>,
     /// The rotary inverse frequencies, uploaded on first use.
@@ -240,25 +204,6 @@ pub struct CudaDevice {
     act16: std::cell::Cell<i32>,
     /// Prefill attention on tensor cores: by default for 16-bit models on sm_80 and later.
     tensor_core_attention: std::cell::Cell<Option<bool>>,
-}
-
-/// Attention metadata of one step on the device, with the host copy it came from.
-struct StepBufs {
-    host: AttnMetadata,
-    /// Whether `rows` and `tiles` split the rows between flash_prefill and the others.
-    flash: bool,
-    /// Query rows for the split (or one-block-per-head) kernel, and how many.
-    rows: CudaSlice<u32>,
-    num_rows: usize,
-    /// (first row, rows) of each flash_prefill tile, and how many tiles.
-    tiles: CudaSlice<u32>,
-    num_tiles: usize,
-    positions: CudaSlice<u32>,
-    slots: CudaSlice<i64>,
-    token_seq: CudaSlice<u32>,
-    tables: CudaSlice<u32>,
-    table_offsets: CudaSlice<u32>,
-    ctx_max: usize,
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -338,6 +283,7 @@ impl CudaDevice {
             stream,
             blas,
             funcs,
+            sm80: major >= 8,
             arch,
             step: std::cell::RefCell::new(None),
             inv_freq: std::cell::RefCell::new(None),
@@ -381,72 +327,17 @@ impl CudaDevice {
         Ok(ptx)
     }
 
-    /// Uploads `meta` unless the cached step buffers already hold it (every layer of a
-    /// forward passes the same metadata: one upload per step).
-    fn step_bufs(&self, meta: &AttnMetadata, flash: bool) {
-        let fresh = self.step.borrow().as_ref().is_some_and(|b| {
-            b.flash == flash
-                && b.host.positions == meta.positions
-                && b.host.slot_mapping == meta.slot_mapping
-                && b.host.token_seq == meta.token_seq
-                && b.host.block_tables == meta.block_tables
-        });
-        if fresh {
-            return;
-        }
-        let mut flat = Vec::new();
-        let mut offs = Vec::with_capacity(meta.block_tables.len());
-        for t in &meta.block_tables {
-            offs.push(flat.len() as u32);
-            flat.extend_from_slice(t);
-        }
-        let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
-        let (rows, tiles) = split_rows(meta, flash);
-        // Last step's buffers take this step's metadata when it fits.
-        let old = self.step.borrow_mut().take();
-        let (
-            mut positions,
-            mut slot_buf,
-            mut token_seq,
-            mut tables,
-            mut table_offsets,
-            mut rows_buf,
-            mut tiles_buf,
-        ) = match old {
-            Some(b) => (
-                Some(b.positions),
-                Some(b.slots),
-                Some(b.token_seq),
-                Some(b.tables),
-                Some(b.table_offsets),
-                Some(b.rows),
-                Some(b.tiles),
-            ),
-            None => (None, None, None, None, None, None, None),
-        };
-        let bufs = StepBufs {
-            flash,
-            rows: self.refill(rows_buf.take(), &rows),
-            num_rows: rows.len(),
-            tiles: self.refill(tiles_buf.take(), &tiles),
-            num_tiles: tiles.len() / 2,
-            positions: self.refill(positions.take(), &meta.positions),
-            slots: self.refill(slot_buf.take(), &slots),
-            token_seq: self.refill(token_seq.take(), &meta.token_seq),
-            tables: self.refill(tables.take(), &flat),
-            table_offsets: self.refill(table_offsets.take(), &offs),
-            ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
-            host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
-        };
-        *self.step.borrow_mut() = Some(bufs);
-    }
-
     /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as
     /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
     fn flash_for(&self, s: AttnShape) -> bool {
         let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
-        let sm80 = self.arch.trim_start_matches("sm_").parse::<u32>().is_ok_and(|a| a >= 80);
-        on && sm80 && matches!(s.head_dim, 64 | 128)
+        on && self.sm80 && matches!(s.head_dim, 64 | 128)
+    }
+
+    /// How many flash_prefill tiles the current step's attention launched (tests check that
+    /// a prefill took the tensor-core path).
+    pub fn tensor_core_tiles(&self) -> usize {
+        self.step.borrow().as_ref().map_or(0, |b| b.num_tiles)
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
@@ -461,15 +352,6 @@ impl CudaDevice {
             0 => (None, 0),
             kind => (Some(Half { buf: self.tensor((rows * cols).div_ceil(2), 1).buf, kind }), kind),
         }
-    }
-
-    fn rope_positions(&self, positions: &[u32]) {
-        if self.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
-            return;
-        }
-        let old = self.rope_positions.borrow_mut().take().map(|(_, d)| d);
-        let dev = self.refill(old, positions);
-        *self.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
     }
 
     fn inv_freq(&self, rope: &RopeSpec) {
@@ -529,14 +411,22 @@ impl CudaDevice {
         &self.funcs[name]
     }
 
-    /// The KV cache's element type for caches allocated now: the 16-bit type of the
-    /// weights, else f32.
-    fn kv_suffix(&self) -> &'static str {
-        match self.act16.get() {
+    /// The KV cache's element type for caches allocated now (the 16-bit type of the
+    /// weights, else f32) as its kernels' suffix, with those kernels.
+    fn kv_kernels(&self) -> (&'static str, KvKernels) {
+        let sfx = match self.act16.get() {
             1 => "bf16",
             2 => "f16",
             _ => "f32",
-        }
+        };
+        let f = |name: String| self.f(&name).clone();
+        let kernels = KvKernels {
+            write_kv: f(format!("write_kv_{sfx}")),
+            attention: f(format!("paged_attention_{sfx}")),
+            flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
+            split: split_names(sfx).map(f).collect(),
+        };
+        (sfx, kernels)
     }
 
     /// Rounds activations feeding GEMMs (and KV caches allocated after this) to `dtype`, as
@@ -559,36 +449,6 @@ impl CudaDevice {
         });
         let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(self.pool.clone()) };
         CudaTensor { buf, rows, cols, half: None }
-    }
-
-    /// Copies `v` into `buf` when it fits, else into a new buffer of the next power-of-two
-    /// length: per-step inputs reuse the device buffers of earlier steps. Stream order
-    /// keeps the copy behind the kernels still reading the old contents.
-    fn refill<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        buf: Option<CudaSlice<T>>,
-        v: &[T],
-    ) -> CudaSlice<T> {
-        let need = v.len().max(1);
-        let mut buf = match buf {
-            Some(b) if b.len() >= need => b,
-            _ => self.stream.alloc_zeros::<T>(need.next_power_of_two()).expect("device allocation"),
-        };
-        if !v.is_empty() {
-            self.stream.memcpy_htod(v, &mut buf.slice_mut(0..v.len())).expect("host to device copy");
-        }
-        buf
-    }
-
-    /// Uploads a per-step index list into the named staging buffer (see [`Self::refill`]);
-    /// hand it back with [`Self::restage`] once the launches that read it are issued.
-    fn stage(&self, name: &'static str, v: &[u32]) -> CudaSlice<u32> {
-        let old = self.staging.borrow_mut().remove(name);
-        self.refill(old, v)
-    }
-
-    fn restage(&self, name: &'static str, buf: CudaSlice<u32>) {
-        self.staging.borrow_mut().insert(name, buf);
     }
 
     /// Uploads 16-bit elements, straight from `bytes` when they are 2-byte aligned (the
@@ -618,27 +478,6 @@ impl CudaDevice {
     fn rows(rows: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
-
-    /// `out = x @ wᵀ` via cuBLAS (column-major: outᵀ[n, m] = w[n, k] · xᵀ[k, m]).
-    fn gemm(&self, x: &CudaTensor, w: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<f32>) {
-        let (m, k) = (x.rows as i32, x.cols as i32);
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m,
-            k,
-            alpha: 1.0f32,
-            lda: k,
-            ldb: k,
-            beta: 0.0f32,
-            ldc: n as i32,
-        };
-        let _t = self.span("gemm_f32", (n, k as usize), m as usize);
-        // SAFETY: w is [n, k] row-major (= k×n column-major, transposed to n×k), x is
-        // [m, k] row-major (= k×m column-major), out holds m·n floats.
-        unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.expect("cuBLAS sgemm");
-    }
 }
 
 /// Pushes a weight buffer of any dtype as a kernel argument.
@@ -653,90 +492,6 @@ impl<T> WeightArg for CudaSlice<T> {
 }
 
 impl CudaDevice {
-    /// `out = x @ wᵀ` for 16-bit weights: x is rounded to the weight's type, cuBLAS
-    /// accumulates in f32 and writes f32.
-    fn gemm_16(&self, x: &CudaTensor, w: &CudaSlice<u16>, n: usize, out: &mut CudaSlice<f32>, f16: bool) {
-        use cudarc::cublas::sys::cudaDataType;
-        use cudarc::driver::DevicePtr;
-        let (m, k) = (x.rows, x.cols);
-        let ty = if f16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
-        if let Some(h) = x.half.as_ref().filter(|h| h.kind == if f16 { 2 } else { 1 }) {
-            let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
-            let (xp, _x) = h.buf.device_ptr(&self.stream);
-            self.gemm_16_raw(w, xp, ty, n, m, k, out);
-            return;
-        }
-        let total = (m * k) as i64;
-        let mut scratch = self.scratch16.borrow_mut();
-        if scratch.as_ref().is_none_or(|b| b.len() < m * k) {
-            // SAFETY: the conversion below writes the m·k values the GEMM reads.
-            *scratch = Some(
-                unsafe { self.stream.alloc::<u16>((m * k).next_power_of_two()) }.expect("device allocation"),
-            );
-        }
-        let xh = scratch.as_mut().expect("allocated above");
-        let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
-        let t = self.span(conv, (0, 0), m);
-        // SAFETY: x holds m·k floats and xh m·k 16-bit values.
-        unsafe {
-            self.stream
-                .launch_builder(self.f(conv))
-                .arg(&*x.buf)
-                .arg(&mut *xh)
-                .arg(&total)
-                .launch(Self::grid(total as usize))
-        }
-        .expect("conversion launch");
-        drop(t);
-        let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
-        let (xp, _x) = xh.device_ptr(&self.stream);
-        self.gemm_16_raw(w, xp, ty, n, m, k, out);
-    }
-
-    /// `out = x @ wᵀ` with x `[m, k]` of 16-bit type `ty` at device address `xp`.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_16_raw(
-        &self,
-        w: &CudaSlice<u16>,
-        xp: cudarc::driver::sys::CUdeviceptr,
-        ty: cudarc::cublas::sys::cudaDataType,
-        n: usize,
-        m: usize,
-        k: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (wp, _w) = w.device_ptr(&self.stream);
-        let (op, _o) = out.device_ptr_mut(&self.stream);
-        // SAFETY: as in `gemm`: w is [n, k], xh [m, k], out [m, n]; pointers live for the call.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
-                (&alpha as *const f32).cast(),
-                wp as *const _,
-                ty,
-                k as i32,
-                xp as *const _,
-                ty,
-                k as i32,
-                (&beta as *const f32).cast(),
-                op as *mut _,
-                cudaDataType::CUDA_R_32F,
-                n as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .expect("cuBLAS GemmEx");
-    }
-
     /// Device-to-device copy bandwidth in bytes/s (the bound for weight-streaming decode).
     pub fn copy_bandwidth(&self) -> f64 {
         let n = 256usize << 20; // 1 GiB of f32
@@ -751,66 +506,5 @@ impl CudaDevice {
         self.stream.synchronize().expect("sync");
         // A copy reads and writes every byte.
         (5 * 2 * n * 4) as f64 / start.elapsed().as_secs_f64()
-    }
-}
-
-mod ops;
-mod profile;
-
-/// Splits a step's query rows between the attention kernels: with `flash`, runs of two or
-/// more rows of one sequence at consecutive positions (prefill chunks) become flash_prefill
-/// tiles of up to 64 rows, `[first row, rows]` pairs; every other row (decodes) goes to the
-/// split kernel's row list.
-fn split_rows(meta: &AttnMetadata, flash: bool) -> (Vec<u32>, Vec<u32>) {
-    const TILE: usize = 64;
-    let n = meta.positions.len();
-    if !flash {
-        return ((0..n as u32).collect(), Vec::new());
-    }
-    let (mut rows, mut tiles) = (Vec::new(), Vec::new());
-    let mut i = 0;
-    while i < n {
-        let mut j = i + 1;
-        while j < n
-            && meta.token_seq[j] == meta.token_seq[i]
-            && meta.positions[j] == meta.positions[j - 1] + 1
-        {
-            j += 1;
-        }
-        if j - i >= 2 {
-            for start in (i..j).step_by(TILE) {
-                tiles.extend([start as u32, (j - start).min(TILE) as u32]);
-            }
-        } else {
-            rows.push(i as u32);
-        }
-        i = j;
-    }
-    (rows, tiles)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefill_runs_become_tiles_and_decodes_stay_rows() {
-        // Sequence 0 decodes one token; sequence 1 prefills 130; sequence 2 decodes one.
-        let mut meta = AttnMetadata::default();
-        let mut push = |seq: u32, pos: std::ops::Range<u32>| {
-            for p in pos {
-                meta.token_seq.push(seq);
-                meta.positions.push(p);
-            }
-        };
-        push(0, 17..18);
-        push(1, 5..135);
-        push(2, 40..41);
-        let (rows, tiles) = split_rows(&meta, true);
-        assert_eq!(rows, vec![0, 131]);
-        assert_eq!(tiles, vec![1, 64, 65, 64, 129, 2]);
-        let (rows, tiles) = split_rows(&meta, false);
-        assert_eq!(rows, (0..132).collect::<Vec<u32>>());
-        assert!(tiles.is_empty());
     }
 }

@@ -99,18 +99,18 @@ impl Device for CudaDevice {
 
     fn alloc_cache(&self, shape: CacheShape) -> Result<CudaCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
-        let suffix = self.kv_suffix();
+        let (sfx, kernels) = self.kv_kernels();
         let buf = || -> Result<KvBuf, DeviceError> {
-            Ok(match suffix {
+            Ok(match sfx {
                 "f32" => KvBuf::F32(self.stream.alloc_zeros(n).map_err(err)?),
                 _ => KvBuf::Half(self.stream.alloc_zeros(n).map_err(err)?),
             })
         };
-        Ok(CudaCache { shape, k: buf()?, v: buf()?, suffix })
+        Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels })
     }
 
     fn kv_cache_elem_bytes(&self) -> usize {
-        if self.kv_suffix() == "f32" { 4 } else { 2 }
+        if self.act16.get() == 0 { 4 } else { 2 }
     }
 
     fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
@@ -282,9 +282,9 @@ impl Device for CudaDevice {
         let guard = self.step.borrow();
         let b = guard.as_ref().expect("uploaded above");
         let t = self.span("write_kv", (0, 0), k.rows);
-        let sfx = cache.suffix;
+        let kk = &cache.kernels;
         let (kc, vc) = (cache.k.arg(), cache.v.arg());
-        let mut launch = self.stream.launch_builder(self.f(&format!("write_kv_{sfx}")));
+        let mut launch = self.stream.launch_builder(&kk.write_kv);
         launch.arg(&*k.buf).arg(&*v.buf);
         kc.push(&mut launch);
         vc.push(&mut launch);
@@ -303,8 +303,7 @@ impl Device for CudaDevice {
         };
         if b.num_tiles > 0 {
             let _t = self.span("flash_prefill", (0, 0), q.rows - b.num_rows);
-            let mut launch =
-                self.stream.launch_builder(self.f(&format!("flash_prefill_h{}_{sfx}", s.head_dim)));
+            let mut launch = self.stream.launch_builder(&kk.flash[usize::from(s.head_dim == 128)]);
             launch.arg(&*q.buf);
             kc.push(&mut launch);
             vc.push(&mut launch);
@@ -339,7 +338,7 @@ impl Device for CudaDevice {
             };
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             let t = self.span("attention_split", (0, 0), b.num_rows);
-            let mut launch = self.stream.launch_builder(self.f(&split_kernel(s, sfx)));
+            let mut launch = self.stream.launch_builder(&kk.split[split_index(s)]);
             launch.arg(&*q.buf);
             kc.push(&mut launch);
             vc.push(&mut launch);
@@ -378,7 +377,7 @@ impl Device for CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: (b.ctx_max * 4) as u32,
         };
-        let mut launch = self.stream.launch_builder(self.f(&format!("paged_attention_{sfx}")));
+        let mut launch = self.stream.launch_builder(&kk.attention);
         launch.arg(&*q.buf);
         kc.push(&mut launch);
         vc.push(&mut launch);
@@ -541,12 +540,13 @@ fn push_half<'a>(
     launch.arg(kind);
 }
 
-/// The split kernel's instantiation for a shape: the smallest group bound G and dims-per-lane
-/// bound D that hold it (split_partition has checked group ≤ 8 and head_dim ≤ 256).
-pub(super) fn split_kernel(s: AttnShape, kv: &str) -> String {
+/// The split kernel's instantiation for a shape, as an index into `KvKernels::split`: the
+/// smallest group bound G (1, 2, 4, 8) and dims-per-lane bound D (2, 4, 8) that hold it
+/// (split_partition has checked group ≤ 8 and head_dim ≤ 256).
+pub(super) fn split_index(s: AttnShape) -> usize {
     let g = (s.num_heads / s.num_kv_heads).next_power_of_two();
     let d = (s.head_dim / 32).next_power_of_two().max(2);
-    format!("paged_attention_split_g{g}_d{d}_{kv}")
+    g.trailing_zeros() as usize * 3 + d.trailing_zeros() as usize - 1
 }
 
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
@@ -574,4 +574,29 @@ fn split_partition(rows: usize, s: AttnShape, ctx_max: usize) -> Option<usize> {
     // Scores of the partition and a chunk of K or V rows live in shared memory (48 KiB
     // without opting in).
     ((group * part + SPLIT_CHUNK * s.head_dim) * 4 <= 48 << 10).then_some(part)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_shape_gets_the_smallest_split_instantiation_that_holds_it() {
+        let shape = |heads, kv_heads, head_dim| AttnShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale: 1.0,
+        };
+        let names: Vec<String> = super::super::split_names("bf16").collect();
+        for (s, want) in [
+            (shape(32, 8, 128), "g4_d4"),
+            (shape(14, 2, 64), "g8_d2"),
+            (shape(4, 4, 32), "g1_d2"),
+            (shape(16, 8, 256), "g2_d8"),
+            (shape(9, 3, 96), "g4_d4"),
+        ] {
+            assert_eq!(names[split_index(s)], format!("paged_attention_split_{want}_bf16"));
+        }
+    }
 }

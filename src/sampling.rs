@@ -1,9 +1,19 @@
-//! Token sampling on the host from one row of logits, in vLLM's order: logprobs of the raw
-//! logits, penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw.
+//! Token sampling from one row of logits, in vLLM's order: logprobs of the raw logits,
+//! min_tokens masking, penalties, then greedy argmax or temperature → top-k → top-p →
+//! min-p → a draw. The same rules run on the GPU (src/kernels/cuda/sampling.cu), and both
+//! pick the same token, so they are written so that a row needs no sort:
+//! - top-k and top-p cut at a logit *value*: top-k keeps the logits at or above the k-th
+//!   largest; top-p then keeps those at or above the largest value v such that the tokens
+//!   at or above v hold at least top_p of the remaining probability. Tokens tied at a cut
+//!   stay together;
+//! - min-p keeps the tokens whose probability is at least min_p times the largest;
+//! - the draw is an exponential race (Gumbel-max): kept token i scores
+//!   `(l_i − max)/T − ln(−ln u_i)` and the highest score wins, which picks i with
+//!   probability softmax(l/T) over the kept tokens.
 //!
-//! Draws are counter-based: the uniform number for a token is a hash of (seed, choice index,
-//! output position). The same seed therefore gives the same output whatever else is in the
-//! batch, and a sequence preempted and recomputed continues exactly where it was.
+//! `u_i` is a hash of (seed, choice index, output position, i): the same seed gives the same
+//! output whatever else is in the batch, and a sequence preempted and recomputed continues
+//! exactly where it was.
 
 use crate::request::{SamplingParams, TokenLogprobs};
 
@@ -21,12 +31,12 @@ pub struct SampleInput<'a> {
 }
 
 impl SampleInput<'_> {
-    /// Whether the token is the plain argmax of the logits: greedy, without penalties,
-    /// logprobs or min_tokens masking (what the device samples by itself).
-    pub fn plain_greedy(&self) -> bool {
-        let p = self.params;
-        let masking = self.tokens.len() - self.prompt_len < p.min_tokens;
-        p.greedy() && p.logprobs.is_none() && !p.uses_penalties() && !masking
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn masks_eos(&self) -> bool {
+        self.generated() < self.params.min_tokens
     }
 }
 
@@ -37,10 +47,21 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The hash of (seed, choice, position) that a row's per-token noise derives from.
+pub fn noise_base(seed: u64, index: usize, position: usize) -> u64 {
+    splitmix64(splitmix64(seed ^ splitmix64(index as u64)) ^ position as u64)
+}
+
 /// Uniform in [0, 1) for (seed, choice, position).
 pub fn uniform(seed: u64, index: usize, position: usize) -> f64 {
-    let h = splitmix64(splitmix64(seed ^ splitmix64(index as u64)) ^ position as u64);
-    (h >> 11) as f64 / (1u64 << 53) as f64
+    (noise_base(seed, index, position) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// `−ln(−ln u)` for token `i` of a row with noise `base`, u uniform in (0, 1): Gumbel noise.
+fn gumbel(base: u64, i: u32) -> f64 {
+    let h = splitmix64(base ^ i as u64);
+    let u = ((h >> 12) as f64 + 0.5) * (1.0 / (1u64 << 52) as f64);
+    -(-u.ln()).ln()
 }
 
 /// The `k` most likely tokens with their logprobs, most likely first.
@@ -75,50 +96,66 @@ pub fn argmax(x: &[f32]) -> u32 {
     best as u32
 }
 
-fn apply_penalties(logits: &mut [f32], inp: &SampleInput) {
+/// What the masking and penalty rules do to one token.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct TokenRule {
+    /// An end token while fewer than `min_tokens` are generated: never sampled.
+    masked: bool,
+    /// In the prompt or the output: the repetition penalty applies.
+    seen: bool,
+    /// Times in the output (presence and frequency penalties).
+    count: u32,
+}
+
+/// The distinct tokens (below `vocab`) the masking and penalty rules touch, by id.
+fn token_rules(inp: &SampleInput, vocab: usize) -> Vec<(u32, TokenRule)> {
     let p = inp.params;
+    let mut rules = std::collections::BTreeMap::<u32, TokenRule>::new();
+    let mut each = |tokens: &[u32], f: &dyn Fn(&mut TokenRule)| {
+        for &t in tokens.iter().filter(|&&t| (t as usize) < vocab) {
+            f(rules.entry(t).or_default());
+        }
+    };
+    if inp.masks_eos() {
+        each(inp.eos_ids, &|r| r.masked = true);
+        each(&p.stop_token_ids, &|r| r.masked = true);
+    }
     if p.repetition_penalty != 1.0 {
-        // HF / vLLM: over prompt and output; divide positive logits, multiply negative ones.
-        let mut seen = vec![false; logits.len()];
-        for &t in inp.tokens {
-            if let Some(s) = seen.get_mut(t as usize) {
-                *s = true;
-            }
-        }
-        for (l, s) in logits.iter_mut().zip(seen) {
-            if s {
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
-            }
-        }
+        // HF / vLLM: over prompt and output.
+        each(inp.tokens, &|r| r.seen = true);
     }
     if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        // OpenAI semantics over the generated tokens only.
-        let mut counts = std::collections::HashMap::<u32, f32>::new();
-        for &t in &inp.tokens[inp.prompt_len..] {
-            *counts.entry(t).or_default() += 1.0;
-        }
-        for (t, c) in counts {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l -= p.frequency_penalty * c + p.presence_penalty;
-            }
-        }
+        // OpenAI semantics: over the generated tokens only.
+        each(&inp.tokens[inp.prompt_len..], &|r| r.count += 1);
     }
+    rules.into_iter().collect()
+}
+
+/// A logit after the rules: repetition penalty (divide positive logits, multiply negative
+/// ones), presence and frequency penalties, masking.
+fn apply_rule(l: f32, rule: TokenRule, p: &SamplingParams) -> f32 {
+    let mut l = l;
+    if rule.seen {
+        l = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
+    }
+    if rule.count > 0 {
+        l -= p.frequency_penalty * rule.count as f32 + p.presence_penalty;
+    }
+    if rule.masked { f32::NEG_INFINITY } else { l }
 }
 
 /// Samples one token from `logits` (modified in place).
 pub fn sample(logits: &mut [f32], inp: &SampleInput) -> (u32, Option<TokenLogprobs>) {
     let p = inp.params;
     let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
-    let generated = inp.tokens.len() - inp.prompt_len;
-    if generated < p.min_tokens {
-        for &t in inp.eos_ids.iter().chain(&p.stop_token_ids) {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
+    for (t, rule) in token_rules(inp, logits.len()) {
+        logits[t as usize] = apply_rule(logits[t as usize], rule, p);
     }
-    apply_penalties(logits, inp);
-    let token = if p.greedy() { argmax(logits) } else { draw(logits, inp, generated) };
+    let token = if p.greedy() {
+        argmax(logits)
+    } else {
+        draw(logits, p, noise_base(inp.seed, inp.index, inp.generated()))
+    };
     let logprobs = raw_logprobs.map(|lp| TokenLogprobs {
         token_id: token,
         logprob: lp[token as usize],
@@ -127,51 +164,135 @@ pub fn sample(logits: &mut [f32], inp: &SampleInput) -> (u32, Option<TokenLogpro
     (token, logprobs)
 }
 
-fn draw(logits: &[f32], inp: &SampleInput, position: usize) -> u32 {
-    let p = inp.params;
-    let t = p.temperature;
-    // Candidates sorted by logit, most likely first (ties by id for determinism).
-    let mut cand: Vec<u32> =
-        (0..logits.len() as u32).filter(|&i| logits[i as usize] > f32::NEG_INFINITY).collect();
-    if cand.is_empty() {
-        return argmax(logits);
+/// The lowest logit kept by top-k and top-p (`f32::MIN`, keeping every finite logit, when
+/// neither cuts).
+fn cut(logits: &[f32], p: &SamplingParams, key: impl Fn(f32) -> f32) -> f32 {
+    let mut floor = f32::MIN;
+    if p.top_k <= 0 && p.top_p >= 1.0 {
+        return floor;
     }
-    let cmp = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let k = if p.top_k > 0 { (p.top_k as usize).min(cand.len()) } else { cand.len() };
-    if k < cand.len() {
-        cand.select_nth_unstable_by(k - 1, cmp);
-        cand.truncate(k);
+    let mut kept: Vec<f32> = logits.iter().copied().filter(|&l| l > f32::NEG_INFINITY).collect();
+    if p.top_k > 0 && (p.top_k as usize) < kept.len() {
+        let k = p.top_k as usize;
+        kept.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        floor = kept[k - 1];
+        kept.retain(|&l| l >= floor);
     }
-    cand.sort_by(cmp);
-    let max = logits[cand[0] as usize] / t;
-    let mut probs: Vec<f64> = cand.iter().map(|&i| ((logits[i as usize] / t - max) as f64).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= total);
-    let mut keep = probs.len();
     if p.top_p < 1.0 {
+        kept.sort_unstable_by(|a, b| b.total_cmp(a));
+        let mass: f64 = kept.iter().map(|&l| key(l).exp() as f64).sum();
+        let target = p.top_p as f64 * mass;
         let mut cum = 0.0;
-        for (i, &q) in probs.iter().enumerate() {
-            cum += q;
-            if cum >= p.top_p as f64 {
-                keep = i + 1;
+        for (i, &l) in kept.iter().enumerate() {
+            cum += key(l).exp() as f64;
+            // Only at the end of a run of equal values: ties stay together.
+            if cum >= target && kept.get(i + 1).is_none_or(|&next| next < l) {
+                floor = floor.max(l);
                 break;
             }
         }
     }
-    if p.min_p > 0.0 {
-        let floor = probs[0] * p.min_p as f64;
-        keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
+    floor
+}
+
+fn draw(logits: &[f32], p: &SamplingParams, base: u64) -> u32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return 0;
     }
-    let mass: f64 = probs[..keep].iter().sum();
-    let u = uniform(inp.seed, inp.index, position) * mass;
-    let mut cum = 0.0;
-    for (i, &q) in probs[..keep].iter().enumerate() {
-        cum += q;
-        if u < cum {
-            return cand[i];
+    let t = p.temperature;
+    let key = |l: f32| (l - max) / t;
+    let floor = cut(logits, p, key);
+    let mut best = (f64::NEG_INFINITY, 0);
+    for (i, &l) in logits.iter().enumerate() {
+        if l == f32::NEG_INFINITY || l < floor {
+            continue;
+        }
+        let k = key(l);
+        if p.min_p > 0.0 && k.exp() < p.min_p {
+            continue;
+        }
+        let score = k as f64 + gumbel(base, i as u32);
+        if score > best.0 {
+            best = (score, i as u32);
         }
     }
-    cand[keep - 1]
+    best.1
+}
+
+/// Words per row of a device sampler's parameters (the layout sampling.cu reads).
+pub const PARAM_WORDS: usize = 12;
+/// Words per entry of a device sampler's token rules (the third is written by the device).
+pub const ENTRY_WORDS: usize = 3;
+/// Words per row of a device sampler's logprob output: the chosen token's logprob, then
+/// up to [`crate::request::MAX_LOGPROBS`] (id, logprob) pairs.
+pub const LOGPROB_WORDS: usize = 1 + 2 * crate::request::MAX_LOGPROBS;
+
+/// A step's sampling rows encoded for a device sampler (see sampling.cu for the layout).
+#[derive(Debug, Default)]
+pub struct DeviceRows {
+    pub params: Vec<u32>,
+    pub entries: Vec<u32>,
+    /// Whether any row asked for logprobs (only then do they come back).
+    pub logprobs: bool,
+}
+
+impl DeviceRows {
+    pub fn encode(inputs: &[SampleInput], vocab: usize) -> Self {
+        let mut rows = DeviceRows::default();
+        for inp in inputs {
+            let p = inp.params;
+            let first = rows.entries.len() / ENTRY_WORDS;
+            for (t, r) in token_rules(inp, vocab) {
+                let info = (r.masked as u32) << 31 | (r.seen as u32) << 30 | r.count.min(0x3fff_ffff);
+                rows.entries.extend([t, info, 0]);
+            }
+            let base = noise_base(inp.seed, inp.index, inp.generated());
+            let n_logprobs = p.logprobs.map_or(-1, |n| n.min(crate::request::MAX_LOGPROBS) as i32);
+            rows.logprobs |= n_logprobs >= 0;
+            let temperature = if p.greedy() { 0.0 } else { p.temperature };
+            rows.params.extend([
+                temperature.to_bits(),
+                p.top_p.to_bits(),
+                p.min_p.to_bits(),
+                p.top_k.max(0) as u32,
+                p.repetition_penalty.to_bits(),
+                p.presence_penalty.to_bits(),
+                p.frequency_penalty.to_bits(),
+                n_logprobs as u32,
+                first as u32,
+                (rows.entries.len() / ENTRY_WORDS - first) as u32,
+                base as u32,
+                (base >> 32) as u32,
+            ]);
+        }
+        rows
+    }
+
+    /// The sampled tokens, with their logprobs where asked, from the device's output words
+    /// (`logprob_words` empty when no row asked).
+    pub fn decode(
+        inputs: &[SampleInput],
+        tokens: &[u32],
+        logprob_words: &[u32],
+        vocab: usize,
+    ) -> Vec<(u32, Option<TokenLogprobs>)> {
+        let f = f32::from_bits;
+        inputs
+            .iter()
+            .zip(tokens)
+            .enumerate()
+            .map(|(i, (inp, &token))| {
+                let logprobs = inp.params.logprobs.map(|n| {
+                    let w = &logprob_words[i * LOGPROB_WORDS..(i + 1) * LOGPROB_WORDS];
+                    let n = n.min(crate::request::MAX_LOGPROBS).min(vocab);
+                    let top = (0..n).map(|j| (w[1 + 2 * j], f(w[2 + 2 * j]))).collect();
+                    TokenLogprobs { token_id: token, logprob: f(w[0]), top }
+                });
+                (token, logprobs)
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -222,13 +343,54 @@ mod tests {
         assert!((0..200u64).all(|s| sample(&mut logits.clone(), &input(&params, &[2], s)).0 == 1));
     }
 
+    fn penalize(logits: &mut [f32], inp: &SampleInput) {
+        for (t, rule) in token_rules(inp, logits.len()) {
+            logits[t as usize] = apply_rule(logits[t as usize], rule, inp.params);
+        }
+    }
+
+    /// How often each token is drawn from `logits` over `n` seeds.
+    fn frequencies(params: &SamplingParams, logits: &[f32], n: u64) -> Vec<f64> {
+        let mut counts = vec![0.0; logits.len()];
+        for s in 0..n {
+            counts[sample(&mut logits.to_vec(), &input(params, &[2], s)).0 as usize] += 1.0 / n as f64;
+        }
+        counts
+    }
+
+    #[test]
+    fn cuts_keep_ties_together_and_renormalize() {
+        // p ∝ [4, 2, 2, 1, 1]: top_k 2 keeps the tie at the cut, so tokens 0, 1, 2 stay
+        // with p = [0.5, 0.25, 0.25].
+        let logits: Vec<f32> = [4.0f32, 2.0, 2.0, 1.0, 1.0].iter().map(|x| x.ln()).collect();
+        let params = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
+        let f = frequencies(&params, &logits, 6000);
+        for (got, want) in f.iter().zip([0.5, 0.25, 0.25, 0.0, 0.0]) {
+            assert!((got - want).abs() < 0.03, "top_k {f:?}");
+        }
+        // top_p 0.6: token 0 holds 0.4, {0, 1, 2} hold 0.8 ≥ 0.6, so the two tied tokens
+        // stay and tokens 3, 4 go.
+        let params = SamplingParams { temperature: 1.0, top_p: 0.6, ..Default::default() };
+        let f = frequencies(&params, &logits, 6000);
+        assert_eq!((f[3], f[4]), (0.0, 0.0), "top_p {f:?}");
+        assert!((f[0] - 0.5).abs() < 0.03, "top_p {f:?}");
+        // min_p 0.3: tokens below 0.3 × p_max (p ∝ 1 against 4) go.
+        let params = SamplingParams { temperature: 1.0, min_p: 0.3, ..Default::default() };
+        let f = frequencies(&params, &logits, 6000);
+        assert_eq!((f[3], f[4]), (0.0, 0.0), "min_p {f:?}");
+        // Temperature 0.5 squares the odds: p ∝ [16, 4, 4, 1, 1].
+        let params = SamplingParams { temperature: 0.5, ..Default::default() };
+        let f = frequencies(&params, &logits, 8000);
+        assert!((f[0] - 16.0 / 26.0).abs() < 0.03, "temperature {f:?}");
+    }
+
     #[test]
     fn penalties_follow_hf_and_openai_rules() {
         let params = SamplingParams { temperature: 0.0, repetition_penalty: 2.0, ..Default::default() };
         let mut logits = vec![4.0, 3.0, -1.0];
         let inp =
             SampleInput { params: &params, seed: 0, index: 0, tokens: &[0, 2], prompt_len: 1, eos_ids: &[] };
-        apply_penalties(&mut logits, &inp);
+        penalize(&mut logits, &inp);
         assert_eq!(logits, vec![2.0, 3.0, -2.0]);
         let params = SamplingParams { frequency_penalty: 1.0, presence_penalty: 0.5, ..Default::default() };
         let mut logits = vec![4.0, 3.0, 1.0];
@@ -240,7 +402,7 @@ mod tests {
             prompt_len: 1,
             eos_ids: &[],
         };
-        apply_penalties(&mut logits, &inp);
+        penalize(&mut logits, &inp);
         assert_eq!(logits, vec![4.0, 0.5, -0.5]);
     }
 }

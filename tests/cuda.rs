@@ -13,6 +13,8 @@ use actorllm::kernels::{
     AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
 };
 use actorllm::models::attn::AttnMetadata;
+use actorllm::request::SamplingParams;
+use actorllm::sampling::{self, SampleInput};
 use common::{greedy, run, tiny_model};
 
 fn gpu() -> Option<CudaDevice> {
@@ -46,6 +48,75 @@ fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
     }
 }
 
+/// The GPU sampler against the host's on a vocabulary-sized batch: every rule (greedy with
+/// planted ties, temperature, top-k, top-p, min-p, penalties, min_tokens masking, logprobs)
+/// and many seeds pick the same tokens.
+fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
+    let cols = 50_257;
+    let base = |temperature| SamplingParams { temperature, ..Default::default() };
+    let mut params = vec![
+        base(0.0),
+        SamplingParams { logprobs: Some(5), ..base(0.0) },
+        base(0.8),
+        SamplingParams { top_k: 40, ..base(1.0) },
+        SamplingParams { top_p: 0.9, ..base(0.7) },
+        SamplingParams { top_k: 100, top_p: 0.8, min_p: 0.05, ..base(1.0) },
+        SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.4,
+            logprobs: Some(3),
+            ..base(0.0)
+        },
+        SamplingParams { min_tokens: 4, logprobs: Some(2), ..base(1.0) },
+        base(0.0),
+    ];
+    let planted = params.len();
+    params.extend((0..64).map(|i| SamplingParams { top_p: 0.95, top_k: [0, 50][i % 2], ..base(0.9) }));
+    let rows = params.len();
+    let mut logits: Vec<f32> = rand(rows * cols, 20).iter().map(|x| x * 24.0).collect();
+    logits[40_000] = 30.0; // row 0: a tie, the lowest index wins
+    logits[123] = 30.0;
+    logits[8 * cols..9 * cols].fill(-1.0); // row 8: all equal
+    // Rows 6 and 7: their top token is one the rules touch (penalized, masked as EOS).
+    let top = |r: usize| sampling::argmax(&logits[r * cols..(r + 1) * cols]);
+    let (top6, top7) = (top(6), top(7));
+    let tokens6 = vec![1, 2, top6, 9, top6, top6, 17];
+    let tokens7 = vec![5, 6, 7];
+    let eos = [top7];
+    let inputs: Vec<SampleInput> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (tokens, prompt_len): (&[u32], usize) = match i {
+                6 => (&tokens6, 3),
+                7 => (&tokens7, 3),
+                _ => (&tokens7, 2),
+            };
+            SampleInput { params: p, seed: 1000 + i as u64, index: i % 3, tokens, prompt_len, eos_ids: &eos }
+        })
+        .collect();
+    let want = c.sample_rows(CpuTensor::new(logits.clone(), rows, cols), &inputs);
+    let got = g.sample_rows(g.from_host(&logits, rows, cols), &inputs);
+    assert_eq!(want[0].0, 123, "the host breaks ties by the lowest id");
+    assert_ne!(want[6].0, top6, "penalties moved row 6 off its top token");
+    assert_ne!(want[7].0, top7, "min_tokens masked row 7's EOS");
+    let distinct: std::collections::HashSet<u32> = want[planted..].iter().map(|w| w.0).collect();
+    assert!(distinct.len() > 8, "sampled rows vary with the seed: {distinct:?}");
+    for (i, ((gt, glp), (ct, clp))) in got.iter().zip(&want).enumerate() {
+        assert_eq!(gt, ct, "row {i}: gpu token vs host token");
+        assert_eq!(glp.is_some(), clp.is_some(), "row {i}: logprobs");
+        if let (Some(a), Some(b)) = (glp, clp) {
+            assert!((a.logprob - b.logprob).abs() < 1e-4, "row {i}: logprob {} vs {}", a.logprob, b.logprob);
+            assert_eq!(a.top.len(), b.top.len(), "row {i}: top logprobs");
+            for (x, y) in a.top.iter().zip(&b.top) {
+                assert_eq!(x.0, y.0, "row {i}: top logprob ids");
+                assert!((x.1 - y.1).abs() < 1e-4, "row {i}: top logprob {} vs {}", x.1, y.1);
+            }
+        }
+    }
+}
+
 #[test]
 fn every_kernel_matches_its_cpu_twin() {
     let Some(g) = gpu() else { return };
@@ -61,19 +132,7 @@ fn every_kernel_matches_its_cpu_twin() {
         g.upload(host(&table, &[vocab, hidden])).unwrap(),
     );
     close("embedding", &g.to_host(&g.embedding(&te_g, &ids)), &c.to_host(&c.embedding(&te_c, &ids)), 0.0);
-    // argmax over a vocabulary-sized row, with planted ties (the lowest index wins) and a
-    // row of equal values.
-    let (rows, cols) = (5, 50_257);
-    let mut logits = rand(rows * cols, 20);
-    logits[cols + 40_000] = 9.0;
-    logits[cols + 123] = 9.0;
-    logits[2 * cols + cols - 1] = 7.5;
-    logits[4 * cols..5 * cols].fill(-1.0);
-    let (lc, lg) = both(&logits, rows, cols);
-    let want = c.argmax_rows(&lc);
-    assert_eq!(want[1], 123);
-    assert_eq!(want[4], 0);
-    assert_eq!(g.argmax_rows(&lg), want, "argmax");
+    sampling_matches_the_host(&g, &c);
     let x = rand(n * hidden, 2);
     let (xc, xg) = both(&x, n, hidden);
     let w = rand(97 * hidden, 3);

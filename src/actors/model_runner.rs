@@ -14,7 +14,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::{Actor, Addr, Handler, Message, SyncContext};
-use rayon::prelude::*;
 
 use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::Device;
@@ -22,7 +21,7 @@ use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
 use crate::request::{SamplingParams, TokenLogprobs};
-use crate::sampling::{SampleInput, sample};
+use crate::sampling::SampleInput;
 
 /// State a sequence brings on its first step (or after a preemption).
 #[derive(Debug, Clone)]
@@ -284,28 +283,11 @@ impl<D: Device> ModelRunner<D> {
         let Some(logits) = logits else {
             return Ok(StepOutput { sampled: Vec::new(), timing });
         };
-        // Plain greedy rows are sampled on the device (only their ids come back); rows that
-        // need penalties, logprobs, masking or a random draw come to the host whole.
+        // The device samples (a GPU sends back only token ids and requested logprobs).
         let eos = self.eos_ids.clone();
-        let input = |i: usize| self.seqs[&sampled_seqs[i]].sample_input(&eos);
-        let host_rows: Vec<usize> = (0..sampled_seqs.len()).filter(|&i| !input(i).plain_greedy()).collect();
-        let mut results: Vec<(u32, Option<TokenLogprobs>)> = match host_rows.len() < sampled_seqs.len() {
-            true => self.dev.argmax_rows(&logits).into_iter().map(|t| (t, None)).collect(),
-            false => vec![(0, None); sampled_seqs.len()],
-        };
-        if !host_rows.is_empty() {
-            let rows = match host_rows.len() == sampled_seqs.len() {
-                true => self.dev.to_host(&logits),
-                false => self.dev.to_host(&self.dev.gather_rows(&logits, &host_rows)),
-            };
-            let vocab = rows.len() / host_rows.len();
-            let mut rows = rows;
-            let drawn: Vec<(u32, Option<TokenLogprobs>)> =
-                rows.par_chunks_mut(vocab).zip(&host_rows).map(|(row, &i)| sample(row, &input(i))).collect();
-            for (i, r) in host_rows.into_iter().zip(drawn) {
-                results[i] = r;
-            }
-        }
+        let inputs: Vec<SampleInput> = sampled_seqs.iter().map(|s| self.seqs[s].sample_input(&eos)).collect();
+        let results = self.dev.sample_rows(logits, &inputs);
+        drop(inputs);
         timing.sample_ns = ns(t3, std::time::Instant::now());
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
         for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {

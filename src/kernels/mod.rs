@@ -1,5 +1,5 @@
 //! Device code. Model files are written once against the [`Device`] trait; each device
-//! (the CPU here, CUDA through cudarc later) implements its operations.
+//! (the CPU, and CUDA GPUs through cudarc) implements its operations.
 //!
 //! Activations are 2-D `[rows, cols]` f32 tensors: rows are the flattened tokens of a batch.
 //! Weights keep the checkpoint's dtype (f32, bf16, f16) and are multiplied with f32
@@ -9,6 +9,8 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::models::attn::AttnMetadata;
+use crate::request::TokenLogprobs;
+use crate::sampling::SampleInput;
 
 /// A host-side tensor in a checkpoint dtype, ready to be uploaded as a weight. Its bytes
 /// are borrowed straight from the memory-mapped checkpoint when no conversion or stacking
@@ -194,9 +196,19 @@ pub trait Device: Send + Unpin + 'static {
         shape: AttnShape,
         meta: &AttnMetadata,
     ) -> Self::Tensor;
-    /// The column of each row's largest value (the lowest on ties): greedy sampling on the
-    /// device, so that only token ids come back to the host.
-    fn argmax_rows(&self, x: &Self::Tensor) -> Vec<u32>;
+    /// One token per row of `logits` (row i for `inputs[i]`), with its logprobs where asked,
+    /// by the rules of [`crate::sampling`]. By default the rows come to the host and are
+    /// sampled there; a GPU samples them itself, so that only token ids (and requested
+    /// logprobs) come back.
+    fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> Vec<(u32, Option<TokenLogprobs>)> {
+        use rayon::prelude::*;
+        let mut rows = self.to_host(&logits);
+        let vocab = rows.len() / inputs.len().max(1);
+        rows.par_chunks_mut(vocab.max(1))
+            .zip(inputs)
+            .map(|(row, inp)| crate::sampling::sample(row, inp))
+            .collect()
+    }
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
 

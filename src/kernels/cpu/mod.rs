@@ -357,10 +357,6 @@ impl Device for CpuDevice {
         lora::apply(y, x, modules, slots);
     }
 
-    fn argmax_rows(&self, x: &CpuTensor) -> Vec<u32> {
-        x.data.chunks(x.cols.max(1)).take(x.rows).map(crate::sampling::argmax).collect()
-    }
-
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
         let mut out = CpuTensor::zeros(rows.len(), x.cols);
         for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {

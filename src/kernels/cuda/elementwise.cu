@@ -111,33 +111,6 @@ extern "C" __global__ void gather_rows_f32(const float* x, const unsigned int* r
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)r * cols + i] = src[i];
 }
 
-// Greedy sampling: the column of each row's largest value, the lowest on ties (the host's
-// argmax). One block of 1024 threads per row.
-extern "C" __global__ void argmax_f32(const float* x, unsigned int* out, int cols) {
-    const float* row = x + (size_t)blockIdx.x * cols;
-    float best = __int_as_float(0xff800000);  // -inf
-    int idx = cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
-        if (v > best) { best = v; idx = i; }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffff, best, o);
-        int oi = __shfl_xor_sync(0xffffffff, idx, o);
-        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
-    }
-    __shared__ float vals[32];
-    __shared__ int ids[32];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { vals[warp] = best; ids[warp] = idx; }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-            if (vals[w] > best || (vals[w] == best && ids[w] < idx)) { best = vals[w]; idx = ids[w]; }
-        out[blockIdx.x] = idx < cols ? idx : 0;
-    }
-}
-
 // Tensor parallelism: `parts` holds each rank's [rows, cols] shard one after another (NCCL's
 // all-gather); out[r, s*keep + j] = parts[s][r, j] for j < keep, cut at `total` columns.
 extern "C" __global__ void join_shards_f32(const float* parts, float* out, int rows, int cols, int keep, int total) {

@@ -26,10 +26,11 @@ use step::StepBufs;
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 const COMMON: &str = include_str!("common.cuh");
 
-const SOURCES: [(&str, &str); 3] = [
+const SOURCES: [(&str, &str); 4] = [
     ("elementwise", include_str!("elementwise.cu")),
     ("attention", include_str!("attention.cu")),
     ("flash", include_str!("flash.cu")),
+    ("sampling", include_str!("sampling.cu")),
 ];
 
 const KERNELS: [&str; 27] = [
@@ -44,7 +45,7 @@ const KERNELS: [&str; 27] = [
     "add_bias_f32",
     "gather_rows_f32",
     "join_shards_f32",
-    "argmax_f32",
+    "sample_f32",
     "split_qkv_rope_f32",
     "write_kv_f32",
     "write_kv_bf16",
@@ -193,7 +194,7 @@ pub struct CudaDevice {
     comm: Option<cudarc::nccl::Comm>,
     tp: TpRank,
     pool: Arc<BufPool>,
-    /// Per-step index lists (token ids, sampled rows, argmax results) by use.
+    /// Per-step index lists (token ids, sampled rows, sampling parameters and results) by use.
     staging: std::cell::RefCell<std::collections::HashMap<&'static str, CudaSlice<u32>>>,
     /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
     scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,

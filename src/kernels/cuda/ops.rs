@@ -11,6 +11,8 @@ use crate::kernels::{
     TpRank,
 };
 use crate::models::attn::AttnMetadata;
+use crate::request::TokenLogprobs;
+use crate::sampling::{DeviceRows, LOGPROB_WORDS, SampleInput};
 
 impl Device for CudaDevice {
     type Tensor = CudaTensor;
@@ -392,24 +394,51 @@ impl Device for CudaDevice {
         out
     }
 
-    fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
-        let mut ids = self.stage("argmax ids", &[]);
-        if ids.len() < x.rows {
-            ids = self.stream.alloc_zeros::<u32>(x.rows.next_power_of_two()).expect("device allocation");
+    fn sample_rows(
+        &self,
+        mut logits: CudaTensor,
+        inputs: &[SampleInput],
+    ) -> Vec<(u32, Option<TokenLogprobs>)> {
+        let (rows, cols) = (logits.rows, logits.cols);
+        assert_eq!(rows, inputs.len(), "one sampling input per row of logits");
+        if rows == 0 {
+            return Vec::new();
         }
-        let cols = x.cols as i32;
+        let enc = DeviceRows::encode(inputs, cols);
+        let params = self.stage("sample params", &enc.params);
+        let mut entries = self.stage("sample entries", &enc.entries);
+        let out_len = rows * (1 + LOGPROB_WORDS);
+        let mut out = self.stage("sample out", &[]);
+        if out.len() < out_len {
+            out = self.stream.alloc_zeros::<u32>(out_len.next_power_of_two()).expect("device allocation");
+        }
+        let (n, c) = (rows as i32, cols as i32);
         let cfg =
-            LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let t = self.span("argmax", (0, 0), x.rows);
-        // SAFETY: x is [rows, cols]; one id per row.
+            LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let t = self.span("sample", (0, 0), rows);
+        // SAFETY: logits is [rows, cols]; params holds PARAM_WORDS per row and entries the
+        // ENTRY_WORDS-word entries they index, each token below cols; out has room for the
+        // tokens and LOGPROB_WORDS per row.
         unsafe {
-            self.stream.launch_builder(self.f("argmax_f32")).arg(&*x.buf).arg(&mut ids).arg(&cols).launch(cfg)
+            self.stream
+                .launch_builder(self.f("sample_f32"))
+                .arg(&mut *logits.buf)
+                .arg(&params)
+                .arg(&mut entries)
+                .arg(&mut out)
+                .arg(&n)
+                .arg(&c)
+                .launch(cfg)
         }
-        .expect("argmax launch");
+        .expect("sample launch");
         drop(t);
-        let v = self.stream.clone_dtoh(&ids.slice(0..x.rows)).expect("device to host copy");
-        self.restage("argmax ids", ids);
-        v
+        let copy_len = if enc.logprobs { out_len } else { rows };
+        let words = self.stream.clone_dtoh(&out.slice(0..copy_len)).expect("device to host copy");
+        self.restage("sample params", params);
+        self.restage("sample entries", entries);
+        self.restage("sample out", out);
+        let (tokens, logprobs) = words.split_at(rows);
+        DeviceRows::decode(inputs, tokens, logprobs, cols)
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
@@ -597,6 +626,24 @@ mod tests {
             (shape(9, 3, 96), "g4_d4"),
         ] {
             assert_eq!(names[split_index(s)], format!("paged_attention_split_{want}_bf16"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod sampling_layout {
+    use crate::sampling::{ENTRY_WORDS, LOGPROB_WORDS, PARAM_WORDS};
+
+    #[test]
+    fn the_sampling_kernel_reads_the_layout_the_host_writes() {
+        let src = include_str!("sampling.cu");
+        for (name, words) in
+            [("PARAM_WORDS", PARAM_WORDS), ("ENTRY_WORDS", ENTRY_WORDS), ("LOGPROB_WORDS", LOGPROB_WORDS)]
+        {
+            assert!(
+                src.contains(&format!("#define {name} {words}\n")),
+                "sampling.cu's {name} is not {words}"
+            );
         }
     }
 }

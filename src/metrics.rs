@@ -92,6 +92,8 @@ pub struct StepProfile {
     pub sample_ns: AtomicU64,
     /// The Scheduler applying the sampled tokens: detokenizing, stop checks, events.
     pub output_ns: AtomicU64,
+    /// Device memory allocations made by the steps (a count, not a time).
+    pub device_allocs: AtomicU64,
 }
 
 /// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
@@ -108,10 +110,12 @@ pub struct StepBreakdown {
     pub output_ms: f64,
     /// What is left: messages between the actors and waiting on their mailboxes.
     pub messaging_ms: f64,
+    /// Device memory allocations over all these steps (none once every shape was seen).
+    pub device_allocations: u64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 9] {
+    pub fn snapshot(&self) -> [u64; 10] {
         [
             &self.steps,
             &self.step_ns,
@@ -122,16 +126,17 @@ impl StepProfile {
             &self.device_ns,
             &self.sample_ns,
             &self.output_ns,
+            &self.device_allocs,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 9], b: [u64; 9]) -> StepBreakdown {
+    pub fn between(a: [u64; 10], b: [u64; 10]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
-        let parts: u64 = d[2..].iter().sum();
+        let parts: u64 = d[2..9].iter().sum();
         StepBreakdown {
             steps: d[0],
             step_ms: ms(d[1]),
@@ -143,6 +148,7 @@ impl StepProfile {
             sample_ms: ms(d[7]),
             output_ms: ms(d[8]),
             messaging_ms: ms(d[1].saturating_sub(parts)),
+            device_allocations: d[9],
         }
     }
 }

@@ -6,13 +6,16 @@
 mod common;
 
 use actorllm::Engine;
+use actorllm::actors::model_runner::{BatchSeq, ExecuteBatch, ModelRunner, NewSeq, RunnerConfig};
 use actorllm::config::{DTypeArg, DeviceArg, EngineArgs};
 use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
 use actorllm::kernels::cuda::CudaDevice;
 use actorllm::kernels::{
     AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
 };
+use actorllm::models::LoadOptions;
 use actorllm::models::attn::AttnMetadata;
+use actorllm::models::registry::ModelRegistry;
 use actorllm::request::SamplingParams;
 use actorllm::sampling::{self, SampleInput};
 use common::{greedy, run, tiny_model};
@@ -96,8 +99,15 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
             SampleInput { params: p, seed: 1000 + i as u64, index: i % 3, tokens, prompt_len, eos_ids: &eos }
         })
         .collect();
-    let want = c.sample_rows(CpuTensor::new(logits.clone(), rows, cols), &inputs);
-    let got = g.sample_rows(g.from_host(&logits, rows, cols), &inputs);
+    let want = c.sample_rows(CpuTensor::new(logits.clone(), rows, cols), &inputs).unwrap();
+    let got = g.sample_rows(g.from_host(&logits, rows, cols).unwrap(), &inputs).unwrap();
+    // The sampler keeps its device buffers: the same batch again allocates nothing and,
+    // with the same seeds, picks the same tokens.
+    let again = g.from_host(&logits, rows, cols).unwrap();
+    let before = g.allocations();
+    let second = g.sample_rows(again, &inputs).unwrap();
+    assert_eq!(g.allocations(), before, "a repeated sampling step allocated device memory");
+    assert_eq!(second, got, "the same seeds sample the same tokens");
     assert_eq!(want[0].0, 123, "the host breaks ties by the lowest id");
     assert_ne!(want[6].0, top6, "penalties moved row 6 off its top token");
     assert_ne!(want[7].0, top7, "min_tokens masked row 7's EOS");
@@ -121,8 +131,9 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
 fn every_kernel_matches_its_cpu_twin() {
     let Some(g) = gpu() else { return };
     let c = CpuDevice::default();
-    let both =
-        |data: &[f32], rows, cols| (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols));
+    let both = |data: &[f32], rows, cols| {
+        (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols).unwrap())
+    };
     // embedding, linear (+bias), norms, silu·mul, gather
     let (vocab, hidden, n) = (301, 72, 13);
     let table = rand(vocab * hidden, 1);
@@ -131,7 +142,12 @@ fn every_kernel_matches_its_cpu_twin() {
         c.upload(host(&table, &[vocab, hidden])).unwrap(),
         g.upload(host(&table, &[vocab, hidden])).unwrap(),
     );
-    close("embedding", &g.to_host(&g.embedding(&te_g, &ids)), &c.to_host(&c.embedding(&te_c, &ids)), 0.0);
+    close(
+        "embedding",
+        &g.to_host(&g.embedding(&te_g, &ids).unwrap()).unwrap(),
+        &c.to_host(&c.embedding(&te_c, &ids).unwrap()).unwrap(),
+        0.0,
+    );
     sampling_matches_the_host(&g, &c);
     let x = rand(n * hidden, 2);
     let (xc, xg) = both(&x, n, hidden);
@@ -141,8 +157,8 @@ fn every_kernel_matches_its_cpu_twin() {
     let (bc, bg) = (c.upload(host(&b, &[97])).unwrap(), g.upload(host(&b, &[97])).unwrap());
     close(
         "linear",
-        &g.to_host(&g.linear(&xg, &wg, Some(&bg))),
-        &c.to_host(&c.linear(&xc, &wc, Some(&bc))),
+        &g.to_host(&g.linear(&xg, &wg, Some(&bg)).unwrap()).unwrap(),
+        &c.to_host(&c.linear(&xc, &wc, Some(&bc)).unwrap()).unwrap(),
         1e-4,
     );
     // bf16 and f16 weights: the GPU rounds activations to the weight type before the GEMM.
@@ -153,32 +169,47 @@ fn every_kernel_matches_its_cpu_twin() {
         let (wc16, wg16) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
         close(
             "linear 16-bit",
-            &g.to_host(&g.linear(&xg, &wg16, None)),
-            &c.to_host(&c.linear(&xc, &wc16, None)),
+            &g.to_host(&g.linear(&xg, &wg16, None).unwrap()).unwrap(),
+            &c.to_host(&c.linear(&xc, &wc16, None).unwrap()).unwrap(),
             2e-2,
         );
         let ids: Vec<u32> = vec![0, 5, 96];
         close(
             "embedding 16-bit",
-            &g.to_host(&g.embedding(&wg16, &ids)),
-            &c.to_host(&c.embedding(&wc16, &ids)),
+            &g.to_host(&g.embedding(&wg16, &ids).unwrap()).unwrap(),
+            &c.to_host(&c.embedding(&wc16, &ids).unwrap()).unwrap(),
             0.0,
         );
     }
     let nw = rand(hidden, 5);
     let (nc, ng) = (c.upload(host(&nw, &[hidden])).unwrap(), g.upload(host(&nw, &[hidden])).unwrap());
-    close("rms_norm", &g.to_host(&g.rms_norm(&xg, &ng, 1e-5)), &c.to_host(&c.rms_norm(&xc, &nc, 1e-5)), 1e-5);
+    close(
+        "rms_norm",
+        &g.to_host(&g.rms_norm(&xg, &ng, 1e-5).unwrap()).unwrap(),
+        &c.to_host(&c.rms_norm(&xc, &nc, 1e-5).unwrap()).unwrap(),
+        1e-5,
+    );
     let r = rand(n * hidden, 6);
     let (mut rc, mut rg) = both(&r, n, hidden);
-    let oc = c.add_rms_norm(&xc, &mut rc, &nc, 1e-5);
-    let og = g.add_rms_norm(&xg, &mut rg, &ng, 1e-5);
-    close("add_rms_norm", &g.to_host(&og), &c.to_host(&oc), 1e-5);
-    close("add_rms_norm residual", &g.to_host(&rg), &c.to_host(&rc), 1e-6);
+    let oc = c.add_rms_norm(&xc, &mut rc, &nc, 1e-5).unwrap();
+    let og = g.add_rms_norm(&xg, &mut rg, &ng, 1e-5).unwrap();
+    close("add_rms_norm", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-5);
+    close("add_rms_norm residual", &g.to_host(&rg).unwrap(), &c.to_host(&rc).unwrap(), 1e-6);
     let gu = rand(n * 2 * 50, 7);
     let (guc, gug) = both(&gu, n, 100);
-    close("silu_mul", &g.to_host(&g.silu_mul(&gug)), &c.to_host(&c.silu_mul(&guc)), 1e-5);
+    close(
+        "silu_mul",
+        &g.to_host(&g.silu_mul(&gug).unwrap()).unwrap(),
+        &c.to_host(&c.silu_mul(&guc).unwrap()).unwrap(),
+        1e-5,
+    );
     let rows = [3usize, 0, 12, 7];
-    close("gather_rows", &g.to_host(&g.gather_rows(&xg, &rows)), &c.to_host(&c.gather_rows(&xc, &rows)), 0.0);
+    close(
+        "gather_rows",
+        &g.to_host(&g.gather_rows(&xg, &rows).unwrap()).unwrap(),
+        &c.to_host(&c.gather_rows(&xc, &rows).unwrap()).unwrap(),
+        0.0,
+    );
 
     // Uploading 16-bit weights above switched the device to a 16-bit model's activations and
     // cache; this part checks the f32 ones exactly.
@@ -210,14 +241,14 @@ fn every_kernel_matches_its_cpu_twin() {
         let nt = positions.len();
         let qkv = rand(nt * (6 + 4) * 32, seed);
         let (qc, qg) = both(&qkv, nt, 320);
-        let (q1, k1, v1) = c.split_qkv_rope(&qc, s, &rope, &positions);
-        let (q2, k2, v2) = g.split_qkv_rope(&qg, s, &rope, &positions);
-        close("rope q", &g.to_host(&q2), &c.to_host(&q1), 1e-4);
-        close("rope k", &g.to_host(&k2), &c.to_host(&k1), 1e-4);
-        close("split v", &g.to_host(&v2), &c.to_host(&v1), 0.0);
-        let oc = c.paged_attention(&q1, &k1, &v1, &mut cc, s, &meta);
-        let og = g.paged_attention(&q2, &k2, &v2, &mut cg, s, &meta);
-        close("paged_attention", &g.to_host(&og), &c.to_host(&oc), 1e-4);
+        let (q1, k1, v1) = c.split_qkv_rope(&qc, s, &rope, &positions).unwrap();
+        let (q2, k2, v2) = g.split_qkv_rope(&qg, s, &rope, &positions).unwrap();
+        close("rope q", &g.to_host(&q2).unwrap(), &c.to_host(&q1).unwrap(), 1e-4);
+        close("rope k", &g.to_host(&k2).unwrap(), &c.to_host(&k1).unwrap(), 1e-4);
+        close("split v", &g.to_host(&v2).unwrap(), &c.to_host(&v1).unwrap(), 0.0);
+        let oc = c.paged_attention(&q1, &k1, &v1, &mut cc, s, &meta).unwrap();
+        let og = g.paged_attention(&q2, &k2, &v2, &mut cg, s, &meta).unwrap();
+        close("paged_attention", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-4);
     };
     step((0..13).collect(), vec![1; 13], 8);
     let mut positions: Vec<u32> = (0..9).collect();
@@ -231,14 +262,14 @@ fn every_kernel_matches_its_cpu_twin() {
     let (mut lc, mut lg) = (c.alloc_lora(shape).unwrap(), g.alloc_lora(shape).unwrap());
     let (a, bw) = (rand(5 * hidden, 10), rand(40 * 5, 11));
     let wts = || Some(LoraSlotWeights { a: &a, b: &bw, rank: 5, scale: 1.5 });
-    c.set_lora_slot(&mut lc, 0, wts());
-    g.set_lora_slot(&mut lg, 0, wts());
+    c.set_lora_slot(&mut lc, 0, wts()).unwrap();
+    g.set_lora_slot(&mut lg, 0, wts()).unwrap();
     let slots: Vec<i32> = (0..n as i32).map(|i| if i % 3 == 1 { -1 } else { 0 }).collect();
     let y = rand(n * 50, 12);
     let (mut yc, mut yg) = both(&y, n, 50);
-    c.add_lora(&mut yc, &xc, &[(&lc, 7)], &slots);
-    g.add_lora(&mut yg, &xg, &[(&lg, 7)], &slots);
-    close("lora", &g.to_host(&yg), &c.to_host(&yc), 1e-4);
+    c.add_lora(&mut yc, &xc, &[(&lc, 7)], &slots).unwrap();
+    g.add_lora(&mut yg, &xg, &[(&lg, 7)], &slots).unwrap();
+    close("lora", &g.to_host(&yg).unwrap(), &c.to_host(&yc).unwrap(), 1e-4);
 }
 
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
@@ -286,11 +317,11 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
                 rand(n * kv_heads * head_dim, seed + 1),
                 rand(n * kv_heads * head_dim, seed + 2),
             );
-            let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols));
+            let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols).unwrap());
             let ((qc, qg), (kc, kg), (vc, vg)) =
                 (t(&q, heads * head_dim), t(&k, kv_heads * head_dim), t(&v, kv_heads * head_dim));
-            let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta);
-            let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta);
+            let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta).unwrap();
+            let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta).unwrap();
             // Prefill runs (more than one position of a sequence) take the tensor-core
             // kernel whenever it applies; decode rows never do.
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
@@ -299,8 +330,8 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
                 &format!(
                     "attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}, {act:?}"
                 ),
-                &g.to_host(&og),
-                &c.to_host(&oc),
+                &g.to_host(&og).unwrap(),
+                &c.to_host(&oc).unwrap(),
                 tol,
             );
         };
@@ -308,6 +339,70 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         step(&[(1, 0..300), (2, 0..37)], 41);
         step(&[(0, 1100..1101), (1, 300..301), (2, 37..38)], 42);
     }
+}
+
+/// A runner on the GPU, driven step by step: once a step's shapes have been seen, it
+/// allocates no device memory, and seeded sampling repeats exactly.
+#[test]
+fn steps_allocate_nothing_once_their_shapes_were_seen() {
+    let Some(g) = gpu() else { return };
+    let model = tiny_model(37);
+    let loaded = ModelRegistry::<CudaDevice>::default()
+        .load(&g, &model, DType::F32, &LoadOptions::default())
+        .expect("tiny model loads");
+    let cfg = RunnerConfig { num_blocks: 64, block_size: 16 };
+    let mut runner = ModelRunner::new(g, loaded.model, cfg, vec![0].into()).expect("runner");
+    let params = [
+        SamplingParams { temperature: 0.0, ..Default::default() },
+        SamplingParams { temperature: 0.8, top_p: 0.9, logprobs: Some(3), ..Default::default() },
+        SamplingParams { temperature: 1.0, top_k: 20, repetition_penalty: 1.2, ..Default::default() },
+        SamplingParams { temperature: 0.7, frequency_penalty: 0.5, min_tokens: 4, ..Default::default() },
+    ]
+    .map(std::sync::Arc::new);
+    let (prompt_len, decode_steps) = (20, 30);
+    // One round: four sequences prefill together, then decode together.
+    let mut round = |first_id: u64| -> (Vec<Vec<u32>>, Vec<u64>) {
+        let mut tokens = vec![Vec::new(); params.len()];
+        let mut allocs = Vec::new();
+        for step in 0..=decode_steps {
+            let seqs = (0..params.len())
+                .map(|i| {
+                    let prompt: Vec<u32> =
+                        (0..prompt_len as u32).map(|j| (i as u32 * 31 + j * 7) % 250 + 3).collect();
+                    let (start, len) = if step == 0 { (0, prompt_len) } else { (prompt_len + step - 1, 1) };
+                    BatchSeq {
+                        seq: first_id + i as u64,
+                        new: (step == 0).then(|| NewSeq {
+                            tokens: prompt,
+                            prompt_len,
+                            params: params[i].clone(),
+                            seed: 7 + i as u64,
+                            index: 0,
+                        }),
+                        start,
+                        len,
+                        sample: true,
+                        block_table: (0..4).map(|b| (i * 4 + b) as u32).collect(),
+                        lora_slot: -1,
+                    }
+                })
+                .collect();
+            let dropped = if step == 0 { (0..first_id).collect() } else { Vec::new() };
+            let out =
+                runner.execute(ExecuteBatch { seqs, dropped, lora_loads: Vec::new() }).expect("step runs");
+            for s in &out.sampled {
+                tokens[(s.seq - first_id) as usize].push(s.token);
+            }
+            allocs.push(out.timing.device_allocs);
+        }
+        (tokens, allocs)
+    };
+    let (first_tokens, first_allocs) = round(0);
+    let (tokens, allocs) = round(100);
+    assert!(first_allocs[0] > 0, "the first prefill allocates its buffers (the counter counts)");
+    assert_eq!(allocs, vec![0; decode_steps + 1], "steps of shapes already seen allocated device memory");
+    assert_eq!(tokens, first_tokens, "the same seeds sample the same tokens");
+    assert!(tokens.iter().all(|t| t.len() == decode_steps + 1));
 }
 
 #[actix_rt::test]

@@ -126,9 +126,12 @@ fn column_then_row_parallel_layers_equal_the_unsplit_ones() {
                             ColumnParallelLinear::load(&dev, &root.pp("lin"), (4, 6), true, true).unwrap();
                         let row = RowParallelLinear::load(&dev, &root.pp("row"), 6, 4).unwrap();
                         let x = CpuTensor::new(x, 2, 4);
-                        let h = split.forward(&dev, &x);
+                        let h = split.forward(&dev, &x).unwrap();
                         assert_eq!(dev.shape(&h), (2, 6 / world));
-                        (dev.to_host(&gathered.forward(&dev, &x)), dev.to_host(&row.forward(&dev, &h)))
+                        (
+                            dev.to_host(&gathered.forward(&dev, &x).unwrap()).unwrap(),
+                            dev.to_host(&row.forward(&dev, &h).unwrap()).unwrap(),
+                        )
                     })
                 })
                 .collect();

@@ -9,6 +9,11 @@
 //! into flat inputs, hands the same inputs to the other ranks ([`ShardStep`]) and runs its
 //! own shard; the collectives inside the forward keep the ranks in step, and rank 0 alone
 //! samples and answers.
+//!
+//! A device error (a failed launch, copy or allocation) fails the step: the Scheduler hands
+//! it to that step's requests. Under tensor parallelism the other ranks may then be left
+//! waiting in a collective the failed rank never joined; aborting the NCCL group is not
+//! done yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +21,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr, Handler, Message, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
-use crate::kernels::Device;
+use crate::kernels::{Device, DeviceError};
 use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
@@ -81,11 +86,13 @@ pub struct RunnerTiming {
     pub device_ns: u64,
     /// Sampling, with the copies of ids or logits back to the host.
     pub sample_ns: u64,
+    /// Device memory allocations the step made (none in steady state).
+    pub device_allocs: u64,
 }
 
 /// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
 #[derive(Message)]
-#[rtype(result = "()")]
+#[rtype(result = "Result<(), RunnerError>")]
 pub struct ShardStep {
     pub ids: Arc<[u32]>,
     pub meta: Arc<AttnMetadata>,
@@ -101,6 +108,14 @@ pub enum RunnerError {
     Range { seq: SeqId, start: usize, end: usize, have: usize },
     #[error("tensor-parallel rank {0} has stopped")]
     RankGone(usize),
+    #[error("{0}")]
+    Device(String),
+}
+
+impl From<DeviceError> for RunnerError {
+    fn from(e: DeviceError) -> Self {
+        RunnerError::Device(e.to_string())
+    }
 }
 
 struct RunnerSeq {
@@ -177,7 +192,7 @@ impl<D: Device> ModelRunner<D> {
         model: Box<dyn CausalLM<D>>,
         cfg: RunnerConfig,
         eos_ids: Arc<[u32]>,
-    ) -> Result<Self, crate::kernels::DeviceError> {
+    ) -> Result<Self, DeviceError> {
         let (layers, shape) = model.cache_shape(cfg.num_blocks, cfg.block_size);
         let caches = (0..layers).map(|_| dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
         Ok(Self {
@@ -200,19 +215,22 @@ impl<D: Device> ModelRunner<D> {
 
     /// One rank's forward (and its share of the logits when the step samples): the
     /// collectives inside meet the other ranks'.
-    fn forward(&mut self, ids: &[u32], meta: &AttnMetadata) -> Option<D::Tensor> {
-        let hidden = self.model.forward(&self.dev, ids, &meta.positions, &mut self.caches, meta);
-        (!meta.last_token_rows.is_empty()).then(|| self.model.compute_logits(&self.dev, &hidden, meta))
+    fn forward(&mut self, ids: &[u32], meta: &AttnMetadata) -> Result<Option<D::Tensor>, DeviceError> {
+        let hidden = self.model.forward(&self.dev, ids, &meta.positions, &mut self.caches, meta)?;
+        if meta.last_token_rows.is_empty() {
+            return Ok(None);
+        }
+        self.model.compute_logits(&self.dev, &hidden, meta).map(Some)
     }
 
     /// Runs one step. Public so that benchmarks can drive a runner without actors.
     pub fn execute(&mut self, batch: ExecuteBatch) -> Result<StepOutput, RunnerError> {
-        let t0 = std::time::Instant::now();
+        let (t0, allocs) = (std::time::Instant::now(), self.dev.allocations());
         for id in &batch.dropped {
             self.seqs.remove(id);
         }
         for (slot, adapter) in &batch.lora_loads {
-            self.model.set_lora_slot(&self.dev, *slot, Some(adapter));
+            self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
         }
         let batch_lora_loads = batch.lora_loads;
         let any_lora = batch.seqs.iter().any(|s| s.lora_slot >= 0);
@@ -266,11 +284,13 @@ impl<D: Device> ModelRunner<D> {
             }
         }
         let t1 = std::time::Instant::now();
-        let logits = self.forward(&ids, &meta);
+        // A device error fails the step (its requests get it); the other ranks of a group
+        // may then wait in a collective this rank never joined (see the module doc).
+        let logits = self.forward(&ids, &meta)?;
         let t2 = std::time::Instant::now();
-        self.dev.synchronize();
+        self.dev.synchronize()?;
         for (rank, done) in peer_steps.into_iter().enumerate() {
-            futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))?;
+            futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
         }
         let t3 = std::time::Instant::now();
         let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
@@ -279,6 +299,7 @@ impl<D: Device> ModelRunner<D> {
             launch_ns: ns(t1, t2),
             device_ns: ns(t2, t3),
             sample_ns: 0,
+            device_allocs: 0,
         };
         let Some(logits) = logits else {
             return Ok(StepOutput { sampled: Vec::new(), timing });
@@ -286,9 +307,10 @@ impl<D: Device> ModelRunner<D> {
         // The device samples (a GPU sends back only token ids and requested logprobs).
         let eos = self.eos_ids.clone();
         let inputs: Vec<SampleInput> = sampled_seqs.iter().map(|s| self.seqs[s].sample_input(&eos)).collect();
-        let results = self.dev.sample_rows(logits, &inputs);
+        let results = self.dev.sample_rows(logits, &inputs)?;
         drop(inputs);
         timing.sample_ns = ns(t3, std::time::Instant::now());
+        timing.device_allocs = self.dev.allocations() - allocs;
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
         for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
             if let Some(rs) = self.seqs.get_mut(&seq) {
@@ -305,12 +327,13 @@ impl<D: Device> Actor for ModelRunner<D> {
 }
 
 impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
-    type Result = ();
-    fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) {
+    type Result = Result<(), RunnerError>;
+    fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) -> Self::Result {
         for (slot, adapter) in &msg.lora_loads {
-            self.model.set_lora_slot(&self.dev, *slot, Some(adapter));
+            self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
         }
-        self.forward(&msg.ids, &msg.meta);
+        self.forward(&msg.ids, &msg.meta)?;
+        Ok(())
     }
 }
 

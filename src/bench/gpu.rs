@@ -22,8 +22,8 @@ fn copy_bandwidth(args: &EngineArgs) -> f64 {
         DeviceArg::Cpu => false,
         DeviceArg::Auto => CudaDevice::available(),
     };
-    if cuda && let Ok(d) = CudaDevice::new(0) {
-        return d.copy_bandwidth();
+    if cuda && let Ok(bw) = CudaDevice::new(0).and_then(|d| d.copy_bandwidth()) {
+        return bw;
     }
     let n = 256usize << 20;
     let src = vec![1u8; n];
@@ -114,7 +114,7 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
             println!(
                 "per step, over {} steps (the prefill step included): {:.3} ms = scheduling {:.3} + block \
                  reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
-                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}",
+                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}",
                 b.steps,
                 b.step_ms,
                 b.schedule_ms,
@@ -124,7 +124,8 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
                 b.device_ms,
                 b.sample_ms,
                 b.output_ms,
-                b.messaging_ms
+                b.messaging_ms,
+                b.device_allocations
             );
         }
     }
@@ -147,6 +148,8 @@ fn lengths(n: usize, mean: f64, seed: u64, lo: usize, hi: usize) -> Vec<usize> {
 #[derive(Debug, Serialize)]
 struct ThroughputReport {
     requests: usize,
+    temperature: f32,
+    top_p: f32,
     mean_input_len: f64,
     mean_output_len: f64,
     seconds: f64,
@@ -156,7 +159,17 @@ struct ThroughputReport {
     bound: Bound,
 }
 
-pub async fn throughput(args: EngineArgs, num_prompts: usize, seed: u64, json: bool) -> anyhow::Result<()> {
+/// The shape of a throughput run.
+pub struct ThroughputRun {
+    pub num_prompts: usize,
+    /// Seeds the length mix (and, offset by the request index, each request's sampling).
+    pub seed: u64,
+    /// Temperature and top-p of every request.
+    pub sampling: SamplingParams,
+}
+
+pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> anyhow::Result<()> {
+    let ThroughputRun { num_prompts, seed, sampling } = run;
     let engine = Engine::start(args.clone()).await?;
     let vocab = engine.model_config().vocab_size;
     let max_len = engine.config().max_model_len;
@@ -167,10 +180,10 @@ pub async fn throughput(args: EngineArgs, num_prompts: usize, seed: u64, json: b
     for (i, (&inp, &out)) in inputs.iter().zip(&outputs).enumerate() {
         let out = out.min(max_len - inp);
         let params = SamplingParams {
-            temperature: 0.0,
             max_tokens: Some(out),
             ignore_eos: true,
-            ..Default::default()
+            seed: Some(seed + i as u64),
+            ..sampling.clone()
         };
         streams.push(engine.add_request(engine.next_request_id("tp"), prompt(inp, i, vocab), params).await?);
     }
@@ -194,6 +207,8 @@ pub async fn throughput(args: EngineArgs, num_prompts: usize, seed: u64, json: b
     let in_tokens: usize = inputs.iter().sum();
     let report = ThroughputReport {
         requests: num_prompts,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
         mean_input_len: in_tokens as f64 / num_prompts as f64,
         mean_output_len: out_tokens as f64 / num_prompts as f64,
         seconds: secs,
@@ -206,11 +221,13 @@ pub async fn throughput(args: EngineArgs, num_prompts: usize, seed: u64, json: b
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         println!(
-            "throughput: {} requests (input {:.0}, output {:.0} tokens on average) in {:.1} s: {:.2} req/s, \
-             {:.0} output tok/s, {:.0} total tok/s (batch-1 bandwidth bound {:.1} tok/s)",
+            "throughput: {} requests (input {:.0}, output {:.0} tokens on average, temperature {}, top_p {}) in \
+             {:.1} s: {:.2} req/s, {:.0} output tok/s, {:.0} total tok/s (batch-1 bandwidth bound {:.1} tok/s)",
             report.requests,
             report.mean_input_len,
             report.mean_output_len,
+            report.temperature,
+            report.top_p,
             secs,
             report.requests_per_s,
             report.output_tokens_per_s,

@@ -77,6 +77,11 @@ pub enum BenchMode {
         num_prompts: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Sampling temperature of every request (vLLM's benchmark samples at 1.0; 0 is greedy).
+        #[arg(long, default_value_t = 1.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
         #[arg(long)]
         json: bool,
     },
@@ -219,8 +224,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             actix::System::current().stop();
             return Ok(());
         }
-        BenchMode::Throughput { engine, num_prompts, seed, json } => {
-            gpu::throughput(engine, num_prompts, seed, json).await?;
+        BenchMode::Throughput { engine, num_prompts, seed, temperature, top_p, json } => {
+            let sampling = SamplingParams { temperature, top_p, ..Default::default() };
+            gpu::throughput(engine, gpu::ThroughputRun { num_prompts, seed, sampling }, json).await?;
             actix::System::current().stop();
             return Ok(());
         }

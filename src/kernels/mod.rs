@@ -122,9 +122,18 @@ impl TpRank {
 pub enum DeviceError {
     #[error("weight has {got} bytes, shape {shape:?} of {dtype:?} needs {need}")]
     WeightSize { shape: Vec<usize>, dtype: DType, got: usize, need: usize },
+    #[error("CUDA {what} failed: {detail}")]
+    Cuda { what: &'static str, detail: String },
     #[error("device error: {0}")]
     Other(String),
 }
+
+/// What a device operation gives: a failed launch, copy or allocation is an error the
+/// ModelRunner hands to the requests of that step.
+pub type DevResult<T> = Result<T, DeviceError>;
+
+/// A sampled token with its logprobs when they were asked for.
+pub type Sampled = (u32, Option<TokenLogprobs>);
 
 /// The operations a model's forward needs. Every method works on whole flat batches.
 pub trait Device: Send + Unpin + 'static {
@@ -142,10 +151,10 @@ pub trait Device: Send + Unpin + 'static {
     fn tp(&self) -> TpRank;
     /// Sums `x` over every rank of the group, in place; each rank ends with the same
     /// values (RowParallelLinear, VocabParallelEmbedding). A no-op for a group of one.
-    fn all_reduce(&self, x: &mut Self::Tensor);
+    fn all_reduce(&self, x: &mut Self::Tensor) -> DevResult<()>;
     /// Every rank's `[rows, c]` shard, its first `keep` columns, side by side in rank order
     /// and cut at `total` columns: `[rows, total]` on every rank (ParallelLMHead's gather).
-    fn all_gather_cols(&self, x: &Self::Tensor, keep: usize, total: usize) -> Self::Tensor;
+    fn all_gather_cols(&self, x: &Self::Tensor, keep: usize, total: usize) -> DevResult<Self::Tensor>;
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
@@ -155,16 +164,26 @@ pub trait Device: Send + Unpin + 'static {
     fn kv_cache_elem_bytes(&self) -> usize {
         4
     }
-    fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Device memory allocations made so far (0 where the device does not count them): in
+    /// steady state a step makes none.
+    fn allocations(&self) -> u64 {
+        0
+    }
+    fn to_host(&self, t: &Self::Tensor) -> DevResult<Vec<f32>>;
     /// Waits for the work issued so far to finish (a no-op where operations are synchronous).
-    fn synchronize(&self);
+    fn synchronize(&self) -> DevResult<()>;
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
 
     /// `out[i] = table[ids[i]]` → `[ids.len(), hidden]`.
-    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> DevResult<Self::Tensor>;
     /// `x @ w^T (+ bias)`: `[n, in] × [out, in]` → `[n, out]`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Weight>) -> Self::Tensor;
-    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> Self::Tensor;
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+    ) -> DevResult<Self::Tensor>;
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32) -> DevResult<Self::Tensor>;
     /// Fused residual add and norm: `residual += x; return rms_norm(residual)`.
     fn add_rms_norm(
         &self,
@@ -172,10 +191,10 @@ pub trait Device: Send + Unpin + 'static {
         residual: &mut Self::Tensor,
         w: &Self::Weight,
         eps: f32,
-    ) -> Self::Tensor;
-    fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor);
+    ) -> DevResult<Self::Tensor>;
+    fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> DevResult<()>;
     /// `[n, 2·i]` holding gate then up → `silu(gate) · up` of shape `[n, i]`.
-    fn silu_mul(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul(&self, gate_up: &Self::Tensor) -> DevResult<Self::Tensor>;
     /// Splits the fused `[n, q + k + v]` projection and applies rotary embedding (HF's
     /// rotate-half layout) to q and k at each token's position. Returns (q, k, v).
     fn split_qkv_rope(
@@ -184,7 +203,7 @@ pub trait Device: Send + Unpin + 'static {
         shape: AttnShape,
         rope: &RopeSpec,
         positions: &[u32],
-    ) -> (Self::Tensor, Self::Tensor, Self::Tensor);
+    ) -> DevResult<(Self::Tensor, Self::Tensor, Self::Tensor)>;
     /// Writes k and v into the cache at `meta.slot_mapping`, then attends each query token
     /// over its sequence's cached context (causal: positions ≤ its own).
     fn paged_attention(
@@ -195,26 +214,32 @@ pub trait Device: Send + Unpin + 'static {
         cache: &mut Self::Cache,
         shape: AttnShape,
         meta: &AttnMetadata,
-    ) -> Self::Tensor;
+    ) -> DevResult<Self::Tensor>;
     /// One token per row of `logits` (row i for `inputs[i]`), with its logprobs where asked,
     /// by the rules of [`crate::sampling`]. By default the rows come to the host and are
     /// sampled there; a GPU samples them itself, so that only token ids (and requested
     /// logprobs) come back.
-    fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> Vec<(u32, Option<TokenLogprobs>)> {
+    fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
         use rayon::prelude::*;
-        let mut rows = self.to_host(&logits);
+        let mut rows = self.to_host(&logits)?;
         let vocab = rows.len() / inputs.len().max(1);
-        rows.par_chunks_mut(vocab.max(1))
+        Ok(rows
+            .par_chunks_mut(vocab.max(1))
             .zip(inputs)
             .map(|(row, inp)| crate::sampling::sample(row, inp))
-            .collect()
+            .collect())
     }
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> DevResult<Self::Tensor>;
 
     fn alloc_lora(&self, shape: LoraShape) -> Result<Self::Lora, DeviceError>;
     /// Loads an adapter's weights into `slot` (None clears the slot).
-    fn set_lora_slot(&self, lora: &mut Self::Lora, slot: usize, weights: Option<LoraSlotWeights>);
+    fn set_lora_slot(
+        &self,
+        lora: &mut Self::Lora,
+        slot: usize,
+        weights: Option<LoraSlotWeights>,
+    ) -> DevResult<()>;
     /// Batched LoRA (Punica's BGMV): for each row t with `slots[t] >= 0`,
     /// `y[t, offset..offset+out] += scale · B_s (A_s x[t])` with s = slots[t]; rows whose
     /// slot is negative (no adapter) are untouched. One call serves a mixed batch.
@@ -226,5 +251,5 @@ pub trait Device: Send + Unpin + 'static {
         x: &Self::Tensor,
         modules: &[(&Self::Lora, usize)],
         slots: &[i32],
-    );
+    ) -> DevResult<()>;
 }

@@ -14,7 +14,7 @@ use super::layers::{
 use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LORA_MODULES, LoraAdapter};
 use super::{CausalLM, LoadOptions, LoraCapacity, ModelError};
-use crate::kernels::{CacheShape, Device, LoraShape, LoraSlotWeights};
+use crate::kernels::{CacheShape, DevResult, Device, LoraShape, LoraSlotWeights};
 
 /// Checkpoint shards that load into fused parameters (vLLM's stacked_params_mapping).
 pub const STACKED_PARAMS: &[StackedParam] = &[
@@ -106,12 +106,12 @@ impl<D: Device> LayerLora<D> {
         x: &D::Tensor,
         range: std::ops::Range<usize>,
         meta: &AttnMetadata,
-    ) {
+    ) -> DevResult<()> {
         if meta.lora_slots.is_empty() {
-            return;
+            return Ok(());
         }
         let modules: Vec<(&D::Lora, usize)> = self.modules[range].iter().map(|(l, off)| (l, *off)).collect();
-        dev.add_lora(y, x, &modules, &meta.lora_slots);
+        dev.add_lora(y, x, &modules, &meta.lora_slots)
     }
 }
 
@@ -134,16 +134,21 @@ impl<D: Device> LlamaMlp<D> {
             down_proj: RowParallelLinear::load(dev, &w.pp("down_proj"), i, h)?,
         })
     }
-    fn forward(&self, dev: &D, x: &D::Tensor, lora: Option<&LayerLora<D>>, meta: &AttnMetadata) -> D::Tensor {
-        let mut gate_up = self.gate_up_proj.forward(dev, x); // [n, 2·intermediate]
+    fn forward(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        lora: Option<&LayerLora<D>>,
+        meta: &AttnMetadata,
+    ) -> DevResult<D::Tensor> {
+        let mut gate_up = self.gate_up_proj.forward(dev, x)?; // [n, 2·intermediate]
         if let Some(l) = lora {
-            l.apply(dev, &mut gate_up, x, GATE_UP, meta);
+            l.apply(dev, &mut gate_up, x, GATE_UP, meta)?;
         }
-        let act = dev.silu_mul(&gate_up); // [n, intermediate]
-        self.down_proj.forward_with(dev, &act, |out| {
-            if let Some(l) = lora {
-                l.apply(dev, out, &act, DOWN, meta);
-            }
+        let act = dev.silu_mul(&gate_up)?; // [n, intermediate]
+        self.down_proj.forward_with(dev, &act, |out| match lora {
+            Some(l) => l.apply(dev, out, &act, DOWN, meta),
+            None => Ok(()),
         }) // [n, hidden]
     }
 }
@@ -175,16 +180,15 @@ impl<D: Device> LlamaAttention<D> {
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
-    ) -> D::Tensor {
-        let mut qkv = self.qkv_proj.forward(dev, x); // [n, (heads + 2·kv_heads)·head_dim]
+    ) -> DevResult<D::Tensor> {
+        let mut qkv = self.qkv_proj.forward(dev, x)?; // [n, (heads + 2·kv_heads)·head_dim]
         if let Some(l) = lora {
-            l.apply(dev, &mut qkv, x, QKV, meta);
+            l.apply(dev, &mut qkv, x, QKV, meta)?;
         }
-        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta); // [n, heads·head_dim]
-        self.o_proj.forward_with(dev, &attn, |out| {
-            if let Some(l) = lora {
-                l.apply(dev, out, &attn, O, meta);
-            }
+        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, heads·head_dim]
+        self.o_proj.forward_with(dev, &attn, |out| match lora {
+            Some(l) => l.apply(dev, out, &attn, O, meta),
+            None => Ok(()),
         }) // [n, hidden]
     }
 }
@@ -260,23 +264,23 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
-    ) -> D::Tensor {
-        let mut residual = self.embed_tokens.forward(dev, input_ids); // [n, hidden]
-        let mut x = self.layers[0].input_layernorm.forward(dev, &residual);
+    ) -> DevResult<D::Tensor> {
+        let mut residual = self.embed_tokens.forward(dev, input_ids)?; // [n, hidden]
+        let mut x = self.layers[0].input_layernorm.forward(dev, &residual)?;
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             if i > 0 {
-                x = layer.input_layernorm.forward_residual(dev, &x, &mut residual);
+                x = layer.input_layernorm.forward_residual(dev, &x, &mut residual)?;
             }
             let lora = layer.lora.as_ref();
-            let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, lora, meta);
-            let h = layer.post_attention_layernorm.forward_residual(dev, &attn, &mut residual);
-            x = layer.mlp.forward(dev, &h, lora, meta);
+            let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, lora, meta)?;
+            let h = layer.post_attention_layernorm.forward_residual(dev, &attn, &mut residual)?;
+            x = layer.mlp.forward(dev, &h, lora, meta)?;
         }
         self.norm.forward_residual(dev, &x, &mut residual)
     }
 
-    fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> D::Tensor {
-        let last = dev.gather_rows(hidden, &meta.last_token_rows); // [num_seqs, hidden]
+    fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> DevResult<D::Tensor> {
+        let last = dev.gather_rows(hidden, &meta.last_token_rows)?; // [num_seqs, hidden]
         self.lm_head.forward(dev, &last, &self.embed_tokens, self.cfg.vocab_size) // [num_seqs, vocab]
     }
 
@@ -294,9 +298,9 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         self.weight_bytes
     }
 
-    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) {
+    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let Some(l) = layer.lora.as_mut() else { return };
+            let Some(l) = layer.lora.as_mut() else { return Ok(()) };
             for (m, ((buf, _), part)) in l.modules.iter_mut().zip(&l.parts).enumerate() {
                 let w = adapter.and_then(|a| a.weights.get(&(i, m)).map(|w| (a, w)));
                 let sliced = w.map(|(a, w)| (part.slice(&w.a, &w.b, a.rank), a.rank, a.scale));
@@ -306,9 +310,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
                     rank: *rank,
                     scale: *scale,
                 });
-                dev.set_lora_slot(buf, slot, slot_weights);
+                dev.set_lora_slot(buf, slot, slot_weights)?;
             }
         }
         debug_assert_eq!(LORA_MODULES.len(), 7);
+        Ok(())
     }
 }

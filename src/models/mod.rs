@@ -12,7 +12,7 @@ pub mod registry;
 
 use std::path::{Path, PathBuf};
 
-use crate::kernels::{CacheShape, Device, DeviceError};
+use crate::kernels::{CacheShape, DevResult, Device, DeviceError};
 use attn::AttnMetadata;
 
 #[derive(Debug, thiserror::Error)]
@@ -67,14 +67,14 @@ pub trait CausalLM<D: Device>: Send {
         positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
-    ) -> D::Tensor;
+    ) -> DevResult<D::Tensor>;
     /// Hidden states → `[num_seqs, vocab]` logits of each sequence's last token.
-    fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> D::Tensor;
+    fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> DevResult<D::Tensor>;
     /// Geometry of one layer's KV cache for `num_blocks` blocks, and the layer count.
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape);
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
     /// Places an adapter's weights in a LoRA slot (None clears it). A no-op on a model
     /// built without LoRA capacity: the scheduler never assigns slots then.
-    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>);
+    fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>) -> DevResult<()>;
 }

@@ -15,8 +15,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{
-    AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
-    TpRank,
+    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights,
+    RopeSpec, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use group::CpuGroup;
@@ -166,14 +166,15 @@ impl Device for CpuDevice {
         }
     }
 
-    fn all_reduce(&self, x: &mut CpuTensor) {
+    fn all_reduce(&self, x: &mut CpuTensor) -> DevResult<()> {
         if let Some(m) = &self.group {
             m.group.all_reduce(m.rank, &mut x.data);
         }
+        Ok(())
     }
 
-    fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> CpuTensor {
-        match &self.group {
+    fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> DevResult<CpuTensor> {
+        Ok(match &self.group {
             Some(m) => CpuTensor {
                 data: m.group.all_gather_cols(m.rank, &x.data, x.rows, keep, total),
                 rows: x.rows,
@@ -186,7 +187,7 @@ impl Device for CpuDevice {
                 }
                 out
             }
-        }
+        })
     }
 
     fn upload(&self, t: HostTensor<'_>) -> Result<CpuWeight, DeviceError> {
@@ -221,26 +222,28 @@ impl Device for CpuDevice {
         Ok(CpuCache { shape, k: vec![0.0; n], v: vec![0.0; n] })
     }
 
-    fn synchronize(&self) {}
+    fn synchronize(&self) -> DevResult<()> {
+        Ok(())
+    }
 
-    fn to_host(&self, t: &CpuTensor) -> Vec<f32> {
-        t.data.clone()
+    fn to_host(&self, t: &CpuTensor) -> DevResult<Vec<f32>> {
+        Ok(t.data.clone())
     }
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }
 
-    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+    fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> DevResult<CpuTensor> {
         let hidden = table.shape[1];
         let mut out = CpuTensor::zeros(ids.len(), hidden);
         for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
             table.row_f32(id as usize, row);
         }
-        out
+        Ok(out)
     }
 
-    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> CpuTensor {
+    fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> DevResult<CpuTensor> {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
         let mut out = CpuTensor::zeros(x.rows, n);
@@ -261,32 +264,39 @@ impl Device for CpuDevice {
                 }
             }
         }
-        out
+        Ok(out)
     }
 
-    fn rms_norm(&self, x: &CpuTensor, w: &CpuWeight, eps: f32) -> CpuTensor {
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuWeight, eps: f32) -> DevResult<CpuTensor> {
         let w = w.to_f32();
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         out.data
             .par_chunks_mut(x.cols)
             .zip(x.data.par_chunks(x.cols))
             .for_each(|(o, xi)| rms_row(xi, &w, eps, o));
-        out
+        Ok(out)
     }
 
-    fn add_rms_norm(&self, x: &CpuTensor, residual: &mut CpuTensor, w: &CpuWeight, eps: f32) -> CpuTensor {
-        self.add_inplace(residual, x);
+    fn add_rms_norm(
+        &self,
+        x: &CpuTensor,
+        residual: &mut CpuTensor,
+        w: &CpuWeight,
+        eps: f32,
+    ) -> DevResult<CpuTensor> {
+        self.add_inplace(residual, x)?;
         self.rms_norm(residual, w, eps)
     }
 
-    fn add_inplace(&self, acc: &mut CpuTensor, x: &CpuTensor) {
+    fn add_inplace(&self, acc: &mut CpuTensor, x: &CpuTensor) -> DevResult<()> {
         assert_eq!((acc.rows, acc.cols), (x.rows, x.cols), "add: shape mismatch");
         for (a, b) in acc.data.iter_mut().zip(&x.data) {
             *a += b;
         }
+        Ok(())
     }
 
-    fn silu_mul(&self, gate_up: &CpuTensor) -> CpuTensor {
+    fn silu_mul(&self, gate_up: &CpuTensor) -> DevResult<CpuTensor> {
         let i = gate_up.cols / 2;
         let mut out = CpuTensor::zeros(gate_up.rows, i);
         out.data.par_chunks_mut(i).zip(gate_up.data.par_chunks(gate_up.cols)).for_each(|(o, gu)| {
@@ -295,7 +305,7 @@ impl Device for CpuDevice {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         });
-        out
+        Ok(out)
     }
 
     fn split_qkv_rope(
@@ -304,7 +314,7 @@ impl Device for CpuDevice {
         s: AttnShape,
         rope: &RopeSpec,
         positions: &[u32],
-    ) -> (CpuTensor, CpuTensor, CpuTensor) {
+    ) -> DevResult<(CpuTensor, CpuTensor, CpuTensor)> {
         let (qn, kn) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
         let n = qkv.rows;
         let (mut q, mut k, mut v) =
@@ -326,7 +336,7 @@ impl Device for CpuDevice {
             rotate_half(&mut q.data[t * qn..(t + 1) * qn], s.head_dim, &cos, &sin);
             rotate_half(&mut k.data[t * kn..(t + 1) * kn], s.head_dim, &cos, &sin);
         }
-        (q, k, v)
+        Ok((q, k, v))
     }
 
     fn paged_attention(
@@ -337,9 +347,9 @@ impl Device for CpuDevice {
         cache: &mut CpuCache,
         shape: AttnShape,
         meta: &AttnMetadata,
-    ) -> CpuTensor {
+    ) -> DevResult<CpuTensor> {
         attention::write_kv(cache, k, v, &meta.slot_mapping);
-        attention::attend(q, cache, shape, meta)
+        Ok(attention::attend(q, cache, shape, meta))
     }
 
     fn alloc_lora(&self, shape: LoraShape) -> Result<lora::CpuLora, DeviceError> {
@@ -349,20 +359,33 @@ impl Device for CpuDevice {
         Ok(lora::CpuLora::new(shape))
     }
 
-    fn set_lora_slot(&self, l: &mut lora::CpuLora, slot: usize, weights: Option<LoraSlotWeights>) {
+    fn set_lora_slot(
+        &self,
+        l: &mut lora::CpuLora,
+        slot: usize,
+        weights: Option<LoraSlotWeights>,
+    ) -> DevResult<()> {
         l.set(slot, weights);
+        Ok(())
     }
 
-    fn add_lora(&self, y: &mut CpuTensor, x: &CpuTensor, modules: &[(&lora::CpuLora, usize)], slots: &[i32]) {
+    fn add_lora(
+        &self,
+        y: &mut CpuTensor,
+        x: &CpuTensor,
+        modules: &[(&lora::CpuLora, usize)],
+        slots: &[i32],
+    ) -> DevResult<()> {
         lora::apply(y, x, modules, slots);
+        Ok(())
     }
 
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> DevResult<CpuTensor> {
         let mut out = CpuTensor::zeros(rows.len(), x.cols);
         for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {
             o.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
         }
-        out
+        Ok(out)
     }
 }
 

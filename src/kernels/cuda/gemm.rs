@@ -4,11 +4,17 @@
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
-use super::{CudaDevice, CudaTensor};
+use super::{CudaDevice, CudaTensor, DevResult, cuda};
 
 impl CudaDevice {
     /// `out = x @ wᵀ` via cuBLAS (column-major: outᵀ[n, m] = w[n, k] · xᵀ[k, m]).
-    pub(super) fn gemm(&self, x: &CudaTensor, w: &CudaSlice<f32>, n: usize, out: &mut CudaSlice<f32>) {
+    pub(super) fn gemm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<f32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> DevResult<()> {
         let (m, k) = (x.rows as i32, x.cols as i32);
         let cfg = GemmConfig {
             transa: cublasOperation_t::CUBLAS_OP_T,
@@ -25,7 +31,7 @@ impl CudaDevice {
         let _t = self.span("gemm_f32", (n, k as usize), m as usize);
         // SAFETY: w is [n, k] row-major (= k×n column-major, transposed to n×k), x is
         // [m, k] row-major (= k×m column-major), out holds m·n floats.
-        unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.expect("cuBLAS sgemm");
+        unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.map_err(cuda("cuBLAS sgemm"))
     }
 
     /// `out = x @ wᵀ` for 16-bit weights: x is rounded to the weight's type, cuBLAS
@@ -37,7 +43,7 @@ impl CudaDevice {
         n: usize,
         out: &mut CudaSlice<f32>,
         f16: bool,
-    ) {
+    ) -> DevResult<()> {
         use cudarc::cublas::sys::cudaDataType;
         use cudarc::driver::DevicePtr;
         let (m, k) = (x.rows, x.cols);
@@ -45,16 +51,13 @@ impl CudaDevice {
         if let Some(h) = x.half.as_ref().filter(|h| h.kind == if f16 { 2 } else { 1 }) {
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             let (xp, _x) = h.buf.device_ptr(&self.stream);
-            self.gemm_16_raw(w, xp, ty, n, m, k, out);
-            return;
+            return self.gemm_16_raw(w, xp, ty, n, m, k, out);
         }
         let total = (m * k) as i64;
         let mut scratch = self.scratch16.borrow_mut();
         if scratch.as_ref().is_none_or(|b| b.len() < m * k) {
             // SAFETY: the conversion below writes the m·k values the GEMM reads.
-            *scratch = Some(
-                unsafe { self.stream.alloc::<u16>((m * k).next_power_of_two()) }.expect("device allocation"),
-            );
+            *scratch = Some(unsafe { self.uninit::<u16>((m * k).next_power_of_two()) }?);
         }
         let xh = scratch.as_mut().expect("allocated above");
         let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
@@ -68,11 +71,11 @@ impl CudaDevice {
                 .arg(&total)
                 .launch(Self::grid(total as usize))
         }
-        .expect("conversion launch");
+        .map_err(cuda("conversion launch"))?;
         drop(t);
         let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
         let (xp, _x) = xh.device_ptr(&self.stream);
-        self.gemm_16_raw(w, xp, ty, n, m, k, out);
+        self.gemm_16_raw(w, xp, ty, n, m, k, out)
     }
 
     /// `out = x @ wᵀ` with x `[m, k]` of 16-bit type `ty` at device address `xp`.
@@ -86,7 +89,7 @@ impl CudaDevice {
         m: usize,
         k: usize,
         out: &mut CudaSlice<f32>,
-    ) {
+    ) -> DevResult<()> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -116,6 +119,6 @@ impl CudaDevice {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .expect("cuBLAS GemmEx");
+        .map_err(cuda("cuBLAS GemmEx"))
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{AttnShape, CacheShape, DType, DeviceError, LoraShape, RopeSpec, TpRank};
+use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, LoraShape, RopeSpec, TpRank};
 
 mod gemm;
 mod ops;
@@ -65,6 +65,12 @@ const KERNELS: [&str; 27] = [
 
 fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
+}
+
+/// A failed CUDA call (launch, copy, allocation, library call) as a [`DeviceError`] naming
+/// what was being done.
+fn cuda<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> DeviceError {
+    move |e| DeviceError::Cuda { what, detail: format!("{e:?}") }
 }
 
 /// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'
@@ -205,6 +211,8 @@ pub struct CudaDevice {
     act16: std::cell::Cell<i32>,
     /// Prefill attention on tensor cores: by default for 16-bit models on sm_80 and later.
     tensor_core_attention: std::cell::Cell<Option<bool>>,
+    /// Device buffers allocated so far (`Device::allocations`).
+    allocs: std::cell::Cell<u64>,
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -297,6 +305,7 @@ impl CudaDevice {
             prof,
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
+            allocs: std::cell::Cell::new(0),
         })
     }
 
@@ -348,19 +357,20 @@ impl CudaDevice {
 
     /// An uninitialized 16-bit copy for a `[rows, cols]` output when GEMMs take 16-bit
     /// inputs, with the kernels' `kind` argument (0: none).
-    fn half(&self, rows: usize, cols: usize) -> (Option<Half>, i32) {
-        match self.act16.get() {
+    fn half(&self, rows: usize, cols: usize) -> DevResult<(Option<Half>, i32)> {
+        Ok(match self.act16.get() {
             0 => (None, 0),
-            kind => (Some(Half { buf: self.tensor((rows * cols).div_ceil(2), 1).buf, kind }), kind),
-        }
+            kind => (Some(Half { buf: self.tensor((rows * cols).div_ceil(2), 1)?.buf, kind }), kind),
+        })
     }
 
-    fn inv_freq(&self, rope: &RopeSpec) {
+    fn inv_freq(&self, rope: &RopeSpec) -> DevResult<()> {
         if self.inv_freq.borrow().as_ref().is_some_and(|(h, _)| *h == rope.inv_freq) {
-            return;
+            return Ok(());
         }
-        let dev = self.stream.clone_htod(&rope.inv_freq).expect("host to device copy");
+        let dev = self.htod(&rope.inv_freq)?;
         *self.inv_freq.borrow_mut() = Some((rope.inv_freq.clone(), dev));
+        Ok(())
     }
 
     /// RMSNorm of each row, after `residual += x` when a residual is given (the kernel
@@ -371,9 +381,9 @@ impl CudaDevice {
         residual: Option<&mut CudaTensor>,
         w: &CudaWeight,
         eps: f32,
-    ) -> CudaTensor {
-        let mut out = self.tensor(x.rows, x.cols);
-        let (mut half, kind) = self.half(x.rows, x.cols);
+    ) -> DevResult<CudaTensor> {
+        let mut out = self.tensor(x.rows, x.cols)?;
+        let (mut half, kind) = self.half(x.rows, x.cols)?;
         let cols = x.cols as i32;
         let _t = self.span(if residual.is_some() { "add_rms_norm" } else { "rms_norm" }, (0, 0), x.rows);
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
@@ -394,14 +404,14 @@ impl CudaDevice {
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values; half (when
         // kind is not 0) holds rows·cols 16-bit values.
-        unsafe { launch.arg(&kind).arg(&cols).arg(&eps).launch(cfg) }.expect("rms_norm launch");
+        unsafe { launch.arg(&kind).arg(&cols).arg(&eps).launch(cfg) }.map_err(cuda("rms_norm launch"))?;
         out.half = half;
-        out
+        Ok(out)
     }
 
     /// Times the operation issued until the span drops (profiling only).
     fn span(&self, name: &'static str, nk: (usize, usize), rows: usize) -> Option<profile::Span<'_>> {
-        self.prof.as_ref().map(|p| p.span(&self.stream, name, nk, rows))
+        self.prof.as_ref().and_then(|p| p.span(&self.stream, name, nk, rows))
     }
 
     pub fn arch(&self) -> &str {
@@ -442,34 +452,61 @@ impl CudaDevice {
 
     /// An uninitialized activation tensor: every kernel and GEMM that makes one writes all
     /// of it, so it is not cleared first.
-    fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+    fn tensor(&self, rows: usize, cols: usize) -> DevResult<CudaTensor> {
         let len = (rows * cols).max(1).next_power_of_two();
-        let slice = self.pool.take(len).unwrap_or_else(|| {
+        let slice = match self.pool.take(len) {
+            Some(s) => s,
             // SAFETY: callers write every element before anything reads it.
-            unsafe { self.stream.alloc::<f32>(len) }.expect("device allocation")
-        });
+            None => unsafe { self.uninit::<f32>(len) }?,
+        };
         let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(self.pool.clone()) };
-        CudaTensor { buf, rows, cols, half: None }
+        Ok(CudaTensor { buf, rows, cols, half: None })
+    }
+
+    /// A new zeroed device buffer. Every allocation goes through this, [`Self::uninit`] or
+    /// [`Self::htod`], which count them (see `Device::allocations`).
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> DevResult<CudaSlice<T>> {
+        self.allocs.set(self.allocs.get() + 1);
+        self.stream.alloc_zeros(n).map_err(cuda("device allocation"))
+    }
+
+    /// A new device buffer left uninitialized.
+    ///
+    /// # Safety
+    /// Nothing may read an element before it is written.
+    unsafe fn uninit<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> DevResult<CudaSlice<T>> {
+        self.allocs.set(self.allocs.get() + 1);
+        // SAFETY: the caller's contract.
+        unsafe { self.stream.alloc(n) }.map_err(cuda("device allocation"))
+    }
+
+    /// A new device buffer holding `v`.
+    fn htod<T: cudarc::driver::DeviceRepr>(&self, v: &[T]) -> DevResult<CudaSlice<T>> {
+        self.allocs.set(self.allocs.get() + 1);
+        self.stream.clone_htod(v).map_err(cuda("host to device copy"))
     }
 
     /// Uploads 16-bit elements, straight from `bytes` when they are 2-byte aligned (the
     /// memory-mapped checkpoint's are).
-    fn upload_u16(&self, bytes: &[u8]) -> Result<CudaSlice<u16>, DeviceError> {
+    fn upload_u16(&self, bytes: &[u8]) -> DevResult<CudaSlice<u16>> {
         match bytemuck::try_cast_slice::<u8, u16>(bytes) {
-            Ok(v) => self.stream.clone_htod(v).map_err(err),
-            Err(_) => self.stream.clone_htod(&bytemuck::pod_collect_to_vec::<u8, u16>(bytes)).map_err(err),
+            Ok(v) => self.htod(v),
+            Err(_) => self.htod(&bytemuck::pod_collect_to_vec::<u8, u16>(bytes)),
         }
     }
 
     /// Copies host f32 data into a new device tensor (tests and benchmarks).
-    pub fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
-        let slice = self.stream.clone_htod(data).expect("host to device copy");
-        CudaTensor {
+    pub fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> DevResult<CudaTensor> {
+        let slice = self.htod(data)?;
+        Ok(CudaTensor {
             buf: PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: None },
             rows,
             cols,
             half: None,
-        }
+        })
     }
 
     fn grid(n: usize) -> LaunchConfig {
@@ -494,18 +531,18 @@ impl<T> WeightArg for CudaSlice<T> {
 
 impl CudaDevice {
     /// Device-to-device copy bandwidth in bytes/s (the bound for weight-streaming decode).
-    pub fn copy_bandwidth(&self) -> f64 {
+    pub fn copy_bandwidth(&self) -> DevResult<f64> {
         let n = 256usize << 20; // 1 GiB of f32
-        let src = self.stream.alloc_zeros::<f32>(n).expect("device allocation");
-        let mut dst = self.stream.alloc_zeros::<f32>(n).expect("device allocation");
-        self.stream.memcpy_dtod(&src, &mut dst).expect("copy");
-        self.stream.synchronize().expect("sync");
+        let src = self.zeros::<f32>(n)?;
+        let mut dst = self.zeros::<f32>(n)?;
+        self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda("copy"))?;
+        self.stream.synchronize().map_err(cuda("sync"))?;
         let start = std::time::Instant::now();
         for _ in 0..5 {
-            self.stream.memcpy_dtod(&src, &mut dst).expect("copy");
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda("copy"))?;
         }
-        self.stream.synchronize().expect("sync");
+        self.stream.synchronize().map_err(cuda("sync"))?;
         // A copy reads and writes every byte.
-        (5 * 2 * n * 4) as f64 / start.elapsed().as_secs_f64()
+        Ok((5 * 2 * n * 4) as f64 / start.elapsed().as_secs_f64())
     }
 }

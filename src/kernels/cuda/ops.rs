@@ -4,14 +4,14 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
-    CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, Half, KvBuf, StepBufs, WeightArg, WeightBuf, err,
+    CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, Half, KvBuf, StepBufs, WeightArg, WeightBuf,
+    cuda,
 };
 use crate::kernels::{
-    AttnShape, CacheShape, DType, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
-    TpRank,
+    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights,
+    RopeSpec, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
-use crate::request::TokenLogprobs;
 use crate::sampling::{DeviceRows, LOGPROB_WORDS, SampleInput};
 
 impl Device for CudaDevice {
@@ -29,24 +29,25 @@ impl Device for CudaDevice {
         self.tp
     }
 
-    fn all_reduce(&self, x: &mut CudaTensor) {
+    fn all_reduce(&self, x: &mut CudaTensor) -> DevResult<()> {
         if let Some(c) = &self.comm {
             let n = x.rows * x.cols;
             let _t = self.span("all_reduce", (0, 0), x.rows);
             c.all_reduce_in_place(&mut x.buf.slice_mut(0..n), &cudarc::nccl::ReduceOp::Sum)
-                .expect("NCCL all-reduce");
+                .map_err(cuda("NCCL all-reduce"))?;
         }
+        Ok(())
     }
 
-    fn all_gather_cols(&self, x: &CudaTensor, keep: usize, total: usize) -> CudaTensor {
-        let mut out = self.tensor(x.rows, total);
+    fn all_gather_cols(&self, x: &CudaTensor, keep: usize, total: usize) -> DevResult<CudaTensor> {
+        let mut out = self.tensor(x.rows, total)?;
         let gathered;
         let parts = match &self.comm {
             Some(c) => {
                 // NCCL writes all world·rows·cols values.
-                let mut p = self.tensor(self.tp.world * x.rows, x.cols);
+                let mut p = self.tensor(self.tp.world * x.rows, x.cols)?;
                 let _t = self.span("all_gather", (0, 0), x.rows);
-                c.all_gather(&x.view(), &mut *p.buf).expect("NCCL all-gather");
+                c.all_gather(&x.view(), &mut *p.buf).map_err(cuda("NCCL all-gather"))?;
                 gathered = p;
                 &*gathered.buf
             }
@@ -65,8 +66,8 @@ impl Device for CudaDevice {
                 .arg(&total_i)
                 .launch(Self::rows(x.rows))
         }
-        .expect("join shards launch");
-        out
+        .map_err(cuda("join shards launch"))?;
+        Ok(out)
     }
 
     fn memory_info(&self) -> Option<(usize, usize)> {
@@ -93,7 +94,7 @@ impl Device for CudaDevice {
                 let mut bytes = Vec::new();
                 DType::F32.convert_from(t.dtype, &t.data, &mut bytes);
                 let host: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
-                WeightBuf::F32(self.stream.clone_htod(&host).map_err(err)?)
+                WeightBuf::F32(self.htod(&host)?)
             }
         };
         Ok(CudaWeight { shape: t.shape, buf })
@@ -104,8 +105,8 @@ impl Device for CudaDevice {
         let (sfx, kernels) = self.kv_kernels();
         let buf = || -> Result<KvBuf, DeviceError> {
             Ok(match sfx {
-                "f32" => KvBuf::F32(self.stream.alloc_zeros(n).map_err(err)?),
-                _ => KvBuf::Half(self.stream.alloc_zeros(n).map_err(err)?),
+                "f32" => KvBuf::F32(self.zeros(n)?),
+                _ => KvBuf::Half(self.zeros(n)?),
             })
         };
         Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels })
@@ -115,22 +116,26 @@ impl Device for CudaDevice {
         if self.act16.get() == 0 { 4 } else { 2 }
     }
 
-    fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
-        self.stream.clone_dtoh(&t.view()).expect("device to host copy")
+    fn allocations(&self) -> u64 {
+        self.allocs.get()
     }
 
-    fn synchronize(&self) {
-        self.stream.synchronize().expect("stream synchronize");
+    fn to_host(&self, t: &CudaTensor) -> DevResult<Vec<f32>> {
+        self.stream.clone_dtoh(&t.view()).map_err(cuda("device to host copy"))
+    }
+
+    fn synchronize(&self) -> DevResult<()> {
+        self.stream.synchronize().map_err(cuda("stream synchronize"))
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }
 
-    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+    fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> DevResult<CudaTensor> {
         let hidden = table.shape[1];
-        let mut out = self.tensor(ids.len(), hidden);
-        let ids = self.stage("embedding ids", ids);
+        let mut out = self.tensor(ids.len(), hidden)?;
+        let ids = self.stage("embedding ids", ids)?;
         let _t = self.span("embedding", (0, 0), ids.len());
         let h = hidden as i32;
         let cfg = Self::rows(out.rows);
@@ -142,19 +147,20 @@ impl Device for CudaDevice {
         let mut launch = self.stream.launch_builder(self.f(name));
         table_ptr.push(&mut launch);
         // SAFETY: table is [vocab, hidden]; ids were validated against the vocabulary at admission.
-        unsafe { launch.arg(&ids).arg(&mut *out.buf).arg(&h).launch(cfg) }.expect("embedding launch");
+        unsafe { launch.arg(&ids).arg(&mut *out.buf).arg(&h).launch(cfg) }
+            .map_err(cuda("embedding launch"))?;
         self.restage("embedding ids", ids);
-        out
+        Ok(out)
     }
 
-    fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> CudaTensor {
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> DevResult<CudaTensor> {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
-        let mut out = self.tensor(x.rows, n);
+        let mut out = self.tensor(x.rows, n)?;
         match &w.buf {
-            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf),
-            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false),
-            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true),
+            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf)?,
+            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false)?,
+            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true)?,
         }
         if let Some(b) = bias {
             let _t = self.span("add_bias", (0, 0), x.rows);
@@ -170,12 +176,12 @@ impl Device for CudaDevice {
                     .arg(&total)
                     .launch(Self::grid(total as usize))
             }
-            .expect("bias launch");
+            .map_err(cuda("bias launch"))?;
         }
-        out
+        Ok(out)
     }
 
-    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> CudaTensor {
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> DevResult<CudaTensor> {
         self.norm(x, None, w, eps)
     }
 
@@ -185,11 +191,11 @@ impl Device for CudaDevice {
         residual: &mut CudaTensor,
         w: &CudaWeight,
         eps: f32,
-    ) -> CudaTensor {
+    ) -> DevResult<CudaTensor> {
         self.norm(x, Some(residual), w, eps)
     }
 
-    fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) {
+    fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) -> DevResult<()> {
         let n = (acc.rows * acc.cols) as i64;
         let _t = self.span("add", (0, 0), acc.rows);
         // SAFETY: both hold n values.
@@ -201,13 +207,14 @@ impl Device for CudaDevice {
                 .arg(&n)
                 .launch(Self::grid(n as usize))
         }
-        .expect("add launch");
+        .map_err(cuda("add launch"))?;
+        Ok(())
     }
 
-    fn silu_mul(&self, gate_up: &CudaTensor) -> CudaTensor {
+    fn silu_mul(&self, gate_up: &CudaTensor) -> DevResult<CudaTensor> {
         let inter = gate_up.cols / 2;
-        let mut out = self.tensor(gate_up.rows, inter);
-        let (mut half, kind) = self.half(gate_up.rows, inter);
+        let mut out = self.tensor(gate_up.rows, inter)?;
+        let (mut half, kind) = self.half(gate_up.rows, inter)?;
         let total = (gate_up.rows * inter) as i64;
         let i = inter as i32;
         let _t = self.span("silu_mul", (0, 0), gate_up.rows);
@@ -219,9 +226,9 @@ impl Device for CudaDevice {
         };
         // SAFETY: gate_up is [rows, 2·inter], out [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
         unsafe { launch.arg(&kind).arg(&i).arg(&total).launch(Self::grid(total as usize)) }
-            .expect("silu_mul launch");
+            .map_err(cuda("silu_mul launch"))?;
         out.half = half;
-        out
+        Ok(out)
     }
 
     fn split_qkv_rope(
@@ -230,17 +237,17 @@ impl Device for CudaDevice {
         s: AttnShape,
         rope: &RopeSpec,
         positions: &[u32],
-    ) -> (CudaTensor, CudaTensor, CudaTensor) {
+    ) -> DevResult<(CudaTensor, CudaTensor, CudaTensor)> {
         let n = qkv.rows;
         let (mut q, mut k, mut v) = (
-            self.tensor(n, s.num_heads * s.head_dim),
-            self.tensor(n, s.num_kv_heads * s.head_dim),
-            self.tensor(n, s.num_kv_heads * s.head_dim),
+            self.tensor(n, s.num_heads * s.head_dim)?,
+            self.tensor(n, s.num_kv_heads * s.head_dim)?,
+            self.tensor(n, s.num_kv_heads * s.head_dim)?,
         );
-        self.rope_positions(positions);
+        self.rope_positions(positions)?;
         let pos_guard = self.rope_positions.borrow();
         let pos = &pos_guard.as_ref().expect("uploaded above").1;
-        self.inv_freq(rope);
+        self.inv_freq(rope)?;
         let inv_guard = self.inv_freq.borrow();
         let inv = &inv_guard.as_ref().expect("uploaded above").1;
         let (h, kvh, hd, half) =
@@ -266,8 +273,8 @@ impl Device for CudaDevice {
                     shared_mem_bytes: 0,
                 })
         }
-        .expect("rope launch");
-        (q, k, v)
+        .map_err(cuda("rope launch"))?;
+        Ok((q, k, v))
     }
 
     fn paged_attention(
@@ -278,9 +285,9 @@ impl Device for CudaDevice {
         cache: &mut CudaCache,
         s: AttnShape,
         meta: &AttnMetadata,
-    ) -> CudaTensor {
+    ) -> DevResult<CudaTensor> {
         let width = (s.num_kv_heads * s.head_dim) as i32;
-        self.step_bufs(meta, self.flash_for(s));
+        self.step_bufs(meta, self.flash_for(s))?;
         let guard = self.step.borrow();
         let b = guard.as_ref().expect("uploaded above");
         let t = self.span("write_kv", (0, 0), k.rows);
@@ -291,11 +298,12 @@ impl Device for CudaDevice {
         kc.push(&mut launch);
         vc.push(&mut launch);
         // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
-        unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }.expect("write_kv launch");
+        unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }
+            .map_err(cuda("write_kv launch"))?;
         drop(t);
         let cols = s.num_heads * s.head_dim;
-        let mut out = self.tensor(q.rows, cols);
-        let (mut half, kind) = self.half(q.rows, cols);
+        let mut out = self.tensor(q.rows, cols)?;
+        let (mut half, kind) = self.half(q.rows, cols)?;
         let dims = AttnDims {
             heads: s.num_heads as i32,
             kv_heads: s.num_kv_heads as i32,
@@ -321,17 +329,17 @@ impl Device for CudaDevice {
             };
             // SAFETY: tiles hold rows of one sequence each; every index is bounded by the
             // step's metadata; out (and half) are [rows, heads·head_dim].
-            unsafe { launch.launch(cfg) }.expect("flash_prefill launch");
+            unsafe { launch.launch(cfg) }.map_err(cuda("flash_prefill launch"))?;
         }
         if b.num_rows == 0 {
             out.half = half;
-            return out;
+            return Ok(out);
         }
         if let Some(part) = split_partition(b.num_rows, s, b.ctx_max) {
             let parts_max = b.ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;
-            let mut part_out = self.tensor(slots, s.head_dim);
-            let (mut part_max, mut part_sum) = (self.tensor(slots, 1), self.tensor(slots, 1));
+            let mut part_out = self.tensor(slots, s.head_dim)?;
+            let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
             let group = s.num_heads / s.num_kv_heads;
             let cfg = LaunchConfig {
                 grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max as u32),
@@ -350,7 +358,7 @@ impl Device for CudaDevice {
             launch.arg(&part_i).arg(&parts_i);
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out).
-            unsafe { launch.launch(cfg) }.expect("paged_attention_split launch");
+            unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_split launch"))?;
             drop(t);
             let _t = self.span("attention_reduce", (0, 0), b.num_rows);
             let cfg = LaunchConfig {
@@ -369,9 +377,9 @@ impl Device for CudaDevice {
                 .arg(&part_i)
                 .arg(&parts_i);
             // SAFETY: as above; out (and half) are [rows, heads·head_dim].
-            unsafe { launch.launch(cfg) }.expect("paged_attention_reduce launch");
+            unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_reduce launch"))?;
             out.half = half;
-            return out;
+            return Ok(out);
         }
         let _t = self.span("attention", (0, 0), b.num_rows);
         let cfg = LaunchConfig {
@@ -389,28 +397,24 @@ impl Device for CudaDevice {
         push_tables(&mut launch, b);
         dims.push(&mut launch);
         // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
-        unsafe { launch.launch(cfg) }.expect("paged_attention launch");
+        unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
         out.half = half;
-        out
+        Ok(out)
     }
 
-    fn sample_rows(
-        &self,
-        mut logits: CudaTensor,
-        inputs: &[SampleInput],
-    ) -> Vec<(u32, Option<TokenLogprobs>)> {
+    fn sample_rows(&self, mut logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
         let (rows, cols) = (logits.rows, logits.cols);
         assert_eq!(rows, inputs.len(), "one sampling input per row of logits");
         if rows == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let enc = DeviceRows::encode(inputs, cols);
-        let params = self.stage("sample params", &enc.params);
-        let mut entries = self.stage("sample entries", &enc.entries);
+        let params = self.stage("sample params", &enc.params)?;
+        let mut entries = self.stage("sample entries", &enc.entries)?;
         let out_len = rows * (1 + LOGPROB_WORDS);
-        let mut out = self.stage("sample out", &[]);
+        let mut out = self.stage("sample out", &[])?;
         if out.len() < out_len {
-            out = self.stream.alloc_zeros::<u32>(out_len.next_power_of_two()).expect("device allocation");
+            out = self.zeros::<u32>(out_len.next_power_of_two())?;
         }
         let (n, c) = (rows as i32, cols as i32);
         let cfg =
@@ -430,21 +434,21 @@ impl Device for CudaDevice {
                 .arg(&c)
                 .launch(cfg)
         }
-        .expect("sample launch");
+        .map_err(cuda("sample launch"))?;
         drop(t);
         let copy_len = if enc.logprobs { out_len } else { rows };
-        let words = self.stream.clone_dtoh(&out.slice(0..copy_len)).expect("device to host copy");
+        let words = self.stream.clone_dtoh(&out.slice(0..copy_len)).map_err(cuda("device to host copy"))?;
         self.restage("sample params", params);
         self.restage("sample entries", entries);
         self.restage("sample out", out);
         let (tokens, logprobs) = words.split_at(rows);
-        DeviceRows::decode(inputs, tokens, logprobs, cols)
+        Ok(DeviceRows::decode(inputs, tokens, logprobs, cols))
     }
 
-    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
-        let mut out = self.tensor(rows.len(), x.cols);
+    fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> DevResult<CudaTensor> {
+        let mut out = self.tensor(rows.len(), x.cols)?;
         let r: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let r = self.stage("gathered rows", &r);
+        let r = self.stage("gathered rows", &r)?;
         let cols = x.cols as i32;
         let _t = self.span("gather_rows", (0, 0), rows.len());
         // SAFETY: rows index inside x.
@@ -457,23 +461,23 @@ impl Device for CudaDevice {
                 .arg(&cols)
                 .launch(Self::rows(rows.len()))
         }
-        .expect("gather launch");
+        .map_err(cuda("gather launch"))?;
         self.restage("gathered rows", r);
-        out
+        Ok(out)
     }
 
     fn alloc_lora(&self, shape: LoraShape) -> Result<CudaLora, DeviceError> {
         let (s, r) = (shape.slots, shape.max_rank);
         Ok(CudaLora {
             shape,
-            a: self.stream.alloc_zeros(s * r * shape.in_features).map_err(err)?,
-            bt: self.stream.alloc_zeros(s * r * shape.out_features).map_err(err)?,
+            a: self.zeros(s * r * shape.in_features)?,
+            bt: self.zeros(s * r * shape.out_features)?,
             ranks: vec![0; s],
-            ranks_dev: self.stream.alloc_zeros(s.max(1)).map_err(err)?,
+            ranks_dev: self.zeros(s.max(1))?,
         })
     }
 
-    fn set_lora_slot(&self, l: &mut CudaLora, slot: usize, w: Option<LoraSlotWeights>) {
+    fn set_lora_slot(&self, l: &mut CudaLora, slot: usize, w: Option<LoraSlotWeights>) -> DevResult<()> {
         let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = l.shape;
         let mut a = vec![0f32; rm * fin];
         let mut bt = vec![0f32; rm * fout];
@@ -488,15 +492,21 @@ impl Device for CudaDevice {
             l.ranks[slot] = w.rank as i32;
         }
         let mut av = l.a.slice_mut(slot * rm * fin..(slot + 1) * rm * fin);
-        self.stream.memcpy_htod(&a, &mut av).expect("host to device copy");
+        self.stream.memcpy_htod(&a, &mut av).map_err(cuda("host to device copy"))?;
         let mut bv = l.bt.slice_mut(slot * rm * fout..(slot + 1) * rm * fout);
-        self.stream.memcpy_htod(&bt, &mut bv).expect("host to device copy");
-        self.stream.memcpy_htod(&l.ranks, &mut l.ranks_dev).expect("host to device copy");
+        self.stream.memcpy_htod(&bt, &mut bv).map_err(cuda("host to device copy"))?;
+        self.stream.memcpy_htod(&l.ranks, &mut l.ranks_dev).map_err(cuda("host to device copy"))
     }
 
-    fn add_lora(&self, y: &mut CudaTensor, x: &CudaTensor, modules: &[(&CudaLora, usize)], slots: &[i32]) {
+    fn add_lora(
+        &self,
+        y: &mut CudaTensor,
+        x: &CudaTensor,
+        modules: &[(&CudaLora, usize)],
+        slots: &[i32],
+    ) -> DevResult<()> {
         // The kernel reads the slots as int: same bits.
-        let s = self.stage("lora slots", bytemuck::cast_slice(slots));
+        let s = self.stage("lora slots", bytemuck::cast_slice(slots))?;
         for (l, off) in modules {
             let LoraShape { max_rank, in_features, out_features, .. } = l.shape;
             let args = [max_rank as i32, in_features as i32, out_features as i32, *off as i32, y.cols as i32];
@@ -523,9 +533,10 @@ impl Device for CudaDevice {
                     .arg(&args[4])
                     .launch(cfg)
             }
-            .expect("lora launch");
+            .map_err(cuda("lora launch"))?;
         }
         self.restage("lora slots", s);
+        Ok(())
     }
 }
 

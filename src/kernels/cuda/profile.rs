@@ -41,11 +41,14 @@ impl Profiler {
         })
     }
 
-    fn event(&self) -> CudaEvent {
-        self.free
-            .borrow_mut()
-            .pop()
-            .unwrap_or_else(|| self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("CUDA event"))
+    /// An event recorded on `stream` now (None when CUDA refuses one: the span is skipped).
+    fn event(&self, stream: &CudaStream) -> Option<CudaEvent> {
+        let e = match self.free.borrow_mut().pop() {
+            Some(e) => e,
+            None => self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok()?,
+        };
+        e.record(stream).ok()?;
+        Some(e)
     }
 
     /// Starts timing `name` (shape `[n, k]`, `rows` rows) on `stream`.
@@ -55,16 +58,15 @@ impl Profiler {
         name: &'static str,
         nk: (usize, usize),
         rows: usize,
-    ) -> Span<'a> {
-        let start = self.event();
-        start.record(stream).expect("CUDA event record");
+    ) -> Option<Span<'a>> {
+        let start = self.event(stream)?;
         let bucket = match rows {
             0..=1 => 1,
             2..=16 => 16,
             17..=256 => 256,
             _ => usize::MAX,
         };
-        Span { prof: self, stream, key: (name, nk.0, nk.1, bucket), start: Some(start) }
+        Some(Span { prof: self, stream, key: (name, nk.0, nk.1, bucket), start: Some(start) })
     }
 
     /// Reads back every finished span (waits for the stream to reach the last one).
@@ -73,9 +75,9 @@ impl Profiler {
         let mut totals = self.totals.borrow_mut();
         let mut free = self.free.borrow_mut();
         for (key, start, end) in pending {
-            let ms = start.elapsed_ms(&end).expect("CUDA event elapsed") as f64;
+            let Ok(ms) = start.elapsed_ms(&end) else { continue };
             let e = totals.entry(key).or_default();
-            e.0 += ms;
+            e.0 += ms as f64;
             e.1 += 1;
             free.push(start);
             free.push(end);
@@ -117,9 +119,7 @@ impl Drop for Profiler {
 
 impl Drop for Span<'_> {
     fn drop(&mut self) {
-        let end = self.prof.event();
-        end.record(self.stream).expect("CUDA event record");
-        let start = self.start.take().expect("set at creation");
+        let (Some(end), Some(start)) = (self.prof.event(self.stream), self.start.take()) else { return };
         let mut pending = self.prof.pending.borrow_mut();
         pending.push((self.key, start, end));
         let full = pending.len() >= 20_000;

@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::CudaDevice;
+use super::{CudaDevice, DevResult, cuda};
 use crate::models::attn::AttnMetadata;
 
 /// Attention metadata of one step on the device, with the host copy it came from.
@@ -29,7 +29,7 @@ pub(super) struct StepBufs {
 impl CudaDevice {
     /// Uploads `meta` unless the cached step buffers already hold it (every layer of a
     /// forward passes the same metadata: one upload per step).
-    pub(super) fn step_bufs(&self, meta: &AttnMetadata, flash: bool) {
+    pub(super) fn step_bufs(&self, meta: &AttnMetadata, flash: bool) -> DevResult<()> {
         let fresh = self.step.borrow().as_ref().is_some_and(|b| {
             b.flash == flash
                 && b.host.positions == meta.positions
@@ -38,7 +38,7 @@ impl CudaDevice {
                 && b.host.block_tables == meta.block_tables
         });
         if fresh {
-            return;
+            return Ok(());
         }
         let mut flat = Vec::new();
         let mut offs = Vec::with_capacity(meta.block_tables.len());
@@ -72,28 +72,30 @@ impl CudaDevice {
         };
         let bufs = StepBufs {
             flash,
-            rows: self.refill(rows_buf.take(), &rows),
+            rows: self.refill(rows_buf.take(), &rows)?,
             num_rows: rows.len(),
-            tiles: self.refill(tiles_buf.take(), &tiles),
+            tiles: self.refill(tiles_buf.take(), &tiles)?,
             num_tiles: tiles.len() / 2,
-            positions: self.refill(positions.take(), &meta.positions),
-            slots: self.refill(slot_buf.take(), &slots),
-            token_seq: self.refill(token_seq.take(), &meta.token_seq),
-            tables: self.refill(tables.take(), &flat),
-            table_offsets: self.refill(table_offsets.take(), &offs),
+            positions: self.refill(positions.take(), &meta.positions)?,
+            slots: self.refill(slot_buf.take(), &slots)?,
+            token_seq: self.refill(token_seq.take(), &meta.token_seq)?,
+            tables: self.refill(tables.take(), &flat)?,
+            table_offsets: self.refill(table_offsets.take(), &offs)?,
             ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
         *self.step.borrow_mut() = Some(bufs);
+        Ok(())
     }
 
-    pub(super) fn rope_positions(&self, positions: &[u32]) {
+    pub(super) fn rope_positions(&self, positions: &[u32]) -> DevResult<()> {
         if self.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
-            return;
+            return Ok(());
         }
         let old = self.rope_positions.borrow_mut().take().map(|(_, d)| d);
-        let dev = self.refill(old, positions);
+        let dev = self.refill(old, positions)?;
         *self.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
+        Ok(())
     }
 
     /// Copies `v` into `buf` when it fits, else into a new buffer of the next power-of-two
@@ -103,21 +105,23 @@ impl CudaDevice {
         &self,
         buf: Option<CudaSlice<T>>,
         v: &[T],
-    ) -> CudaSlice<T> {
+    ) -> DevResult<CudaSlice<T>> {
         let need = v.len().max(1);
         let mut buf = match buf {
             Some(b) if b.len() >= need => b,
-            _ => self.stream.alloc_zeros::<T>(need.next_power_of_two()).expect("device allocation"),
+            _ => self.zeros::<T>(need.next_power_of_two())?,
         };
         if !v.is_empty() {
-            self.stream.memcpy_htod(v, &mut buf.slice_mut(0..v.len())).expect("host to device copy");
+            self.stream
+                .memcpy_htod(v, &mut buf.slice_mut(0..v.len()))
+                .map_err(cuda("host to device copy"))?;
         }
-        buf
+        Ok(buf)
     }
 
     /// Uploads a per-step index list into the named staging buffer (see [`Self::refill`]);
     /// hand it back with [`Self::restage`] once the launches that read it are issued.
-    pub(super) fn stage(&self, name: &'static str, v: &[u32]) -> CudaSlice<u32> {
+    pub(super) fn stage(&self, name: &'static str, v: &[u32]) -> DevResult<CudaSlice<u32>> {
         let old = self.staging.borrow_mut().remove(name);
         self.refill(old, v)
     }

@@ -1,7 +1,7 @@
 //! Rotary embedding and the PagedAttention layer. Prefill, decode and their mix are one
 //! call: the device kernel reads each token's context through the block tables.
 
-use crate::kernels::{AttnShape, Device, RopeSpec};
+use crate::kernels::{AttnShape, DevResult, Device, RopeSpec};
 use crate::models::attn::AttnMetadata;
 use crate::models::config::ModelConfig;
 
@@ -35,8 +35,8 @@ impl PagedAttention {
         rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         meta: &AttnMetadata,
-    ) -> D::Tensor {
-        let (q, k, v) = dev.split_qkv_rope(qkv, self.shape, &rope.spec, positions);
+    ) -> DevResult<D::Tensor> {
+        let (q, k, v) = dev.split_qkv_rope(qkv, self.shape, &rope.spec, positions)?;
         dev.paged_attention(&q, &k, &v, cache, self.shape, meta)
     }
 }

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::kernels::{Device, TpRank};
+use crate::kernels::{DevResult, Device, TpRank};
 use crate::models::ModelError;
 use crate::models::loader::{ParamView, Part};
 
@@ -62,11 +62,11 @@ impl<D: Device> ColumnParallelLinear<D> {
         Ok(Self { weight, bias, output, gather_output })
     }
     /// `[n, input]` → `[n, output / ranks]`, or `[n, output]` when gathering.
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
-        let y = dev.linear(x, &self.weight, self.bias.as_ref());
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
+        let y = dev.linear(x, &self.weight, self.bias.as_ref())?;
         match self.gather_output && dev.tp().world > 1 {
             true => dev.all_gather_cols(&y, self.output / dev.tp().world, self.output),
-            false => y,
+            false => Ok(y),
         }
     }
 }
@@ -102,7 +102,7 @@ impl<D: Device> QKVParallelLinear<D> {
         };
         Ok(Self { weight, bias, num_heads: q.len(), num_kv_heads: kv.len() })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
         dev.linear(x, &self.weight, self.bias.as_ref())
     }
 }
@@ -126,7 +126,7 @@ impl<D: Device> MergedColumnParallelLinear<D> {
         )?;
         Ok(Self { weight: dev.upload(t)? })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
         dev.linear(x, &self.weight, None)
     }
 }
@@ -144,15 +144,20 @@ impl<D: Device> RowParallelLinear<D> {
         Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)? })
     }
     /// `x @ wᵀ` summed over the ranks.
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
-        self.forward_with(dev, x, |_| {})
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
+        self.forward_with(dev, x, |_| Ok(()))
     }
     /// As [`Self::forward`], with `delta` (a LoRA's, from this rank's share of the input)
     /// added to the partial product before the sum over the ranks.
-    pub fn forward_with(&self, dev: &D, x: &D::Tensor, delta: impl FnOnce(&mut D::Tensor)) -> D::Tensor {
-        let mut out = dev.linear(x, &self.weight, None);
-        delta(&mut out);
-        dev.all_reduce(&mut out);
-        out
+    pub fn forward_with(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        delta: impl FnOnce(&mut D::Tensor) -> DevResult<()>,
+    ) -> DevResult<D::Tensor> {
+        let mut out = dev.linear(x, &self.weight, None)?;
+        delta(&mut out)?;
+        dev.all_reduce(&mut out)?;
+        Ok(out)
     }
 }

@@ -11,7 +11,7 @@ pub use linear::{
 
 use super::ModelError;
 use super::loader::{ParamView, Part};
-use crate::kernels::Device;
+use crate::kernels::{DevResult, Device};
 
 /// This rank's rows of a `[vocab, hidden]` table: `shard = ⌈vocab / world⌉` rows from
 /// `rank · shard`, zero-padded to `shard + 1` rows under tensor parallelism (the last row
@@ -56,16 +56,16 @@ impl<D: Device> VocabParallelEmbedding<D> {
     pub fn load(dev: &D, w: &ParamView, vocab: usize, hidden: usize) -> Result<Self, ModelError> {
         Ok(Self { table: load_vocab_shard(dev, w, vocab, hidden)? })
     }
-    pub fn forward(&self, dev: &D, ids: &[u32]) -> D::Tensor {
+    pub fn forward(&self, dev: &D, ids: &[u32]) -> DevResult<D::Tensor> {
         if dev.tp().world == 1 {
             return dev.embedding(&self.table.weight, ids);
         }
         let (start, len) = (self.table.start as u32, self.table.len as u32);
         let local: Vec<u32> =
             ids.iter().map(|&id| if id >= start && id - start < len { id - start } else { len }).collect();
-        let mut out = dev.embedding(&self.table.weight, &local);
-        dev.all_reduce(&mut out);
-        out
+        let mut out = dev.embedding(&self.table.weight, &local)?;
+        dev.all_reduce(&mut out)?;
+        Ok(out)
     }
 }
 
@@ -90,14 +90,14 @@ impl<D: Device> ParallelLMHead<D> {
         hidden: &D::Tensor,
         embed: &VocabParallelEmbedding<D>,
         vocab: usize,
-    ) -> D::Tensor {
+    ) -> DevResult<D::Tensor> {
         let t = match self {
             Self::Own(t) => t,
             Self::Tied => &embed.table,
         };
-        let logits = dev.linear(hidden, &t.weight, None);
+        let logits = dev.linear(hidden, &t.weight, None)?;
         if dev.tp().world == 1 {
-            return logits;
+            return Ok(logits);
         }
         dev.all_gather_cols(&logits, t.len, vocab)
     }
@@ -112,11 +112,11 @@ impl<D: Device> RMSNorm<D> {
     pub fn load(dev: &D, w: &ParamView, size: usize, eps: f32) -> Result<Self, ModelError> {
         Ok(Self { weight: dev.upload(w.get("weight", &[size])?)?, eps })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> D::Tensor {
+    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
         dev.rms_norm(x, &self.weight, self.eps)
     }
     /// `residual += x`, then the norm of the sum.
-    pub fn forward_residual(&self, dev: &D, x: &D::Tensor, residual: &mut D::Tensor) -> D::Tensor {
+    pub fn forward_residual(&self, dev: &D, x: &D::Tensor, residual: &mut D::Tensor) -> DevResult<D::Tensor> {
         dev.add_rms_norm(x, residual, &self.weight, self.eps)
     }
 }

@@ -220,9 +220,9 @@ fn check_tensor_parallel(model: &ModelConfig, tp: usize) -> Result<(), ConfigErr
 }
 
 impl EngineConfig {
-    /// Sizes the KV cache to `bytes` (a GPU's budget after the weights) of `elem_bytes`
-    /// elements, with the same check that --max-model-len fits. A margin stays free for
-    /// activations.
+    /// Sizes the KV cache to `bytes` (a GPU's budget after the weights and the activations
+    /// of a profiling step at the largest batch) of `elem_bytes` elements, with the same
+    /// check that --max-model-len fits.
     pub fn resize_kv(
         &mut self,
         model: &ModelConfig,
@@ -231,8 +231,7 @@ impl EngineConfig {
     ) -> Result<(), ConfigError> {
         let kv_heads = kv_heads_per_rank(model, self.tensor_parallel_size);
         let bytes_per_block = 2 * model.num_layers * self.block_size * kv_heads * model.head_dim * elem_bytes;
-        let activations = 2usize << 30;
-        self.num_blocks = bytes.saturating_sub(activations) / bytes_per_block;
+        self.num_blocks = bytes / bytes_per_block;
         let capacity = self.num_blocks * self.block_size;
         if self.max_model_len > capacity {
             return Err(ConfigError::KvCacheTooSmall { max_model_len: self.max_model_len, capacity });

@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 
 use crate::actors::block_manager::{BlockManager, BlockStats, GetBlockStats};
 use crate::actors::lora_manager::{LoraLimits, LoraManager, LoraManagerError, Register, Resolve};
-use crate::actors::model_runner::{ModelRunner, RunnerConfig};
+use crate::actors::model_runner::{
+    AllocateCache, BatchSeq, ExecuteBatch, ModelRunner, NewSeq, ReleaseCache, RunnerConfig,
+};
 use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
 };
@@ -158,19 +160,9 @@ impl Engine {
         .await
         .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
         // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
-        // (on the fullest rank: every rank holds the same number of blocks).
-        let memory = ranks.iter().map(|(d, _)| d.memory_info()).collect::<Option<Vec<_>>>();
-        if let (Some(memory), None) = (memory, args.num_gpu_blocks_override) {
-            let left = memory
-                .iter()
-                .map(|&(free, total)| {
-                    let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as usize;
-                    free.saturating_sub(keep)
-                })
-                .min()
-                .unwrap_or(0);
-            config.resize_kv(&model_config, left, ranks[0].0.kv_cache_elem_bytes())?;
-        }
+        // and a profiling step at the largest batch (see `size_kv_cache`).
+        let profile = ranks[0].0.memory_info().is_some() && args.num_gpu_blocks_override.is_none();
+        let elem_bytes = ranks[0].0.kv_cache_elem_bytes();
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
         let dev_name = ranks[0].0.name();
@@ -185,15 +177,22 @@ impl Engine {
             "model loaded on {dev_name}",
         );
         let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
-        let runner_cfg = RunnerConfig { num_blocks: config.num_blocks, block_size: config.block_size };
+        let (profile_step, profile_blocks) = profile_batch(&config);
+        let num_blocks = if profile { profile_blocks } else { config.num_blocks };
+        let runner_cfg = RunnerConfig { num_blocks, block_size: config.block_size };
         let mut runners = ranks
             .into_iter()
             .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg, eos.clone()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::Device(e.to_string()))?;
+        let peers: Vec<_> = runners.split_off(1).into_iter().map(start_runner).collect();
+        let runner_addr = start_runner(runners.remove(0).with_peers(peers.clone()));
+        if profile {
+            let all: Vec<_> = std::iter::once(runner_addr.clone()).chain(peers).collect();
+            let kv = KvSizing { model: &model_config, elem_bytes, utilization: args.gpu_memory_utilization };
+            size_kv_cache(&all, profile_step, &mut config, kv).await?;
+        }
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "KV cache allocated");
-        let peers = runners.split_off(1).into_iter().map(start_runner).collect();
-        let runner_addr = start_runner(runners.remove(0).with_peers(peers));
         let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();
         let metrics = Arc::new(Metrics::default());
         let sched_cfg = SchedulerConfig {
@@ -322,6 +321,77 @@ impl Engine {
 
 /// Starts a runner on a thread of its own: a SyncArbiter with one thread calls the factory
 /// once, and the runner moves into it.
+/// A step at the largest batch the scheduler may form: `max_num_batched_tokens` tokens
+/// over `max_num_seqs` prefilling sequences, each sampling. Also the KV blocks it needs.
+fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
+    let seqs = config.max_num_seqs.min(config.max_num_batched_tokens).max(1);
+    let tokens = config.max_num_batched_tokens.max(1);
+    let params = Arc::new(SamplingParams { temperature: 0.0, ..Default::default() });
+    let mut next_block = 0u32;
+    let batch = (0..seqs)
+        .map(|i| {
+            let len = tokens / seqs + usize::from(i < tokens % seqs);
+            let blocks = len.div_ceil(config.block_size) as u32;
+            let block_table = (next_block..next_block + blocks).collect();
+            next_block += blocks;
+            BatchSeq {
+                seq: i as u64,
+                new: Some(NewSeq {
+                    tokens: vec![0; len],
+                    prompt_len: len,
+                    params: params.clone(),
+                    seed: 0,
+                    index: 0,
+                }),
+                start: 0,
+                len,
+                sample: true,
+                block_table,
+                lora_slot: -1,
+            }
+        })
+        .collect();
+    (ExecuteBatch { seqs: batch, dropped: Vec::new(), lora_loads: Vec::new() }, next_block as usize)
+}
+
+/// What the KV cache is sized from.
+struct KvSizing<'a> {
+    model: &'a ModelConfig,
+    /// Bytes per cached K or V element.
+    elem_bytes: usize,
+    utilization: f64,
+}
+
+/// vLLM's memory profiling: runs `step` (the largest batch) on every rank, so that the
+/// activation buffers it needs stay in the device pools; then each rank drops its small
+/// profiling cache, and the cache takes what `--gpu-memory-utilization` leaves on the
+/// fullest rank (every rank holds the same number of blocks).
+async fn size_kv_cache<D: Device>(
+    runners: &[Addr<ModelRunner<D>>],
+    step: ExecuteBatch,
+    config: &mut EngineConfig,
+    kv: KvSizing<'_>,
+) -> Result<(), EngineError> {
+    let profiled = |e: String| EngineError::Device(format!("profiling step at the largest batch: {e}"));
+    runners[0].send(step).await.map_err(|e| profiled(e.to_string()))?.map_err(|e| profiled(e.to_string()))?;
+    let mut left = usize::MAX;
+    for r in runners {
+        let (free, total) = r.send(ReleaseCache).await.map_err(|_| EngineError::Stopped)?.unwrap_or((0, 0));
+        let keep = ((1.0 - kv.utilization) * total as f64) as usize;
+        left = left.min(free.saturating_sub(keep));
+    }
+    config.resize_kv(kv.model, left, kv.elem_bytes)?;
+    tracing::info!(cache_mib = left >> 20, kv_blocks = config.num_blocks, "profiled the largest batch");
+    for r in runners {
+        let alloc = AllocateCache { num_blocks: config.num_blocks };
+        r.send(alloc)
+            .await
+            .map_err(|_| EngineError::Stopped)?
+            .map_err(|e| EngineError::Device(e.to_string()))?;
+    }
+    Ok(())
+}
+
 fn start_runner<D: Device>(runner: ModelRunner<D>) -> Addr<ModelRunner<D>> {
     let slot = Mutex::new(Some(runner));
     SyncArbiter::start(1, move || {

@@ -540,3 +540,34 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     }
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
 }
+
+/// `--gpu-memory-utilization` holds: after a profiling step at the largest batch, the KV
+/// cache takes what is left, so a step at that batch neither runs out of memory nor leaves
+/// the GPU's reserve short, and no memory the fraction allows sits unused.
+#[actix_rt::test]
+async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
+    let Some(probe) = gpu() else { return };
+    // Engines of earlier tests release their devices first.
+    actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(30));
+    let (_, total) = probe.memory_info().expect("a GPU reports its memory");
+    let args = EngineArgs {
+        device: DeviceArg::Cuda,
+        max_num_seqs: 32,
+        max_num_batched_tokens: 8192,
+        max_model_len: Some(512),
+        ..common::args(&common::default_model())
+    };
+    let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as i64;
+    let engine = Engine::start(args).await.unwrap();
+    let prompts: Vec<Vec<u32>> =
+        (0..32u32).map(|i| (0..256).map(|j| (i * 7 + j) % 1000 + 20).collect()).collect();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(2) };
+    let done =
+        futures::future::join_all(prompts.iter().map(|p| run(&engine, p.clone(), params.clone()))).await;
+    assert!(done.iter().all(|o| o.tokens[0].len() == 2), "the largest batch ran");
+    let (free, _) = probe.memory_info().unwrap();
+    let free = free as i64;
+    eprintln!("reserve {} MiB, free after the largest batch {} MiB", keep >> 20, free >> 20);
+    assert!(free >= keep - (64 << 20), "the engine went {} MiB into the reserve", (keep - free) >> 20);
+    assert!(free <= keep + (512 << 20), "{} MiB beyond the reserve sat unused", (free - keep) >> 20);
+}

@@ -100,6 +100,19 @@ pub struct ShardStep {
     pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
 }
 
+/// Drops the KV cache and the sequences (after the profiling step) and answers the
+/// device's (free, total) memory: what a cache may then take. None on the CPU.
+#[derive(Message)]
+#[rtype(result = "Option<(usize, usize)>")]
+pub struct ReleaseCache;
+
+/// Allocates the KV cache anew with `num_blocks` blocks.
+#[derive(Message)]
+#[rtype(result = "Result<(), RunnerError>")]
+pub struct AllocateCache {
+    pub num_blocks: usize,
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum RunnerError {
     #[error("sequence {0} was never registered with the model runner")]
@@ -193,18 +206,25 @@ impl<D: Device> ModelRunner<D> {
         cfg: RunnerConfig,
         eos_ids: Arc<[u32]>,
     ) -> Result<Self, DeviceError> {
-        let (layers, shape) = model.cache_shape(cfg.num_blocks, cfg.block_size);
-        let caches = (0..layers).map(|_| dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
-        Ok(Self {
+        let mut runner = Self {
             dev,
             model,
-            caches,
+            caches: Vec::new(),
             block_size: cfg.block_size,
             eos_ids,
             seqs: HashMap::new(),
             peers: Vec::new(),
             _live: LiveRunner::new(),
-        })
+        };
+        runner.allocate_cache(cfg.num_blocks)?;
+        Ok(runner)
+    }
+
+    fn allocate_cache(&mut self, num_blocks: usize) -> Result<(), DeviceError> {
+        self.caches.clear();
+        let (layers, shape) = self.model.cache_shape(num_blocks, self.block_size);
+        self.caches = (0..layers).map(|_| self.dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
+        Ok(())
     }
 
     /// Makes this runner rank 0 of a group whose other ranks run at `peers`.
@@ -334,6 +354,23 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
         }
         self.forward(&msg.ids, &msg.meta)?;
         Ok(())
+    }
+}
+
+impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
+    type Result = Option<(usize, usize)>;
+    fn handle(&mut self, _: ReleaseCache, _: &mut SyncContext<Self>) -> Self::Result {
+        self.caches.clear();
+        self.seqs.clear();
+        self.dev.synchronize().ok()?;
+        self.dev.memory_info()
+    }
+}
+
+impl<D: Device> Handler<AllocateCache> for ModelRunner<D> {
+    type Result = Result<(), RunnerError>;
+    fn handle(&mut self, msg: AllocateCache, _: &mut SyncContext<Self>) -> Self::Result {
+        Ok(self.allocate_cache(msg.num_blocks)?)
     }
 }
 

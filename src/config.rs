@@ -57,6 +57,9 @@ pub struct EngineArgs {
     /// Fraction of GPU memory the engine may use (weights, activations, KV cache).
     #[arg(long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
+    /// Run every step as issued: no CUDA graphs for decode steps.
+    #[arg(long)]
+    pub enforce_eager: bool,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// Ranks the model is split over (one ModelRunner each): GPUs with --device cuda,
@@ -145,6 +148,7 @@ impl Default for EngineArgs {
             kv_cache_space: 4.0,
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
+            enforce_eager: false,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),

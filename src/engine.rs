@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use crate::actors::block_manager::{BlockManager, BlockStats, GetBlockStats};
 use crate::actors::lora_manager::{LoraLimits, LoraManager, LoraManagerError, Register, Resolve};
 use crate::actors::model_runner::{
-    AllocateCache, BatchSeq, ExecuteBatch, ModelRunner, NewSeq, ReleaseCache, RunnerConfig,
+    AllocateCache, BatchSeq, CaptureGraphs, ExecuteBatch, ModelRunner, NewSeq, ReleaseCache, RunnerConfig,
 };
 use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
@@ -187,12 +187,26 @@ impl Engine {
             .map_err(|e| EngineError::Device(e.to_string()))?;
         let peers: Vec<_> = runners.split_off(1).into_iter().map(start_runner).collect();
         let runner_addr = start_runner(runners.remove(0).with_peers(peers.clone()));
+        // Decode steps replay CUDA graphs: one per batch size (powers of two up to
+        // --max-num-seqs) and context bound (powers of two from 512 up to --max-model-len).
+        let graphs = (!args.enforce_eager).then(|| graph_shapes(&config));
         if profile {
             let all: Vec<_> = std::iter::once(runner_addr.clone()).chain(peers).collect();
             let kv = KvSizing { model: &model_config, elem_bytes, utilization: args.gpu_memory_utilization };
-            size_kv_cache(&all, profile_step, &mut config, kv).await?;
+            size_kv_cache(&all, profile_step, graphs.clone(), &mut config, kv).await?;
         }
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "KV cache allocated");
+        if let Some(shapes) = graphs {
+            let t = std::time::Instant::now();
+            // A capture that fails leaves the engine eager, as with --enforce-eager.
+            match runner_addr.send(shapes).await.map_err(|_| EngineError::Stopped)? {
+                Ok(0) => {}
+                Ok(n) => {
+                    tracing::info!(graphs = n, seconds = t.elapsed().as_secs_f32(), "CUDA graphs captured")
+                }
+                Err(e) => tracing::warn!(error = %e, "CUDA graphs not captured: every step runs eagerly"),
+            }
+        }
         let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();
         let metrics = Arc::new(Metrics::default());
         let sched_cfg = SchedulerConfig {
@@ -354,6 +368,21 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
     (ExecuteBatch { seqs: batch, dropped: Vec::new(), lora_loads: Vec::new() }, next_block as usize)
 }
 
+/// The decode steps recorded as graphs: batch sizes by powers of two up to
+/// `max_num_seqs`, context bounds by powers of two from 512 up to `max_model_len`.
+fn graph_shapes(config: &EngineConfig) -> CaptureGraphs {
+    let steps = |from: usize, to: usize| {
+        let mut v: Vec<usize> =
+            std::iter::successors(Some(from), |&x| Some(x * 2)).take_while(|&x| x < to).collect();
+        v.push(to);
+        v
+    };
+    CaptureGraphs {
+        sizes: steps(1, config.max_num_seqs),
+        bounds: steps(512.min(config.max_model_len), config.max_model_len),
+    }
+}
+
 /// What the KV cache is sized from.
 struct KvSizing<'a> {
     model: &'a ModelConfig,
@@ -369,11 +398,17 @@ struct KvSizing<'a> {
 async fn size_kv_cache<D: Device>(
     runners: &[Addr<ModelRunner<D>>],
     step: ExecuteBatch,
+    graphs: Option<CaptureGraphs>,
     config: &mut EngineConfig,
     kv: KvSizing<'_>,
 ) -> Result<(), EngineError> {
     let profiled = |e: String| EngineError::Device(format!("profiling step at the largest batch: {e}"));
     runners[0].send(step).await.map_err(|e| profiled(e.to_string()))?.map_err(|e| profiled(e.to_string()))?;
+    // The graphs too: their memory stays out of the cache (they are recorded again on it).
+    // A failed capture is reported when they are recorded for good.
+    if let Some(shapes) = graphs {
+        runners[0].send(shapes).await.map_err(|e| profiled(e.to_string()))?.ok();
+    }
     let mut left = usize::MAX;
     for r in runners {
         let (free, total) = r.send(ReleaseCache).await.map_err(|_| EngineError::Stopped)?.unwrap_or((0, 0));

@@ -94,6 +94,8 @@ pub struct StepProfile {
     pub output_ns: AtomicU64,
     /// Device memory allocations made by the steps (a count, not a time).
     pub device_allocs: AtomicU64,
+    /// Steps whose forward was a CUDA graph replay.
+    pub graph_steps: AtomicU64,
 }
 
 /// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
@@ -112,10 +114,12 @@ pub struct StepBreakdown {
     pub messaging_ms: f64,
     /// Device memory allocations over all these steps (none once every shape was seen).
     pub device_allocations: u64,
+    /// Steps replayed from CUDA graphs.
+    pub graph_steps: u64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 10] {
+    pub fn snapshot(&self) -> [u64; 11] {
         [
             &self.steps,
             &self.step_ns,
@@ -127,12 +131,13 @@ impl StepProfile {
             &self.sample_ns,
             &self.output_ns,
             &self.device_allocs,
+            &self.graph_steps,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 10], b: [u64; 10]) -> StepBreakdown {
+    pub fn between(a: [u64; 11], b: [u64; 11]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -149,6 +154,7 @@ impl StepProfile {
             output_ms: ms(d[8]),
             messaging_ms: ms(d[1].saturating_sub(parts)),
             device_allocations: d[9],
+            graph_steps: d[10],
         }
     }
 }

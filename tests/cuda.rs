@@ -417,7 +417,8 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
     let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
     for (label, args) in [
-        ("gpu", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        ("gpu, CUDA graphs", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        ("gpu, eager", EngineArgs { device: DeviceArg::Cuda, enforce_eager: true, ..common::args(&model) }),
         (
             "gpu, small pool",
             EngineArgs {
@@ -428,12 +429,16 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
             },
         ),
     ] {
+        let eager = args.enforce_eager;
         let gpu = Engine::start(args).await.unwrap();
         let got =
             futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
         for (w, g) in want.iter().zip(&got) {
             assert_eq!(g.tokens, w.tokens, "{label}");
         }
+        // Decode steps replay graphs unless --enforce-eager says otherwise.
+        let replayed = gpu.metrics().profile.graph_steps.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(replayed > 0, !eager, "{label}: {replayed} steps replayed from graphs");
         let (free, total) = common::wait_all_blocks_free(&gpu).await;
         assert_eq!(free, total, "{label}");
         eprintln!(

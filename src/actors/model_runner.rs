@@ -88,6 +88,8 @@ pub struct RunnerTiming {
     pub sample_ns: u64,
     /// Device memory allocations the step made (none in steady state).
     pub device_allocs: u64,
+    /// Whether the forward was a graph replay.
+    pub graph: bool,
 }
 
 /// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
@@ -105,6 +107,16 @@ pub struct ShardStep {
 #[derive(Message)]
 #[rtype(result = "Option<(usize, usize)>")]
 pub struct ReleaseCache;
+
+/// Records decode steps as graphs (CUDA graphs) for every batch size of `sizes` and every
+/// context bound of `bounds`; answers how many were recorded (none on a device without
+/// graphs, or under tensor parallelism).
+#[derive(Message, Clone)]
+#[rtype(result = "Result<usize, RunnerError>")]
+pub struct CaptureGraphs {
+    pub sizes: Vec<usize>,
+    pub bounds: Vec<usize>,
+}
 
 /// Allocates the KV cache anew with `num_blocks` blocks.
 #[derive(Message)]
@@ -168,6 +180,8 @@ pub struct ModelRunner<D: Device> {
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
     peers: Vec<Addr<ModelRunner<D>>>,
+    /// Decode forwards recorded as graphs, by (batch size, context bound), ascending.
+    graphs: Vec<((usize, usize), D::Graph)>,
     /// Last, so that it drops after the device.
     _live: LiveRunner,
 }
@@ -214,6 +228,7 @@ impl<D: Device> ModelRunner<D> {
             eos_ids,
             seqs: HashMap::new(),
             peers: Vec::new(),
+            graphs: Vec::new(),
             _live: LiveRunner::new(),
         };
         runner.allocate_cache(cfg.num_blocks)?;
@@ -221,6 +236,8 @@ impl<D: Device> ModelRunner<D> {
     }
 
     fn allocate_cache(&mut self, num_blocks: usize) -> Result<(), DeviceError> {
+        // Graphs hold the old cache's addresses.
+        self.graphs.clear();
         self.caches.clear();
         let (layers, shape) = self.model.cache_shape(num_blocks, self.block_size);
         self.caches = (0..layers).map(|_| self.dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
@@ -241,6 +258,66 @@ impl<D: Device> ModelRunner<D> {
             return Ok(None);
         }
         self.model.compute_logits(&self.dev, &hidden, meta).map(Some)
+    }
+
+    /// Records the decode forward for each batch size and context bound, the largest first
+    /// (the graphs' input buffers are sized by the first). Each runs on dummy inputs: every
+    /// row at position 0 with a block table as long as the bound allows, writing no cache.
+    fn capture_graphs(&mut self, sizes: &[usize], bounds: &[usize]) -> Result<usize, DeviceError> {
+        self.graphs.clear();
+        if !self.peers.is_empty() {
+            return Ok(0);
+        }
+        for &size in sizes.iter().rev() {
+            for &bound in bounds.iter().rev() {
+                let ids = vec![0; size];
+                let meta = AttnMetadata {
+                    positions: vec![0; size],
+                    slot_mapping: vec![-1; size],
+                    token_seq: (0..size as u32).collect(),
+                    block_tables: vec![vec![0; bound.div_ceil(self.block_size)]; size],
+                    last_token_rows: (0..size).collect(),
+                    lora_slots: Vec::new(),
+                };
+                let (dev, model, caches) = (&self.dev, &self.model, &mut self.caches);
+                let mut forward = || model.forward(dev, &ids, &meta.positions, caches, &meta);
+                match dev.capture_graph(&ids, &meta, bound, &mut forward)? {
+                    Some(g) => self.graphs.push(((size, bound), g)),
+                    None => return Ok(0),
+                }
+            }
+        }
+        self.graphs.sort_by_key(|(key, _)| *key);
+        Ok(self.graphs.len())
+    }
+
+    /// The logits of a decode step through a graph: every sequence contributes its one
+    /// last token, no adapter is in use, and a graph holds the batch (padded to its size)
+    /// and the longest context. None when no graph applies.
+    fn replay(&mut self, ids: &[u32], meta: &AttnMetadata) -> Result<Option<D::Tensor>, DeviceError> {
+        let n = ids.len();
+        if self.graphs.is_empty() || !meta.lora_slots.is_empty() || meta.last_token_rows.len() != n {
+            return Ok(None);
+        }
+        let ctx = meta.positions.iter().copied().max().unwrap_or(0) as usize + 1;
+        let Some(((size, _), graph)) =
+            self.graphs.iter().find(|((size, bound), _)| *size >= n && *bound >= ctx)
+        else {
+            return Ok(None);
+        };
+        // Padding rows read block 0 at position 0 and write no cache; their outputs are
+        // never sampled.
+        let size = *size;
+        let mut padded_ids = ids.to_vec();
+        padded_ids.resize(size, 0);
+        let mut padded = meta.clone();
+        padded.positions.resize(size, 0);
+        padded.slot_mapping.resize(size, -1);
+        padded.token_seq.extend(n as u32..size as u32);
+        padded.block_tables.resize(size, vec![0]);
+        let hidden = self.dev.replay_graph(graph, &padded_ids, &padded)?;
+        // The real rows are the first n: their logits only.
+        self.model.compute_logits(&self.dev, hidden, meta).map(Some)
     }
 
     /// Runs one step. Public so that benchmarks can drive a runner without actors.
@@ -306,7 +383,12 @@ impl<D: Device> ModelRunner<D> {
         let t1 = std::time::Instant::now();
         // A device error fails the step (its requests get it); the other ranks of a group
         // may then wait in a collective this rank never joined (see the module doc).
-        let logits = self.forward(&ids, &meta)?;
+        let replayed = self.replay(&ids, &meta)?;
+        let graph = replayed.is_some();
+        let logits = match replayed {
+            Some(logits) => Some(logits),
+            None => self.forward(&ids, &meta)?,
+        };
         let t2 = std::time::Instant::now();
         self.dev.synchronize()?;
         for (rank, done) in peer_steps.into_iter().enumerate() {
@@ -320,6 +402,7 @@ impl<D: Device> ModelRunner<D> {
             device_ns: ns(t2, t3),
             sample_ns: 0,
             device_allocs: 0,
+            graph,
         };
         let Some(logits) = logits else {
             return Ok(StepOutput { sampled: Vec::new(), timing });
@@ -363,7 +446,18 @@ impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
         self.caches.clear();
         self.seqs.clear();
         self.dev.synchronize().ok()?;
-        self.dev.memory_info()
+        // Measured with the graphs (recorded on the profiling cache) still held: their
+        // memory stays out of the cache's budget. They go with the cache they point into.
+        let memory = self.dev.memory_info();
+        self.graphs.clear();
+        memory
+    }
+}
+
+impl<D: Device> Handler<CaptureGraphs> for ModelRunner<D> {
+    type Result = Result<usize, RunnerError>;
+    fn handle(&mut self, msg: CaptureGraphs, _: &mut SyncContext<Self>) -> Self::Result {
+        Ok(self.capture_graphs(&msg.sizes, &msg.bounds)?)
     }
 }
 

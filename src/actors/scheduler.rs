@@ -400,6 +400,7 @@ impl SchedulerActor {
                     p.device_ns.fetch_add(t.device_ns, Relaxed);
                     p.sample_ns.fetch_add(t.sample_ns, Relaxed);
                     p.device_allocs.fetch_add(t.device_allocs, Relaxed);
+                    p.graph_steps.fetch_add(u64::from(t.graph), Relaxed);
                     p.output_ns.fetch_add(nanos(applying, Instant::now()), Relaxed);
                     p.step_ns.fetch_add(nanos(start, Instant::now()), Relaxed);
                     p.steps.fetch_add(1, Relaxed);

@@ -114,7 +114,8 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
             println!(
                 "per step, over {} steps (the prefill step included): {:.3} ms = scheduling {:.3} + block \
                  reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
-                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}",
+                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
+                 steps replayed from CUDA graphs: {}",
                 b.steps,
                 b.step_ms,
                 b.schedule_ms,
@@ -125,7 +126,8 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
                 b.sample_ms,
                 b.output_ms,
                 b.messaging_ms,
-                b.device_allocations
+                b.device_allocations,
+                b.graph_steps
             );
         }
     }

@@ -145,6 +145,8 @@ pub trait Device: Send + Unpin + 'static {
     type Cache: Send + Unpin;
     /// One target module's LoRA A/B weights for every adapter slot.
     type Lora: Send + Sync + Unpin;
+    /// A recorded forward that replays without the host issuing its operations.
+    type Graph: Send + Unpin;
 
     fn name(&self) -> String;
     /// Rank and group size under tensor parallelism.
@@ -215,6 +217,23 @@ pub trait Device: Send + Unpin + 'static {
         shape: AttnShape,
         meta: &AttnMetadata,
     ) -> DevResult<Self::Tensor>;
+    /// Records the forward `forward` runs on inputs `ids` and `meta` (returning its hidden
+    /// states) as a graph to replay, with attention shaped for contexts up to `ctx_bound`.
+    /// None on a device without graphs.
+    fn capture_graph(
+        &self,
+        ids: &[u32],
+        meta: &AttnMetadata,
+        ctx_bound: usize,
+        forward: &mut dyn FnMut() -> DevResult<Self::Tensor>,
+    ) -> DevResult<Option<Self::Graph>>;
+    /// Replays `graph` on a step's inputs, shaped as at its capture: its hidden states.
+    fn replay_graph<'g>(
+        &self,
+        graph: &'g Self::Graph,
+        ids: &[u32],
+        meta: &AttnMetadata,
+    ) -> DevResult<&'g Self::Tensor>;
     /// One token per row of `logits` (row i for `inputs[i]`), with its logprobs where asked,
     /// by the rules of [`crate::sampling`]. By default the rows come to the host and are
     /// sampled there; a GPU samples them itself, so that only token ids (and requested

@@ -150,6 +150,8 @@ impl Device for CpuDevice {
     type Weight = CpuWeight;
     type Cache = CpuCache;
     type Lora = lora::CpuLora;
+    /// The CPU has no graphs: every step runs as issued.
+    type Graph = std::convert::Infallible;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -378,6 +380,25 @@ impl Device for CpuDevice {
     ) -> DevResult<()> {
         lora::apply(y, x, modules, slots);
         Ok(())
+    }
+
+    fn capture_graph(
+        &self,
+        _: &[u32],
+        _: &AttnMetadata,
+        _: usize,
+        _: &mut dyn FnMut() -> DevResult<CpuTensor>,
+    ) -> DevResult<Option<Self::Graph>> {
+        Ok(None)
+    }
+
+    fn replay_graph<'g>(
+        &self,
+        graph: &'g Self::Graph,
+        _: &[u32],
+        _: &AttnMetadata,
+    ) -> DevResult<&'g CpuTensor> {
+        match *graph {}
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> DevResult<CpuTensor> {

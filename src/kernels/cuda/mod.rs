@@ -15,13 +15,16 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchCon
 use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, LoraShape, RopeSpec, TpRank};
 
 mod gemm;
+mod graph;
 mod ops;
 mod pool;
 mod profile;
 mod step;
 
+pub use graph::CudaGraphStep;
+use graph::GraphMode;
 use pool::{BufPool, PooledBuf};
-use step::StepBufs;
+use step::{Inputs, StepBufs};
 
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 const COMMON: &str = include_str!("common.cuh");
@@ -188,20 +191,23 @@ pub struct CudaDevice {
     arch: String,
     /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
     sm80: bool,
-    /// This step's attention metadata on the device, uploaded once for all layers.
-    step: std::cell::RefCell<Option<StepBufs>>,
+    /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
+    /// move once a graph has been captured (see `graph.rs`).
+    inputs: [Inputs; 2],
+    /// Whether inputs go to the graphs' set, and whether a capture is recording.
+    graph: std::cell::Cell<GraphMode>,
+    /// The graphs' input buffers are sized (by the first, largest capture) and may not move.
+    graph_inputs_fixed: std::cell::Cell<bool>,
     /// The rotary inverse frequencies, uploaded on first use.
     inv_freq: std::cell::RefCell<Option<(Vec<f32>, CudaSlice<f32>)>>,
-    /// The step's token positions for RoPE, uploaded once for all layers. A copy from
-    /// pageable host memory waits for the stream to drain: once per layer it would stall
-    /// the host behind the GPU every layer.
-    rope_positions: std::cell::RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
     /// The NCCL communicator of a tensor-parallel group, with this device's rank.
     comm: Option<cudarc::nccl::Comm>,
     tp: TpRank,
-    pool: Arc<BufPool>,
-    /// Per-step index lists (token ids, sampled rows, sampling parameters and results) by use.
-    staging: std::cell::RefCell<std::collections::HashMap<&'static str, CudaSlice<u32>>>,
+    /// Where activation buffers come from: the device's pool, or a graph's own while it is
+    /// captured.
+    pool: std::cell::RefCell<Arc<BufPool>>,
+    /// The CUDA graphs' activation buffers (see `graph.rs`).
+    graph_pool: Arc<BufPool>,
     /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
     scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,
     /// GPU time per operation, when `ACTORLLM_PROFILE_KERNELS` asks for it.
@@ -272,7 +278,12 @@ impl CudaDevice {
         // cross-stream events (two created and destroyed per allocation) buy nothing here.
         // SAFETY: no buffer of this context is used from another stream.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of its own (graphs can not be captured on the legacy default stream); a
+        // tensor-parallel rank stays on the stream its NCCL communicator was made with.
+        let stream = match comm {
+            Some(_) => ctx.default_stream(),
+            None => ctx.new_stream().map_err(err)?,
+        };
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
         let arch = format!("sm_{major}{minor}");
@@ -294,13 +305,14 @@ impl CudaDevice {
             funcs,
             sm80: major >= 8,
             arch,
-            step: std::cell::RefCell::new(None),
+            inputs: Default::default(),
+            graph: std::cell::Cell::new(GraphMode::Off),
+            graph_inputs_fixed: std::cell::Cell::new(false),
             inv_freq: std::cell::RefCell::new(None),
-            rope_positions: std::cell::RefCell::new(None),
             comm,
             tp,
-            pool: Arc::default(),
-            staging: Default::default(),
+            pool: std::cell::RefCell::new(Arc::default()),
+            graph_pool: Arc::new(BufPool::unbounded()),
             scratch16: std::cell::RefCell::new(None),
             prof,
             act16: std::cell::Cell::new(0),
@@ -347,7 +359,7 @@ impl CudaDevice {
     /// How many flash_prefill tiles the current step's attention launched (tests check that
     /// a prefill took the tensor-core path).
     pub fn tensor_core_tiles(&self) -> usize {
-        self.step.borrow().as_ref().map_or(0, |b| b.num_tiles)
+        self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
@@ -411,7 +423,9 @@ impl CudaDevice {
 
     /// Times the operation issued until the span drops (profiling only).
     fn span(&self, name: &'static str, nk: (usize, usize), rows: usize) -> Option<profile::Span<'_>> {
-        self.prof.as_ref().and_then(|p| p.span(&self.stream, name, nk, rows))
+        // Events can not be read back from inside a graph.
+        let capturing = matches!(self.graph.get(), GraphMode::Capturing { .. });
+        self.prof.as_ref().filter(|_| !capturing).and_then(|p| p.span(&self.stream, name, nk, rows))
     }
 
     pub fn arch(&self) -> &str {
@@ -454,12 +468,17 @@ impl CudaDevice {
     /// of it, so it is not cleared first.
     fn tensor(&self, rows: usize, cols: usize) -> DevResult<CudaTensor> {
         let len = (rows * cols).max(1).next_power_of_two();
-        let slice = match self.pool.take(len) {
+        let pool = self.pool.borrow().clone();
+        let slice = match pool.take(len) {
             Some(s) => s,
+            // A capture runs after a warm-up of the same forward: its buffers are all there.
+            None if matches!(self.graph.get(), GraphMode::Capturing { .. }) => {
+                return Err(DeviceError::Other("graph capture needed a buffer its warm-up did not".into()));
+            }
             // SAFETY: callers write every element before anything reads it.
             None => unsafe { self.uninit::<f32>(len) }?,
         };
-        let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(self.pool.clone()) };
+        let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(pool) };
         Ok(CudaTensor { buf, rows, cols, half: None })
     }
 

@@ -19,6 +19,7 @@ impl Device for CudaDevice {
     type Weight = CudaWeight;
     type Cache = CudaCache;
     type Lora = CudaLora;
+    type Graph = super::CudaGraphStep;
 
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA".into());
@@ -245,7 +246,7 @@ impl Device for CudaDevice {
             self.tensor(n, s.num_kv_heads * s.head_dim)?,
         );
         self.rope_positions(positions)?;
-        let pos_guard = self.rope_positions.borrow();
+        let pos_guard = self.inputs().rope_positions.borrow();
         let pos = &pos_guard.as_ref().expect("uploaded above").1;
         self.inv_freq(rope)?;
         let inv_guard = self.inv_freq.borrow();
@@ -288,8 +289,11 @@ impl Device for CudaDevice {
     ) -> DevResult<CudaTensor> {
         let width = (s.num_kv_heads * s.head_dim) as i32;
         self.step_bufs(meta, self.flash_for(s))?;
-        let guard = self.step.borrow();
+        let guard = self.inputs().step.borrow();
         let b = guard.as_ref().expect("uploaded above");
+        // A graph is replayed at any context up to its bound: its launch shapes follow the
+        // bound, and the kernels skip what lies past each row's own context.
+        let ctx_max = self.graph.get().ctx_bound().unwrap_or(b.ctx_max);
         let t = self.span("write_kv", (0, 0), k.rows);
         let kk = &cache.kernels;
         let (kc, vc) = (cache.k.arg(), cache.v.arg());
@@ -335,8 +339,8 @@ impl Device for CudaDevice {
             out.half = half;
             return Ok(out);
         }
-        if let Some(part) = split_partition(b.num_rows, s, b.ctx_max) {
-            let parts_max = b.ctx_max.div_ceil(part);
+        if let Some(part) = split_partition(b.num_rows, s, ctx_max) {
+            let parts_max = ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;
             let mut part_out = self.tensor(slots, s.head_dim)?;
             let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
@@ -385,7 +389,7 @@ impl Device for CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (b.ctx_max * 4) as u32,
+            shared_mem_bytes: (ctx_max * 4) as u32,
         };
         let mut launch = self.stream.launch_builder(&kk.attention);
         launch.arg(&*q.buf);
@@ -400,6 +404,25 @@ impl Device for CudaDevice {
         unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
         out.half = half;
         Ok(out)
+    }
+
+    fn capture_graph(
+        &self,
+        ids: &[u32],
+        meta: &AttnMetadata,
+        ctx_bound: usize,
+        forward: &mut dyn FnMut() -> DevResult<CudaTensor>,
+    ) -> DevResult<Option<super::CudaGraphStep>> {
+        self.capture(ids, meta, ctx_bound, forward).map(Some)
+    }
+
+    fn replay_graph<'g>(
+        &self,
+        graph: &'g super::CudaGraphStep,
+        ids: &[u32],
+        meta: &AttnMetadata,
+    ) -> DevResult<&'g CudaTensor> {
+        self.replay(graph, ids, meta)
     }
 
     fn sample_rows(&self, mut logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {

@@ -6,12 +6,18 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 /// Activation buffers no longer in use, by power-of-two length, for the next tensors of
-/// that size: in steady state a step allocates no device memory. At most `POOL_LIMIT`
-/// bytes wait here; beyond that a buffer is freed.
-#[derive(Default)]
+/// that size: in steady state a step allocates no device memory. At most `limit` bytes
+/// (`POOL_LIMIT` for the device's pool) wait here; beyond that a buffer is freed.
 pub struct BufPool {
     /// Bytes waiting, and the buffers by length.
     free: std::sync::Mutex<(usize, FreeLists)>,
+    limit: usize,
+}
+
+impl Default for BufPool {
+    fn default() -> Self {
+        Self { free: Default::default(), limit: POOL_LIMIT }
+    }
 }
 
 type FreeLists = std::collections::HashMap<usize, Vec<CudaSlice<f32>>>;
@@ -19,6 +25,12 @@ type FreeLists = std::collections::HashMap<usize, Vec<CudaSlice<f32>>>;
 const POOL_LIMIT: usize = 4 << 30;
 
 impl BufPool {
+    /// A pool that keeps every buffer given back (a CUDA graph's: the graph holds their
+    /// addresses, so none may be freed while it lives).
+    pub(super) fn unbounded() -> Self {
+        Self { free: Default::default(), limit: usize::MAX }
+    }
+
     pub(super) fn take(&self, len: usize) -> Option<CudaSlice<f32>> {
         let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let buf = g.1.get_mut(&len)?.pop()?;
@@ -28,7 +40,7 @@ impl BufPool {
     fn put(&self, buf: CudaSlice<f32>) {
         let mut g = self.free.lock().unwrap_or_else(|e| e.into_inner());
         let bytes = buf.len() * 4;
-        if g.0 + bytes <= POOL_LIMIT {
+        if g.0.saturating_add(bytes) <= self.limit {
             g.0 += bytes;
             g.1.entry(buf.len()).or_default().push(buf);
         }

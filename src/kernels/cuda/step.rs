@@ -2,10 +2,26 @@
 //! positions, index lists, each into buffers kept from earlier steps; and how a step's
 //! query rows split between the tensor-core prefill kernel and the split decode kernel.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+
 use cudarc::driver::CudaSlice;
 
-use super::{CudaDevice, DevResult, cuda};
+use super::{CudaDevice, DevResult, DeviceError, GraphMode, cuda};
 use crate::models::attn::AttnMetadata;
+
+/// One set of a step's inputs on the device, kept from step to step.
+#[derive(Default)]
+pub(super) struct Inputs {
+    /// This step's attention metadata, uploaded once for all layers.
+    pub(super) step: RefCell<Option<StepBufs>>,
+    /// The step's token positions for RoPE, uploaded once for all layers. A copy from
+    /// pageable host memory waits for the stream to drain: once per layer it would stall
+    /// the host behind the GPU every layer.
+    pub(super) rope_positions: RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
+    /// Per-step index lists (token ids, sampled rows, sampling parameters and results) by use.
+    pub(super) staging: RefCell<HashMap<&'static str, CudaSlice<u32>>>,
+}
 
 /// Attention metadata of one step on the device, with the host copy it came from.
 pub(super) struct StepBufs {
@@ -30,7 +46,11 @@ impl CudaDevice {
     /// Uploads `meta` unless the cached step buffers already hold it (every layer of a
     /// forward passes the same metadata: one upload per step).
     pub(super) fn step_bufs(&self, meta: &AttnMetadata, flash: bool) -> DevResult<()> {
-        let fresh = self.step.borrow().as_ref().is_some_and(|b| {
+        if self.capturing() {
+            return Ok(()); // staged before the capture began
+        }
+        let inputs = self.inputs();
+        let fresh = inputs.step.borrow().as_ref().is_some_and(|b| {
             b.flash == flash
                 && b.host.positions == meta.positions
                 && b.host.slot_mapping == meta.slot_mapping
@@ -49,7 +69,7 @@ impl CudaDevice {
         let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
         let (rows, tiles) = split_rows(meta, flash);
         // Last step's buffers take this step's metadata when it fits.
-        let old = self.step.borrow_mut().take();
+        let old = inputs.step.borrow_mut().take();
         let (
             mut positions,
             mut slot_buf,
@@ -84,18 +104,28 @@ impl CudaDevice {
             ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
-        *self.step.borrow_mut() = Some(bufs);
+        *inputs.step.borrow_mut() = Some(bufs);
         Ok(())
     }
 
     pub(super) fn rope_positions(&self, positions: &[u32]) -> DevResult<()> {
-        if self.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
+        let inputs = self.inputs();
+        if self.capturing() || inputs.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
             return Ok(());
         }
-        let old = self.rope_positions.borrow_mut().take().map(|(_, d)| d);
+        let old = inputs.rope_positions.borrow_mut().take().map(|(_, d)| d);
         let dev = self.refill(old, positions)?;
-        *self.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
+        *inputs.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
         Ok(())
+    }
+
+    /// The input set in use: the graphs' while graph inputs are staged or captured.
+    pub(super) fn inputs(&self) -> &Inputs {
+        &self.inputs[usize::from(self.graph.get() != GraphMode::Off)]
+    }
+
+    fn capturing(&self) -> bool {
+        matches!(self.graph.get(), GraphMode::Capturing { .. })
     }
 
     /// Copies `v` into `buf` when it fits, else into a new buffer of the next power-of-two
@@ -109,6 +139,12 @@ impl CudaDevice {
         let need = v.len().max(1);
         let mut buf = match buf {
             Some(b) if b.len() >= need => b,
+            // The graphs read the buffers they were captured with.
+            _ if self.graph.get() != GraphMode::Off && self.graph_inputs_fixed.get() => {
+                return Err(DeviceError::Other(format!(
+                    "a graph step's input of {need} values outgrew the buffer its graphs were captured with"
+                )));
+            }
             _ => self.zeros::<T>(need.next_power_of_two())?,
         };
         if !v.is_empty() {
@@ -122,12 +158,16 @@ impl CudaDevice {
     /// Uploads a per-step index list into the named staging buffer (see [`Self::refill`]);
     /// hand it back with [`Self::restage`] once the launches that read it are issued.
     pub(super) fn stage(&self, name: &'static str, v: &[u32]) -> DevResult<CudaSlice<u32>> {
-        let old = self.staging.borrow_mut().remove(name);
-        self.refill(old, v)
+        let old = self.inputs().staging.borrow_mut().remove(name);
+        match (old, self.capturing()) {
+            // Staged before the capture began: a capture records no copies.
+            (Some(b), true) => Ok(b),
+            (old, _) => self.refill(old, v),
+        }
     }
 
     pub(super) fn restage(&self, name: &'static str, buf: CudaSlice<u32>) {
-        self.staging.borrow_mut().insert(name, buf);
+        self.inputs().staging.borrow_mut().insert(name, buf);
     }
 }
 

@@ -66,6 +66,9 @@ const KERNELS: [&str; 27] = [
     "flash_prefill_h128_f16",
 ];
 
+/// Bytes of cuBLAS workspace (what cuBLAS itself reserves on Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
+
 fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
 }
@@ -187,6 +190,8 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// The workspace set on `blas` (kept alive for it).
+    _blas_workspace: CudaSlice<u8>,
     funcs: std::collections::HashMap<String, CudaFunction>,
     arch: String,
     /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
@@ -285,6 +290,17 @@ impl CudaDevice {
             None => ctx.new_stream().map_err(err)?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
+        // cuBLAS's workspace, ours rather than its default pool: a fixed address that CUDA
+        // graphs may record, and the size Hopper's kernels ask for.
+        let mut blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(err)?;
+        {
+            use cudarc::driver::DevicePtrMut;
+            let (ptr, _rec) = blas_workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace lives as long as the handle (both are fields of the device).
+            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE) }
+                .result()
+                .map_err(err)?;
+        }
         let (major, minor) = ctx.compute_capability().map_err(err)?;
         let arch = format!("sm_{major}{minor}");
         let mut funcs = std::collections::HashMap::new();
@@ -302,6 +318,7 @@ impl CudaDevice {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             funcs,
             sm80: major >= 8,
             arch,

@@ -297,9 +297,11 @@ impl CudaDevice {
             use cudarc::driver::DevicePtrMut;
             let (ptr, _rec) = blas_workspace.device_ptr_mut(&stream);
             // SAFETY: the workspace lives as long as the handle (both are fields of the device).
-            unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE) }
-                .result()
-                .map_err(err)?;
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE)
+            }
+            .result()
+            .map_err(err)?;
         }
         let (major, minor) = ctx.compute_capability().map_err(err)?;
         let arch = format!("sm_{major}{minor}");

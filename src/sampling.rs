@@ -28,6 +28,9 @@ pub struct SampleInput<'a> {
     pub prompt_len: usize,
     /// Tokens that end the sequence (masked while fewer than `min_tokens` are generated).
     pub eos_ids: &'a [u32],
+    /// The penalty rules' view of `tokens`, when the caller keeps one (else it is counted
+    /// from `tokens` each time).
+    pub history: Option<&'a TokenHistory>,
 }
 
 impl SampleInput<'_> {
@@ -107,28 +110,65 @@ struct TokenRule {
     count: u32,
 }
 
-/// The distinct tokens (below `vocab`) the masking and penalty rules touch, by id.
+/// What the penalty rules need of a sequence: each distinct token of the prompt and output
+/// with its count in the output. Kept as tokens are appended, so that a step reads it in
+/// time proportional to the distinct tokens rather than re-counting the whole sequence.
+#[derive(Debug, Clone, Default)]
+pub struct TokenHistory {
+    counts: std::collections::HashMap<u32, u32>,
+}
+
+impl TokenHistory {
+    pub fn new(tokens: &[u32], prompt_len: usize) -> Self {
+        let mut h = Self::default();
+        for &t in &tokens[..prompt_len] {
+            h.counts.entry(t).or_insert(0);
+        }
+        for &t in &tokens[prompt_len..] {
+            h.push(t);
+        }
+        h
+    }
+
+    /// A generated token.
+    pub fn push(&mut self, token: u32) {
+        *self.counts.entry(token).or_insert(0) += 1;
+    }
+}
+
+/// The distinct tokens (below `vocab`) the masking and penalty rules touch, in no order.
 fn token_rules(inp: &SampleInput, vocab: usize) -> Vec<(u32, TokenRule)> {
     let p = inp.params;
-    let mut rules = std::collections::BTreeMap::<u32, TokenRule>::new();
-    let mut each = |tokens: &[u32], f: &dyn Fn(&mut TokenRule)| {
-        for &t in tokens.iter().filter(|&&t| (t as usize) < vocab) {
-            f(rules.entry(t).or_default());
+    let (rep, counted) =
+        (p.repetition_penalty != 1.0, p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
+    let mut rules = Vec::new();
+    if rep || counted {
+        let built;
+        let history = match inp.history {
+            Some(h) => h,
+            None => {
+                built = TokenHistory::new(inp.tokens, inp.prompt_len);
+                &built
+            }
+        };
+        // Repetition penalty (HF / vLLM) over prompt and output; presence and frequency
+        // (OpenAI) over the output only.
+        for (&t, &count) in history.counts.iter().filter(|&(&t, _)| (t as usize) < vocab) {
+            let rule = TokenRule { masked: false, seen: rep, count: if counted { count } else { 0 } };
+            if rule.seen || rule.count > 0 {
+                rules.push((t, rule));
+            }
         }
-    };
+    }
     if inp.masks_eos() {
-        each(inp.eos_ids, &|r| r.masked = true);
-        each(&p.stop_token_ids, &|r| r.masked = true);
+        for &t in inp.eos_ids.iter().chain(&p.stop_token_ids).filter(|&&t| (t as usize) < vocab) {
+            match rules.iter_mut().find(|(id, _)| *id == t) {
+                Some((_, r)) => r.masked = true,
+                None => rules.push((t, TokenRule { masked: true, ..Default::default() })),
+            }
+        }
     }
-    if p.repetition_penalty != 1.0 {
-        // HF / vLLM: over prompt and output.
-        each(inp.tokens, &|r| r.seen = true);
-    }
-    if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-        // OpenAI semantics: over the generated tokens only.
-        each(&inp.tokens[inp.prompt_len..], &|r| r.count += 1);
-    }
-    rules.into_iter().collect()
+    rules
 }
 
 /// A logit after the rules: repetition penalty (divide positive logits, multiply negative
@@ -300,7 +340,7 @@ mod tests {
     use super::*;
 
     fn input<'a>(params: &'a SamplingParams, tokens: &'a [u32], seed: u64) -> SampleInput<'a> {
-        SampleInput { params, seed, index: 0, tokens, prompt_len: 1, eos_ids: &[0] }
+        SampleInput { params, seed, index: 0, tokens, prompt_len: 1, eos_ids: &[0], history: None }
     }
 
     #[test]
@@ -385,11 +425,61 @@ mod tests {
     }
 
     #[test]
+    fn a_kept_history_gives_the_rules_a_recount_gives() {
+        let params = SamplingParams {
+            repetition_penalty: 1.3,
+            frequency_penalty: 0.5,
+            min_tokens: 8,
+            stop_token_ids: vec![9],
+            ..Default::default()
+        };
+        let mut tokens = vec![4, 7, 4, 9];
+        let mut history = TokenHistory::new(&tokens, 2);
+        for next in [7, 7, 12, 300, 4] {
+            tokens.push(next);
+            history.push(next);
+            let inp = |h| SampleInput {
+                params: &params,
+                seed: 0,
+                index: 0,
+                tokens: &tokens,
+                prompt_len: 2,
+                eos_ids: &[12],
+                history: h,
+            };
+            let sorted = |mut v: Vec<(u32, TokenRule)>| {
+                v.sort_by_key(|r| r.0);
+                v
+            };
+            let (kept, recount) =
+                (sorted(token_rules(&inp(Some(&history)), 256)), sorted(token_rules(&inp(None), 256)));
+            assert_eq!(kept, recount);
+            // Token 300 lies outside the vocabulary; 12 (EOS) and 9 (a stop id) are masked.
+            assert!(kept.iter().all(|(t, _)| *t < 256));
+            assert!(
+                kept.iter().any(|(t, r)| *t == 12 && r.masked)
+                    && kept.iter().any(|(t, r)| *t == 9 && r.masked)
+            );
+            assert_eq!(
+                kept.iter().find(|(t, _)| *t == 7).map(|(_, r)| r.count),
+                Some(tokens[2..].iter().filter(|&&t| t == 7).count() as u32)
+            );
+        }
+    }
+
+    #[test]
     fn penalties_follow_hf_and_openai_rules() {
         let params = SamplingParams { temperature: 0.0, repetition_penalty: 2.0, ..Default::default() };
         let mut logits = vec![4.0, 3.0, -1.0];
-        let inp =
-            SampleInput { params: &params, seed: 0, index: 0, tokens: &[0, 2], prompt_len: 1, eos_ids: &[] };
+        let inp = SampleInput {
+            params: &params,
+            seed: 0,
+            index: 0,
+            tokens: &[0, 2],
+            prompt_len: 1,
+            eos_ids: &[],
+            history: None,
+        };
         penalize(&mut logits, &inp);
         assert_eq!(logits, vec![2.0, 3.0, -2.0]);
         let params = SamplingParams { frequency_penalty: 1.0, presence_penalty: 0.5, ..Default::default() };
@@ -401,6 +491,7 @@ mod tests {
             tokens: &[1, 1, 1, 2],
             prompt_len: 1,
             eos_ids: &[],
+            history: None,
         };
         penalize(&mut logits, &inp);
         assert_eq!(logits, vec![4.0, 0.5, -0.5]);

@@ -96,7 +96,15 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
                 7 => (&tokens7, 3),
                 _ => (&tokens7, 2),
             };
-            SampleInput { params: p, seed: 1000 + i as u64, index: i % 3, tokens, prompt_len, eos_ids: &eos }
+            SampleInput {
+                params: p,
+                seed: 1000 + i as u64,
+                index: i % 3,
+                tokens,
+                prompt_len,
+                eos_ids: &eos,
+                history: None,
+            }
         })
         .collect();
     let want = c.sample_rows(CpuTensor::new(logits.clone(), rows, cols), &inputs).unwrap();
@@ -575,4 +583,42 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
     eprintln!("reserve {} MiB, free after the largest batch {} MiB", keep >> 20, free >> 20);
     assert!(free >= keep - (64 << 20), "the engine went {} MiB into the reserve", (keep - free) >> 20);
     assert!(free <= keep + (512 << 20), "{} MiB beyond the reserve sat unused", (free - keep) >> 20);
+}
+
+/// Seeded sampling with penalties and logprobs, sampled on the GPU: the same tokens alone
+/// or among other requests, and the same tokens as the host's sampler on the CPU engine.
+#[actix_rt::test]
+async fn seeded_sampling_on_the_gpu_is_batch_invariant_and_matches_the_host() {
+    if gpu().is_none() {
+        return;
+    }
+    let model = tiny_model(41);
+    let sampled = |seed| actorllm::SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        repetition_penalty: 1.2,
+        frequency_penalty: 0.3,
+        min_tokens: 4,
+        logprobs: Some(2),
+        seed: Some(seed),
+        ignore_eos: true,
+        max_tokens: Some(32),
+        ..Default::default()
+    };
+    let prompts: Vec<Vec<u32>> =
+        (0..5u32).map(|i| (0..(6 + 7 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
+    let gpu = Engine::start(EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }).await.unwrap();
+    let alone = run(&gpu, prompts[0].clone(), sampled(7)).await;
+    let crowd = prompts[1..].iter().map(|p| run(&gpu, p.clone(), sampled(99)));
+    let (mut with_others, _) = futures::future::join(
+        futures::future::join_all([run(&gpu, prompts[0].clone(), sampled(7))]),
+        futures::future::join_all(crowd),
+    )
+    .await;
+    assert_eq!(alone.tokens, with_others.remove(0).tokens, "the same seed, whatever else is running");
+    let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
+    let host = run(&cpu, prompts[0].clone(), sampled(7)).await;
+    assert_eq!(alone.tokens, host.tokens, "the GPU sampler picks the host sampler's tokens");
+    let other_seed = run(&gpu, prompts[0].clone(), sampled(8)).await;
+    assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
 }

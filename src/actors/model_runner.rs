@@ -26,7 +26,7 @@ use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
 use crate::request::{SamplingParams, TokenLogprobs};
-use crate::sampling::SampleInput;
+use crate::sampling::{SampleInput, TokenHistory};
 
 /// State a sequence brings on its first step (or after a preemption).
 #[derive(Debug, Clone)]
@@ -149,9 +149,30 @@ struct RunnerSeq {
     params: Arc<SamplingParams>,
     seed: u64,
     index: usize,
+    /// Kept for sequences whose sampling applies penalties.
+    history: Option<TokenHistory>,
 }
 
 impl RunnerSeq {
+    fn new(n: NewSeq) -> Self {
+        let history = n.params.uses_penalties().then(|| TokenHistory::new(&n.tokens, n.prompt_len));
+        Self {
+            tokens: n.tokens,
+            prompt_len: n.prompt_len,
+            params: n.params,
+            seed: n.seed,
+            index: n.index,
+            history,
+        }
+    }
+
+    fn push(&mut self, token: u32) {
+        self.tokens.push(token);
+        if let Some(h) = &mut self.history {
+            h.push(token);
+        }
+    }
+
     fn sample_input<'a>(&'a self, eos_ids: &'a [u32]) -> SampleInput<'a> {
         SampleInput {
             params: &self.params,
@@ -160,6 +181,7 @@ impl RunnerSeq {
             tokens: &self.tokens,
             prompt_len: self.prompt_len,
             eos_ids,
+            history: self.history.as_ref(),
         }
     }
 }
@@ -336,14 +358,7 @@ impl<D: Device> ModelRunner<D> {
         let mut sampled_seqs = Vec::new();
         for (i, s) in batch.seqs.into_iter().enumerate() {
             if let Some(n) = s.new {
-                let rs = RunnerSeq {
-                    tokens: n.tokens,
-                    prompt_len: n.prompt_len,
-                    params: n.params,
-                    seed: n.seed,
-                    index: n.index,
-                };
-                self.seqs.insert(s.seq, rs);
+                self.seqs.insert(s.seq, RunnerSeq::new(n));
             }
             let rs = self.seqs.get(&s.seq).ok_or(RunnerError::UnknownSeq(s.seq))?;
             let end = s.start + s.len;
@@ -417,7 +432,7 @@ impl<D: Device> ModelRunner<D> {
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
         for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
             if let Some(rs) = self.seqs.get_mut(&seq) {
-                rs.tokens.push(token);
+                rs.push(token);
             }
             out.sampled.push(Sampled { seq, token, logprobs });
         }

@@ -235,19 +235,9 @@ pub trait Device: Send + Unpin + 'static {
         meta: &AttnMetadata,
     ) -> DevResult<&'g Self::Tensor>;
     /// One token per row of `logits` (row i for `inputs[i]`), with its logprobs where asked,
-    /// by the rules of [`crate::sampling`]. By default the rows come to the host and are
-    /// sampled there; a GPU samples them itself, so that only token ids (and requested
-    /// logprobs) come back.
-    fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
-        use rayon::prelude::*;
-        let mut rows = self.to_host(&logits)?;
-        let vocab = rows.len() / inputs.len().max(1);
-        Ok(rows
-            .par_chunks_mut(vocab.max(1))
-            .zip(inputs)
-            .map(|(row, inp)| crate::sampling::sample(row, inp))
-            .collect())
-    }
+    /// by the rules of [`crate::sampling`]. A GPU samples the rows itself, so that only
+    /// token ids (and requested logprobs) come back.
+    fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>>;
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> DevResult<Self::Tensor>;
 

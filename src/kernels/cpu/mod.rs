@@ -16,9 +16,10 @@ use rayon::prelude::*;
 
 use super::{
     AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights,
-    RopeSpec, TpRank,
+    RopeSpec, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
+use crate::sampling::SampleInput;
 use group::CpuGroup;
 pub use matmul::WeightData;
 
@@ -399,6 +400,16 @@ impl Device for CpuDevice {
         _: &AttnMetadata,
     ) -> DevResult<&'g CpuTensor> {
         match *graph {}
+    }
+
+    fn sample_rows(&self, logits: CpuTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
+        // The logits are this step's own: sampled in place, not copied.
+        let (cols, mut data) = (logits.cols.max(1), logits.data);
+        Ok(data
+            .par_chunks_mut(cols)
+            .zip(inputs)
+            .map(|(row, inp)| crate::sampling::sample(row, inp))
+            .collect())
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> DevResult<CpuTensor> {

@@ -16,6 +16,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchCon
 
 use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, LoraShape, RopeSpec, TpRank};
 
+mod attend;
 mod gemm;
 mod graph;
 mod ops;
@@ -106,7 +107,7 @@ struct KvKernels {
     attention: CudaFunction,
     /// flash_prefill for head_dim 64 and 128.
     flash: [CudaFunction; 2],
-    /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `ops::split_index`).
+    /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `attend::split_index`).
     split: Vec<CudaFunction>,
 }
 

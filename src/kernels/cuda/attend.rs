@@ -1,0 +1,241 @@
+//! Paged attention launches: K/V written into the cache, then prefill tiles on tensor
+//! cores (flash.cu) and the other rows through the split (PagedAttention v2) or the
+//! one-block-per-head kernel (attention.cu), shaped per step.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
+use crate::kernels::{AttnShape, DevResult};
+use crate::models::attn::AttnMetadata;
+
+impl CudaDevice {
+    /// `Device::paged_attention`.
+    pub(super) fn attend(
+        &self,
+        q: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        cache: &mut CudaCache,
+        s: AttnShape,
+        meta: &AttnMetadata,
+    ) -> DevResult<CudaTensor> {
+        let width = (s.num_kv_heads * s.head_dim) as i32;
+        self.step_bufs(meta, self.flash_for(s))?;
+        let guard = self.inputs().step.borrow();
+        let b = guard.as_ref().expect("uploaded above");
+        // A graph is replayed at any context up to its bound: its launch shapes follow the
+        // bound, and the kernels skip what lies past each row's own context.
+        let ctx_max = self.graph.get().ctx_bound().unwrap_or(b.ctx_max);
+        let t = self.span("write_kv", (0, 0), k.rows);
+        let kk = &cache.kernels;
+        let (kc, vc) = (cache.k.arg(), cache.v.arg());
+        let mut launch = self.stream.launch_builder(&kk.write_kv);
+        launch.arg(&*k.buf).arg(&*v.buf);
+        kc.push(&mut launch);
+        vc.push(&mut launch);
+        // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
+        unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }
+            .map_err(cuda("write_kv launch"))?;
+        drop(t);
+        let cols = s.num_heads * s.head_dim;
+        let mut out = self.tensor(q.rows, cols)?;
+        let (mut half, kind) = self.half(q.rows, cols)?;
+        let dims = AttnDims {
+            heads: s.num_heads as i32,
+            kv_heads: s.num_kv_heads as i32,
+            head_dim: s.head_dim as i32,
+            block_size: cache.shape.block_size as i32,
+            scale: s.scale,
+        };
+        if b.num_tiles > 0 {
+            let _t = self.span("flash_prefill", (0, 0), q.rows - b.num_rows);
+            let mut launch = self.stream.launch_builder(&kk.flash[usize::from(s.head_dim == 128)]);
+            launch.arg(&*q.buf);
+            kc.push(&mut launch);
+            vc.push(&mut launch);
+            launch.arg(&mut *out.buf);
+            push_half(&mut launch, &mut half, q, &kind);
+            push_tables(&mut launch, b);
+            launch.arg(&b.tiles);
+            dims.push(&mut launch);
+            let cfg = LaunchConfig {
+                grid_dim: (b.num_tiles as u32, s.num_heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: tiles hold rows of one sequence each; every index is bounded by the
+            // step's metadata; out (and half) are [rows, heads·head_dim].
+            unsafe { launch.launch(cfg) }.map_err(cuda("flash_prefill launch"))?;
+        }
+        if b.num_rows == 0 {
+            out.half = half;
+            return Ok(out);
+        }
+        if let Some(part) = split_partition(b.num_rows, s, ctx_max) {
+            let parts_max = ctx_max.div_ceil(part);
+            let slots = q.rows * s.num_heads * parts_max;
+            let mut part_out = self.tensor(slots, s.head_dim)?;
+            let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
+            let group = s.num_heads / s.num_kv_heads;
+            let cfg = LaunchConfig {
+                grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((group * part + SPLIT_CHUNK * s.head_dim) * 4) as u32,
+            };
+            let (part_i, parts_i) = (part as i32, parts_max as i32);
+            let t = self.span("attention_split", (0, 0), b.num_rows);
+            let mut launch = self.stream.launch_builder(&kk.split[split_index(s)]);
+            launch.arg(&*q.buf);
+            kc.push(&mut launch);
+            vc.push(&mut launch);
+            launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf).arg(&b.rows);
+            push_tables(&mut launch, b);
+            dims.push(&mut launch);
+            launch.arg(&part_i).arg(&parts_i);
+            // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
+            // rows·heads·parts_max entries (of head_dim values for part_out).
+            unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_split launch"))?;
+            drop(t);
+            let _t = self.span("attention_reduce", (0, 0), b.num_rows);
+            let cfg = LaunchConfig {
+                grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self.stream.launch_builder(self.f("paged_attention_reduce_f32"));
+            launch.arg(&*part_out.buf).arg(&*part_max.buf).arg(&*part_sum.buf).arg(&mut *out.buf);
+            push_half(&mut launch, &mut half, q, &kind);
+            launch
+                .arg(&b.rows)
+                .arg(&b.positions)
+                .arg(&dims.heads)
+                .arg(&dims.head_dim)
+                .arg(&part_i)
+                .arg(&parts_i);
+            // SAFETY: as above; out (and half) are [rows, heads·head_dim].
+            unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_reduce launch"))?;
+            out.half = half;
+            return Ok(out);
+        }
+        let _t = self.span("attention", (0, 0), b.num_rows);
+        let cfg = LaunchConfig {
+            grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (ctx_max * 4) as u32,
+        };
+        let mut launch = self.stream.launch_builder(&kk.attention);
+        launch.arg(&*q.buf);
+        kc.push(&mut launch);
+        vc.push(&mut launch);
+        launch.arg(&mut *out.buf);
+        push_half(&mut launch, &mut half, q, &kind);
+        launch.arg(&b.rows);
+        push_tables(&mut launch, b);
+        dims.push(&mut launch);
+        // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
+        unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
+        out.half = half;
+        Ok(out)
+    }
+}
+
+/// The shape arguments the attention kernels end with.
+struct AttnDims {
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    block_size: i32,
+    scale: f32,
+}
+
+impl AttnDims {
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        launch
+            .arg(&self.heads)
+            .arg(&self.kv_heads)
+            .arg(&self.head_dim)
+            .arg(&self.block_size)
+            .arg(&self.scale);
+    }
+}
+
+/// The step's per-token positions and sequences and the block tables, in the order the
+/// attention kernels take them.
+fn push_tables<'a>(launch: &mut cudarc::driver::LaunchArgs<'a>, b: &'a StepBufs) {
+    launch.arg(&b.positions).arg(&b.token_seq).arg(&b.tables).arg(&b.table_offsets);
+}
+
+/// The 16-bit output and its kind (with kind 0 any buffer fills the slot; it is not written).
+fn push_half<'a>(
+    launch: &mut cudarc::driver::LaunchArgs<'a>,
+    half: &'a mut Option<Half>,
+    any: &'a CudaTensor,
+    kind: &'a i32,
+) {
+    match half {
+        Some(h) => launch.arg(&mut *h.buf),
+        None => launch.arg(&*any.buf),
+    };
+    launch.arg(kind);
+}
+
+/// The split kernel's instantiation for a shape, as an index into `KvKernels::split`: the
+/// smallest group bound G (1, 2, 4, 8) and dims-per-lane bound D (2, 4, 8) that hold it
+/// (split_partition has checked group ≤ 8 and head_dim ≤ 256).
+pub(super) fn split_index(s: AttnShape) -> usize {
+    let g = (s.num_heads / s.num_kv_heads).next_power_of_two();
+    let d = (s.head_dim / 32).next_power_of_two().max(2);
+    g.trailing_zeros() as usize * 3 + d.trailing_zeros() as usize - 1
+}
+
+/// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
+const SPLIT_CHUNK: usize = 32;
+
+/// Positions per partition for the split attention kernel, or None where it does not apply
+/// (GQA groups over 8 heads, head sizes not a multiple of 32 or over 256, or a batch whose
+/// partial results would not fit the budget). Partitions start at 32 positions, so that
+/// one short decode still spreads over the GPU, and grow while the grid stays large and
+/// while the partial results would take more than 256 MiB.
+fn split_partition(rows: usize, s: AttnShape, ctx_max: usize) -> Option<usize> {
+    let group = s.num_heads / s.num_kv_heads;
+    if group > 8 || !s.head_dim.is_multiple_of(32) || s.head_dim > 256 {
+        return None;
+    }
+    let bytes = |part: usize| rows * s.num_heads * ctx_max.div_ceil(part) * (s.head_dim + 2) * 4;
+    let blocks = |part: usize| rows * s.num_kv_heads * ctx_max.div_ceil(part);
+    let mut part = 32;
+    while part < 512 && blocks(part) > 4096 {
+        part *= 2;
+    }
+    while bytes(part) > 256 << 20 {
+        part *= 2;
+    }
+    // Scores of the partition and a chunk of K or V rows live in shared memory (48 KiB
+    // without opting in).
+    ((group * part + SPLIT_CHUNK * s.head_dim) * 4 <= 48 << 10).then_some(part)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_shape_gets_the_smallest_split_instantiation_that_holds_it() {
+        let shape = |heads, kv_heads, head_dim| AttnShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            scale: 1.0,
+        };
+        let names: Vec<String> = super::super::split_names("bf16").collect();
+        for (s, want) in [
+            (shape(32, 8, 128), "g4_d4"),
+            (shape(14, 2, 64), "g8_d2"),
+            (shape(4, 4, 32), "g1_d2"),
+            (shape(16, 8, 256), "g2_d8"),
+            (shape(9, 3, 96), "g4_d4"),
+        ] {
+            assert_eq!(names[split_index(s)], format!("paged_attention_split_{want}_bf16"));
+        }
+    }
+}

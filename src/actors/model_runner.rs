@@ -316,7 +316,12 @@ impl<D: Device> ModelRunner<D> {
     /// The logits of a decode step through a graph: every sequence contributes its one
     /// last token, no adapter is in use, and a graph holds the batch (padded to its size)
     /// and the longest context. None when no graph applies.
-    fn replay(&mut self, ids: &[u32], meta: &AttnMetadata) -> Result<Option<D::Tensor>, DeviceError> {
+    /// The batch is padded in place when a graph takes it.
+    fn replay(
+        &mut self,
+        ids: &mut Vec<u32>,
+        meta: &mut AttnMetadata,
+    ) -> Result<Option<D::Tensor>, DeviceError> {
         let n = ids.len();
         if self.graphs.is_empty() || !meta.lora_slots.is_empty() || meta.last_token_rows.len() != n {
             return Ok(None);
@@ -328,17 +333,14 @@ impl<D: Device> ModelRunner<D> {
             return Ok(None);
         };
         // Padding rows read block 0 at position 0 and write no cache; their outputs are
-        // never sampled.
+        // never sampled (`last_token_rows` still names the real rows, the first n).
         let size = *size;
-        let mut padded_ids = ids.to_vec();
-        padded_ids.resize(size, 0);
-        let mut padded = meta.clone();
-        padded.positions.resize(size, 0);
-        padded.slot_mapping.resize(size, -1);
-        padded.token_seq.extend(n as u32..size as u32);
-        padded.block_tables.resize(size, vec![0]);
-        let hidden = self.dev.replay_graph(graph, &padded_ids, &padded)?;
-        // The real rows are the first n: their logits only.
+        ids.resize(size, 0);
+        meta.positions.resize(size, 0);
+        meta.slot_mapping.resize(size, -1);
+        meta.token_seq.extend(n as u32..size as u32);
+        meta.block_tables.resize(size, vec![0]);
+        let hidden = self.dev.replay_graph(graph, ids, meta)?;
         self.model.compute_logits(&self.dev, hidden, meta).map(Some)
     }
 
@@ -398,7 +400,7 @@ impl<D: Device> ModelRunner<D> {
         let t1 = std::time::Instant::now();
         // A device error fails the step (its requests get it); the other ranks of a group
         // may then wait in a collective this rank never joined (see the module doc).
-        let replayed = self.replay(&ids, &meta)?;
+        let replayed = self.replay(&mut ids, &mut meta)?;
         let graph = replayed.is_some();
         let logits = match replayed {
             Some(logits) => Some(logits),

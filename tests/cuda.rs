@@ -609,13 +609,9 @@ async fn seeded_sampling_on_the_gpu_is_batch_invariant_and_matches_the_host() {
         (0..5u32).map(|i| (0..(6 + 7 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
     let gpu = Engine::start(EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }).await.unwrap();
     let alone = run(&gpu, prompts[0].clone(), sampled(7)).await;
-    let crowd = prompts[1..].iter().map(|p| run(&gpu, p.clone(), sampled(99)));
-    let (mut with_others, _) = futures::future::join(
-        futures::future::join_all([run(&gpu, prompts[0].clone(), sampled(7))]),
-        futures::future::join_all(crowd),
-    )
-    .await;
-    assert_eq!(alone.tokens, with_others.remove(0).tokens, "the same seed, whatever else is running");
+    let crowd = prompts[1..].iter().map(|p| (p.clone(), sampled(99))).collect();
+    let with_others = common::run_among(&gpu, prompts[0].clone(), sampled(7), crowd).await;
+    assert_eq!(alone.tokens, with_others.tokens, "the same seed, whatever else is running");
     let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
     let host = run(&cpu, prompts[0].clone(), sampled(7)).await;
     assert_eq!(alone.tokens, host.tokens, "the GPU sampler picks the host sampler's tokens");

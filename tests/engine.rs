@@ -86,13 +86,9 @@ async fn the_same_seed_gives_the_same_output_whatever_else_is_running() {
     let sampled = |seed| SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..long(32) };
     let p = prompts();
     let alone = run(&engine, p[0].clone(), sampled(7)).await;
-    let others = p[1..].iter().map(|q| run(&engine, q.clone(), sampled(99)));
-    let (mut batch, _) = futures::future::join(
-        futures::future::join_all([run(&engine, p[0].clone(), sampled(7))]),
-        futures::future::join_all(others),
-    )
-    .await;
-    assert_eq!(alone.tokens, batch.remove(0).tokens);
+    let others = p[1..].iter().map(|q| (q.clone(), sampled(99))).collect();
+    let batch = common::run_among(&engine, p[0].clone(), sampled(7), others).await;
+    assert_eq!(alone.tokens, batch.tokens);
     let other_seed = run(&engine, p[0].clone(), sampled(8)).await;
     assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
 }

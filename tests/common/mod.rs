@@ -97,6 +97,20 @@ pub async fn run(engine: &Engine, prompt: Vec<u32>, params: SamplingParams) -> O
     collect(s, n).await
 }
 
+/// Runs `prompt` while each of `others` runs beside it (all submitted at once); the
+/// outcome of `prompt`.
+pub async fn run_among(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    others: Vec<(Vec<u32>, SamplingParams)>,
+) -> Outcome {
+    let crowd = others.into_iter().map(|(p, sp)| run(engine, p, sp));
+    let (outcome, _) =
+        futures::future::join(run(engine, prompt, params), futures::future::join_all(crowd)).await;
+    outcome
+}
+
 /// Waits until every KV block is back in the pool (frees are applied at the next step).
 pub async fn wait_all_blocks_free(engine: &Engine) -> (usize, usize) {
     let mut last = (0, 0);

@@ -39,6 +39,70 @@ pub struct Tokenizer {
     eos_token: String,
     /// Ids that end generation: generation_config.json's, else the config's, else eos_token's.
     pub eos_ids: Vec<u32>,
+    /// Each id's raw bytes when the decoder is byte-level (GPT-2 style: Llama 3, Qwen,
+    /// SmolLM2), where decoding is joining bytes; None for other decoders.
+    bytes: Option<TokenBytes>,
+}
+
+/// The bytes a byte-level decoder gives each token id, and which ids are special.
+struct TokenBytes {
+    data: Vec<u8>,
+    /// Id i's bytes are `data[ends[i - 1]..ends[i]]` (from 0 for id 0).
+    ends: Vec<u32>,
+    special: Vec<bool>,
+}
+
+impl TokenBytes {
+    /// The table of a byte-level tokenizer, or None for any other decoder. A token whose
+    /// characters all come from the byte alphabet stands for those bytes; any other
+    /// (an added token such as "<|im_start|>" written outside the alphabet) for its UTF-8,
+    /// as the `tokenizers` decoder has it.
+    fn of(inner: &tokenizers::Tokenizer) -> Option<Self> {
+        if !matches!(inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_))) {
+            return None;
+        }
+        let alphabet = byte_alphabet();
+        let added = inner.get_added_tokens_decoder();
+        let n = inner.get_vocab_size(true);
+        let (mut data, mut ends, mut special) = (Vec::new(), Vec::with_capacity(n), Vec::with_capacity(n));
+        for id in 0..n as u32 {
+            // An id without a token (a gap in the vocabulary) decodes to nothing.
+            let token = inner.id_to_token(id).unwrap_or_default();
+            let mapped: Option<Vec<u8>> = token.chars().map(|c| alphabet.get(&c).copied()).collect();
+            data.extend(mapped.unwrap_or_else(|| token.as_bytes().to_vec()));
+            ends.push(data.len() as u32);
+            special.push(added.get(&id).is_some_and(|t| t.special));
+        }
+        Some(Self { data, ends, special })
+    }
+
+    /// The id's bytes; nothing for an id past the vocabulary or (when skipping) a special one.
+    fn get(&self, id: u32, skip_special_tokens: bool) -> &[u8] {
+        let i = id as usize;
+        if i >= self.ends.len() || (skip_special_tokens && self.special[i]) {
+            return &[];
+        }
+        let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
+        &self.data[start..self.ends[i] as usize]
+    }
+}
+
+/// GPT-2's byte alphabet: the printable bytes stand for themselves, the other 68 for the
+/// characters from U+0100 on, in byte order.
+fn byte_alphabet() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            let c = if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(next - 1).expect("below U+0200")
+            };
+            (c, b)
+        })
+        .collect()
 }
 
 /// `"<s>"` or `{"content": "<s>", ...}` in tokenizer_config.json.
@@ -105,7 +169,8 @@ impl Tokenizer {
         {
             eos_ids.push(id);
         }
-        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids })
+        let bytes = TokenBytes::of(&inner);
+        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids, bytes })
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
@@ -167,22 +232,74 @@ impl Tokenizer {
 /// Streams text from a growing token list without ever emitting a broken UTF-8 sequence:
 /// text is released only once the tokens decoded so far end on a whole character. The
 /// concatenation of everything released equals a full decode of the generated tokens.
+///
+/// A byte-level tokenizer's tokens are joined as bytes (no decode call per token); other
+/// tokenizers decode a window of the last few tokens twice per step, as vLLM does.
 #[derive(Debug, Clone)]
 pub struct IncrementalDetokenizer {
     prefix_offset: usize,
     read_offset: usize,
     skip_special_tokens: bool,
+    /// Byte-level path: the bytes of a character whose last bytes have not come yet.
+    pending: Vec<u8>,
 }
 
 impl IncrementalDetokenizer {
     /// `prompt_len` tokens precede the generated ones; a few of them are kept as left
     /// context so that tokenizers that strip a leading space decode correctly.
     pub fn new(prompt_len: usize, skip_special_tokens: bool) -> Self {
-        Self { prefix_offset: prompt_len.saturating_sub(5), read_offset: prompt_len, skip_special_tokens }
+        Self {
+            prefix_offset: prompt_len.saturating_sub(5),
+            read_offset: prompt_len,
+            skip_special_tokens,
+            pending: Vec::new(),
+        }
     }
 
     /// Text made stable by the last token of `tokens` (prompt + generated so far).
     pub fn step(&mut self, tok: &Tokenizer, tokens: &[u32]) -> Result<String, TokenizerError> {
+        match &tok.bytes {
+            Some(table) => Ok(self.step_bytes(table, *tokens.last().expect("a token was just appended"))),
+            None => self.step_window(tok, tokens),
+        }
+    }
+
+    /// Appends the token's bytes and releases every whole character; a sequence that can
+    /// no longer become a character becomes U+FFFD, as a lossy decode of all of them would.
+    fn step_bytes(&mut self, table: &TokenBytes, token: u32) -> String {
+        self.pending.extend_from_slice(table.get(token, self.skip_special_tokens));
+        let mut text = String::new();
+        let mut rest = self.pending.as_slice();
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    text.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (valid, bad) = rest.split_at(e.valid_up_to());
+                    text.push_str(std::str::from_utf8(valid).expect("checked up to here"));
+                    match e.error_len() {
+                        Some(n) => {
+                            text.push('\u{FFFD}');
+                            rest = &bad[n..];
+                        }
+                        // A character cut short by the end: wait for its other bytes.
+                        None => {
+                            rest = bad;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let held = rest.len();
+        self.pending.drain(..self.pending.len() - held);
+        text
+    }
+
+    fn step_window(&mut self, tok: &Tokenizer, tokens: &[u32]) -> Result<String, TokenizerError> {
         let skip = self.skip_special_tokens;
         let prefix = tok.decode(&tokens[self.prefix_offset..self.read_offset], skip)?;
         let full = tok.decode(&tokens[self.prefix_offset..], skip)?;
@@ -201,5 +318,62 @@ impl IncrementalDetokenizer {
             return Ok(delta);
         }
         Ok(String::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SentencePiece-style tokenizer (Metaspace decoder: "▁" is a space, and the first
+    /// token's leading space is dropped), which streams through decoded windows.
+    fn metaspace_tokenizer() -> (Tokenizer, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("actorllm-metaspace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 0, "content": "<unk>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true},
+            "post_processor": null,
+            "decoder": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true},
+            "model": {"type": "WordLevel", "unk_token": "<unk>",
+                      "vocab": {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4}}
+        });
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        (Tokenizer::load(&dir, &[]).unwrap(), dir)
+    }
+
+    #[test]
+    fn a_non_byte_level_tokenizer_streams_its_continuation_with_the_leading_space() {
+        let (tok, dir) = metaspace_tokenizer();
+        assert!(tok.bytes.is_none(), "Metaspace decodes through windows");
+        let mut all = vec![1u32];
+        let mut detok = IncrementalDetokenizer::new(all.len(), true);
+        let pieces: Vec<String> = [2u32, 3, 4, 0, 3]
+            .iter()
+            .map(|&t| {
+                all.push(t);
+                detok.step(&tok, &all).unwrap()
+            })
+            .collect();
+        assert_eq!(pieces, [" world", "!", " again", "", "!"]);
+        // The continuation is what the whole decodes to past the prompt.
+        let whole = tok.decode(&all, true).unwrap();
+        assert_eq!(pieces.concat(), whole["Hello".len()..]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_byte_alphabet_covers_every_byte_once() {
+        let alphabet = byte_alphabet();
+        assert_eq!(alphabet.len(), 256);
+        let mut bytes: Vec<u8> = alphabet.values().copied().collect();
+        bytes.sort_unstable();
+        assert_eq!(bytes, (0..=255).collect::<Vec<u8>>());
+        // Space, newline and 0xAD are not printable: they are U+0120, U+010A and U+0143.
+        assert_eq!((alphabet[&'Ġ'], alphabet[&'Ċ'], alphabet[&'Ń']), (b' ', b'\n', 0xAD));
+        assert_eq!(alphabet[&'A'], b'A');
     }
 }

@@ -119,3 +119,32 @@ fn incremental_detokenization_never_splits_a_character() {
     assert_eq!(streamed, tok.decode(&out, true).unwrap());
     assert_eq!(streamed, text);
 }
+
+#[test]
+fn streamed_text_of_any_token_ids_equals_their_full_decode() {
+    // Random ids cut characters anywhere and join bytes that form no character; what is
+    // streamed must still be exactly what decoding all of them at once gives.
+    let tok = actorllm::tokenizer::Tokenizer::load(&common::default_model(), &[]).unwrap();
+    let vocab = tok.vocab_size() as u64;
+    let end = tok.encode(" end", false).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for case in 0..200 {
+        let skip = case % 2 == 0;
+        let mut ids: Vec<u32> = (0..1 + case % 40)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 33) % vocab) as u32
+            })
+            .collect();
+        // Ends on whole characters, so that nothing is left waiting for more bytes.
+        ids.extend(&end);
+        let mut all = vec![1u32, 2, 3];
+        let mut detok = actorllm::tokenizer::IncrementalDetokenizer::new(all.len(), skip);
+        let mut streamed = String::new();
+        for &t in &ids {
+            all.push(t);
+            streamed.push_str(&detok.step(&tok, &all).unwrap());
+        }
+        assert_eq!(streamed, tok.decode(&ids, skip).unwrap(), "ids {ids:?}, skip_special_tokens {skip}");
+    }
+}

@@ -111,27 +111,32 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
             report.first_token_ms
         );
         if let Some(b) = report.breakdown {
-            println!(
-                "per step, over {} steps (the prefill step included): {:.3} ms = scheduling {:.3} + block \
-                 reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
-                 sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
-                 steps replayed from CUDA graphs: {}",
-                b.steps,
-                b.step_ms,
-                b.schedule_ms,
-                b.blocks_ms,
-                b.prepare_ms,
-                b.launch_ms,
-                b.device_ms,
-                b.sample_ms,
-                b.output_ms,
-                b.messaging_ms,
-                b.device_allocations,
-                b.graph_steps
-            );
+            print_breakdown(&b);
         }
     }
     Ok(())
+}
+
+/// Where the steps' time went, one line.
+fn print_breakdown(b: &StepBreakdown) {
+    println!(
+        "per step, over {} steps (prefill steps included): {:.3} ms = scheduling {:.3} + block \
+         reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
+         sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
+         steps replayed from CUDA graphs: {}",
+        b.steps,
+        b.step_ms,
+        b.schedule_ms,
+        b.blocks_ms,
+        b.prepare_ms,
+        b.launch_ms,
+        b.device_ms,
+        b.sample_ms,
+        b.output_ms,
+        b.messaging_ms,
+        b.device_allocations,
+        b.graph_steps
+    );
 }
 
 /// Log-normal lengths with the given mean (σ = 0.8), clamped, from a fixed seed.
@@ -159,6 +164,8 @@ struct ThroughputReport {
     output_tokens_per_s: f64,
     total_tokens_per_s: f64,
     bound: Bound,
+    /// Where the steps' time went (every step of the run).
+    breakdown: StepBreakdown,
 }
 
 /// The shape of a throughput run.
@@ -177,6 +184,7 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
     let max_len = engine.config().max_model_len;
     let inputs = lengths(num_prompts, 200.0, seed, 4, 1024);
     let outputs = lengths(num_prompts, 180.0, seed ^ 0x5eed, 4, 1024);
+    let before = engine.metrics().profile.snapshot();
     let start = Instant::now();
     let mut streams = Vec::with_capacity(num_prompts);
     for (i, (&inp, &out)) in inputs.iter().zip(&outputs).enumerate() {
@@ -205,6 +213,7 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
     .into_iter()
     .collect::<anyhow::Result<Vec<usize>>>()?;
     let secs = start.elapsed().as_secs_f64();
+    let breakdown = StepProfile::between(before, engine.metrics().profile.snapshot());
     let out_tokens: usize = counts.iter().sum();
     let in_tokens: usize = inputs.iter().sum();
     let report = ThroughputReport {
@@ -218,6 +227,7 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
         output_tokens_per_s: out_tokens as f64 / secs,
         total_tokens_per_s: (in_tokens + out_tokens) as f64 / secs,
         bound: bound(&engine, &args),
+        breakdown,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -236,6 +246,7 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
             report.total_tokens_per_s,
             report.bound.bound_tokens_per_s
         );
+        print_breakdown(&report.breakdown);
     }
     Ok(())
 }

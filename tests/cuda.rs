@@ -283,9 +283,9 @@ fn every_kernel_matches_its_cpu_twin() {
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel): a
 /// 1,100-token prefill in one step, then a decode batch of three sequences of different
-/// lengths whose block tables interleave. Then again, within bf16's rounding, with prefill
-/// on tensor cores (bf16 inputs, f32 accumulation: head_dim 64 and 128) over the f32 cache,
-/// and as a bf16 model runs: bf16 cache, tensor-core prefill, split decode.
+/// lengths whose block tables interleave. Then again, within 16-bit rounding, with
+/// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
+/// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache).
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };
@@ -293,7 +293,9 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
     let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32));
     let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32));
     let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32)].map(|s| (s, true, DType::BF16));
-    for ((heads, kv_heads, head_dim), flash, act) in f32_cache.into_iter().chain(tensor_cores).chain(bf16) {
+    let f16 = [(32, 8, 128), (9, 3, 64)].map(|s| (s, true, DType::F16));
+    let shapes = f32_cache.into_iter().chain(tensor_cores).chain(bf16).chain(f16);
+    for ((heads, kv_heads, head_dim), flash, act) in shapes {
         g.set_tensor_core_attention(flash);
         g.set_activation_dtype(act);
         let tol = if flash || act != DType::F32 { 1e-2 } else { 1e-4 };
@@ -333,7 +335,11 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             // Prefill runs (more than one position of a sequence) take the tensor-core
             // kernel whenever it applies; decode rows never do.
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
-            assert_eq!(g.tensor_core_tiles() > 0, flash && prefill && matches!(head_dim, 64 | 128));
+            let tc_shape = flash && matches!(head_dim, 64 | 128);
+            assert_eq!(g.tensor_core_tiles() > 0, tc_shape && prefill);
+            if seq_pos.iter().any(|(_, r)| r.len() == 1) {
+                assert_eq!(g.tensor_core_decode(), tc_shape && heads / kv_heads <= 8, "decode kernel");
+            }
             close(
                 &format!(
                     "attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}, {act:?}"

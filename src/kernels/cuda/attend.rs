@@ -71,20 +71,34 @@ impl CudaDevice {
             out.half = half;
             return Ok(out);
         }
-        if let Some(part) = split_partition(b.num_rows, s, ctx_max) {
+        // Decode rows of a 16-bit model with a GQA group of up to 8 go to tensor cores.
+        let tc = self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8;
+        self.decode_on_tensor_cores.set(tc);
+        let part = if tc { Some(decode_partition(b.num_rows, s, ctx_max)) } else { split_partition(b.num_rows, s, ctx_max) };
+        if let Some(part) = part {
             let parts_max = ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;
             let mut part_out = self.tensor(slots, s.head_dim)?;
             let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
-            let group = s.num_heads / s.num_kv_heads;
-            let cfg = LaunchConfig {
-                grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((group * part + SPLIT_CHUNK * s.head_dim) * 4) as u32,
-            };
             let (part_i, parts_i) = (part as i32, parts_max as i32);
-            let t = self.span("attention_split", (0, 0), b.num_rows);
-            let mut launch = self.stream.launch_builder(&kk.split[split_index(s)]);
+            let (name, kernel, cfg) = if tc {
+                let cfg = LaunchConfig {
+                    grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max.div_ceil(4) as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                ("attention_decode_tc", &kk.decode[usize::from(s.head_dim == 128)], cfg)
+            } else {
+                let group = s.num_heads / s.num_kv_heads;
+                let cfg = LaunchConfig {
+                    grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: ((group * part + SPLIT_CHUNK * s.head_dim) * 4) as u32,
+                };
+                ("attention_split", &kk.split[split_index(s)], cfg)
+            };
+            let t = self.span(name, (0, 0), b.num_rows);
+            let mut launch = self.stream.launch_builder(kernel);
             launch.arg(&*q.buf);
             kc.push(&mut launch);
             vc.push(&mut launch);
@@ -94,7 +108,7 @@ impl CudaDevice {
             launch.arg(&part_i).arg(&parts_i);
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out).
-            unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_split launch"))?;
+            unsafe { launch.launch(cfg) }.map_err(cuda("decode attention launch"))?;
             drop(t);
             let _t = self.span("attention_reduce", (0, 0), b.num_rows);
             let cfg = LaunchConfig {
@@ -190,6 +204,19 @@ pub(super) fn split_index(s: AttnShape) -> usize {
 
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
 const SPLIT_CHUNK: usize = 32;
+
+/// Keys per warp for flash_decode: from one chunk of 16, doubled while the grid would hold
+/// more than 8192 warps (about five waves of the H200's resident warps) and while the
+/// partial results would take more than 256 MiB.
+fn decode_partition(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
+    let warps = |part: usize| rows * s.num_kv_heads * ctx_max.div_ceil(part);
+    let bytes = |part: usize| rows * s.num_heads * ctx_max.div_ceil(part) * (s.head_dim + 2) * 4;
+    let mut part = 16;
+    while (part < 1024 && warps(part) > 8192) || bytes(part) > 256 << 20 {
+        part *= 2;
+    }
+    part
+}
 
 /// Positions per partition for the split attention kernel, or None where it does not apply
 /// (GQA groups over 8 heads, head sizes not a multiple of 32 or over 256, or a batch whose

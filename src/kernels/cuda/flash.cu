@@ -209,3 +209,198 @@ FLASH_ENTRY(64, bf16, __nv_bfloat16)
 FLASH_ENTRY(128, bf16, __nv_bfloat16)
 FLASH_ENTRY(64, f16, __half)
 FLASH_ENTRY(128, f16, __half)
+
+// Decode attention on tensor cores (split over partitions of the context, as
+// paged_attention_split, whose reduce kernel joins the partitions). One warp per (query
+// row, KV head, partition of `part` keys), four warps per block, no shared memory: the
+// warp's query heads (the GQA group, up to 8) are the rows of the m16n8k16 A fragment, so
+// each key of the KV head is read once for the whole group. Keys go 16 at a time: each
+// lane loads its K and V pieces straight into registers with 16-byte loads (several in
+// flight per lane), scores and output accumulate in f32, and the softmax is online.
+//
+// The mma's k and n indices may stand for any dims as long as both operands agree, so they
+// are chosen to make every lane's loads contiguous:
+// - scores (k = dims): lane (g, q) loads 8 dims at i·32 + q·8 of key g for i < HD/32; the
+//   kk-th mma (kk = 2i + jj) takes elements jj·4 + {0, 1} as b0 and jj·4 + {2, 3} as b1,
+//   and the query fragment is loaded the same way;
+// - output (n = dims): n index g of output tile tt is dim g·(HD/8) + tt, so lane (g, q)
+//   loads dims g·(HD/8) .. + HD/8 of its four keys (2q, 2q+1, 2q+8, 2q+9) and pairs them
+//   per dim (the B fragment holds two keys of one dim); its results are dims
+//   (2q + e)·(HD/8) + tt.
+// Rows g + 8 of the A fragments (past the group) are zero and their results are dropped.
+
+// K and V of a 16-bit cache are used as they are, with the mma of that type; an f32 cache
+// is rounded to bf16.
+template <typename T> struct Frag16 {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
+    static __device__ __forceinline__ void mma(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
+                                               unsigned b1) {
+        float d2, d3;
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%11,%12,%13};\n"
+            : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.0f), "f"(0.0f));
+    }
+};
+template <> struct Frag16<__half> {
+    static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *(unsigned*)&v;
+    }
+    static __device__ __forceinline__ void mma(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
+                                               unsigned b1) {
+        float d2, d3;
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%11,%12,%13};\n"
+            : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
+            : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.0f), "f"(0.0f));
+    }
+};
+
+// Eight consecutive cache elements as four packed 16-bit pairs.
+__device__ __forceinline__ uint4 ld8(const __nv_bfloat16* p) { return *(const uint4*)p; }
+__device__ __forceinline__ uint4 ld8(const __half* p) { return *(const uint4*)p; }
+__device__ __forceinline__ uint4 ld8(const float* p) {
+    float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+    return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+}
+
+__device__ __forceinline__ unsigned word(const uint4& u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+
+template <int HD, typename T>
+__device__ void flash_decode(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+                             float* __restrict__ part_out, float* __restrict__ part_max,
+                             float* __restrict__ part_sum, const unsigned int* rows, const unsigned int* positions,
+                             const unsigned int* token_seq, const unsigned int* tables,
+                             const unsigned int* table_off, int heads, int kv_heads, int block_size, float scale,
+                             int part, int parts_max) {
+    typedef Frag16<T> F;
+    constexpr int NC = HD / 32;  // 8-dim pieces of a key row per lane (scores)
+    constexpr int NT = HD / 8;   // output tiles; also dims per lane of a V row
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z * 4 + warp;
+    int ctx = positions[t] + 1;
+    int start = pi * part;
+    if (start >= ctx) return;  // the reduction reads only partitions inside the context
+    int end = min(ctx, start + part);
+    int group = heads / kv_heads, width = kv_heads * HD;
+    const unsigned int* table = tables + table_off[token_seq[t]];
+    bool live = g < group;
+    int h = kvh * group + g;
+
+    unsigned qa[2 * NC][2];
+    {
+        const float* qr = q + ((size_t)t * heads + h) * HD;
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            float4 a = live ? *(const float4*)(qr + i * 32 + tq * 8) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 b = live ? *(const float4*)(qr + i * 32 + tq * 8 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+            qa[2 * i][0] = F::pack(a.x * scale, a.y * scale);
+            qa[2 * i][1] = F::pack(a.z * scale, a.w * scale);
+            qa[2 * i + 1][0] = F::pack(b.x * scale, b.y * scale);
+            qa[2 * i + 1][1] = F::pack(b.z * scale, b.w * scale);
+        }
+    }
+    float o[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
+    float m = NEG, l = 0.0f;
+    // Where key p's row of this KV head starts (0 past the partition: the row is not read).
+    auto row_at = [&](int p) -> size_t {
+        return p < end ? ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD : 0;
+    };
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    for (int c0 = start; c0 < end; c0 += 16) {
+        // Every load of the chunk is issued before the first use.
+        uint4 kf[2][NC];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            int p = c0 + j * 8 + g;
+            size_t at = row_at(p);
+#pragma unroll
+            for (int i = 0; i < NC; i++) kf[j][i] = p < end ? ld8(kc + at + i * 32 + tq * 8) : zero;
+        }
+        uint4 vf[4][NT / 8];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int p = c0 + 2 * tq + (r & 1) + (r >> 1) * 8;
+            size_t at = row_at(p);
+#pragma unroll
+            for (int i = 0; i < NT / 8; i++) vf[r][i] = p < end ? ld8(vc + at + g * NT + i * 8) : zero;
+        }
+        float s[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = s[j][1] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NC; i++) {
+                F::mma(s[j][0], s[j][1], qa[2 * i][0], qa[2 * i][1], kf[j][i].x, kf[j][i].y);
+                F::mma(s[j][0], s[j][1], qa[2 * i + 1][0], qa[2 * i + 1][1], kf[j][i].z, kf[j][i].w);
+            }
+        }
+        float mx = m;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (c0 + j * 8 + 2 * tq + e >= end) s[j][e] = NEG;
+                mx = fmaxf(mx, s[j][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        // The chunk's first key is inside the partition: mx is finite.
+        float f = expf(m - mx);
+        float p[2][2];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) p[j][e] = expf(s[j][e] - mx);
+        l = l * f + p[0][0] + p[0][1] + p[1][0] + p[1][1];
+        m = mx;
+        unsigned pa0 = F::pack(p[0][0], p[0][1]), pa2 = F::pack(p[1][0], p[1][1]);
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            // Dim g·NT + n of keys (2q, 2q+1) and of keys (2q+8, 2q+9), paired.
+            int w = (n % 8) / 2, i = n / 8;
+            unsigned sel = n % 2 ? 0x7632 : 0x5410;
+            unsigned b0 = __byte_perm(word(vf[0][i], w), word(vf[1][i], w), sel);
+            unsigned b1 = __byte_perm(word(vf[2][i], w), word(vf[3][i], w), sel);
+            o[n][0] *= f;
+            o[n][1] *= f;
+            F::mma(o[n][0], o[n][1], pa0, pa2, b0, b1);
+        }
+    }
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    if (!live) return;
+    size_t at = ((size_t)t * heads + h) * parts_max + pi;
+    if (tq == 0) {
+        part_max[at] = m;
+        part_sum[at] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) part_out[at * HD + (2 * tq + e) * NT + n] = o[n][e];
+}
+
+#define DECODE_ENTRY(HD, SUF, T)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(                                 \
+        const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
+        const unsigned int* rows, const unsigned int* positions, const unsigned int* token_seq,                \
+        const unsigned int* tables, const unsigned int* table_off, int heads, int kv_heads, int head_dim,      \
+        int block_size, float scale, int part, int parts_max) {                                                 \
+        flash_decode<HD, T>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq, tables,        \
+                            table_off, heads, kv_heads, block_size, scale, part, parts_max);                    \
+    }
+
+DECODE_ENTRY(64, f32, float)
+DECODE_ENTRY(128, f32, float)
+DECODE_ENTRY(64, bf16, __nv_bfloat16)
+DECODE_ENTRY(128, bf16, __nv_bfloat16)
+DECODE_ENTRY(64, f16, __half)
+DECODE_ENTRY(128, f16, __half)

@@ -40,7 +40,7 @@ const SOURCES: [(&str, &str); 4] = [
     ("sampling", include_str!("sampling.cu")),
 ];
 
-const KERNELS: [&str; 27] = [
+const KERNELS: [&str; 33] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -68,6 +68,12 @@ const KERNELS: [&str; 27] = [
     "flash_prefill_h128_bf16",
     "flash_prefill_h64_f16",
     "flash_prefill_h128_f16",
+    "flash_decode_h64_f32",
+    "flash_decode_h128_f32",
+    "flash_decode_h64_bf16",
+    "flash_decode_h128_bf16",
+    "flash_decode_h64_f16",
+    "flash_decode_h128_f16",
 ];
 
 /// Bytes of cuBLAS workspace (what cuBLAS itself reserves on Hopper).
@@ -107,6 +113,8 @@ struct KvKernels {
     attention: CudaFunction,
     /// flash_prefill for head_dim 64 and 128.
     flash: [CudaFunction; 2],
+    /// flash_decode for head_dim 64 and 128.
+    decode: [CudaFunction; 2],
     /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `attend::split_index`).
     split: Vec<CudaFunction>,
 }
@@ -226,6 +234,8 @@ pub struct CudaDevice {
     act16: std::cell::Cell<i32>,
     /// Prefill attention on tensor cores: by default for 16-bit models on sm_80 and later.
     tensor_core_attention: std::cell::Cell<Option<bool>>,
+    /// Whether the last attention's decode rows went to flash_decode.
+    decode_on_tensor_cores: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
 }
@@ -340,6 +350,7 @@ impl CudaDevice {
             prof,
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
+            decode_on_tensor_cores: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
         })
     }
@@ -383,6 +394,11 @@ impl CudaDevice {
     /// a prefill took the tensor-core path).
     pub fn tensor_core_tiles(&self) -> usize {
         self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
+    }
+
+    /// Whether the last attention's decode rows ran on tensor cores (flash_decode).
+    pub fn tensor_core_decode(&self) -> bool {
+        self.decode_on_tensor_cores.get()
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
@@ -472,6 +488,7 @@ impl CudaDevice {
             write_kv: f(format!("write_kv_{sfx}")),
             attention: f(format!("paged_attention_{sfx}")),
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
+            decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
             split: split_names(sfx).map(f).collect(),
         };
         (sfx, kernels)

@@ -8,6 +8,19 @@ __device__ __forceinline__ void store16(void* p, size_t i, float v, int kind) {
     else ((__half*)p)[i] = __float2half(v);
 }
 
+// Four values at i (a multiple of 4) rounded to 16 bits, in one 8-byte store.
+__device__ __forceinline__ void store16x4(void* p, size_t i, float a, float b, float c, float d, int kind) {
+    uint2 u;
+    if (kind == 1) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+        u = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+    } else {
+        __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(c, d);
+        u = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+    }
+    *(uint2*)((unsigned short*)p + i) = u;
+}
+
 // KV cache elements: f32, or the 16-bit type of a 16-bit model, read and written as f32.
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }

@@ -68,12 +68,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
             float4 v = s4[i], g = w4[i];
             float4 o = make_float4(g.x * (v.x * r), g.y * (v.y * r), g.z * (v.z * r), g.w * (v.w * r));
             o4[i] = o;
-            if (kind) {
-                store16(out16, base + 4 * i, o.x, kind);
-                store16(out16, base + 4 * i + 1, o.y, kind);
-                store16(out16, base + 4 * i + 2, o.z, kind);
-                store16(out16, base + 4 * i + 3, o.w, kind);
-            }
+            if (kind) store16x4(out16, base + 4 * i, o.x, o.y, o.z, o.w, kind);
         }
     } else {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
@@ -84,15 +79,38 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
     }
 }
 
+// silu(gate) · up of gate_up = [rows, 2·inter] (gate then up). One thread per 4 columns
+// (float4 where inter allows), grid (column blocks, up to 65535 row blocks striding over
+// the rows): no division per element.
 extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
-                                        int inter, long long total) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    long long row = i / inter, c = i % inter;
-    float g = gate_up[row * 2 * inter + c], u = gate_up[row * 2 * inter + inter + c];
-    float o = g / (1.0f + expf(-g)) * u;
-    out[i] = o;
-    if (kind) store16(out16, i, o, kind);
+                                        int inter, int rows) {
+    int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (c >= inter) return;
+    for (size_t row = blockIdx.y; row < (size_t)rows; row += gridDim.y) {
+        const float* g = gate_up + row * 2 * inter + c;
+        const float* u = g + inter;
+        size_t o = row * inter + c;
+        float gv[4], uv[4];
+        int n = min(4, inter - c);
+        if (n == 4 && (inter & 3) == 0) {
+            float4 a = *(const float4*)g, b = *(const float4*)u;
+            gv[0] = a.x; gv[1] = a.y; gv[2] = a.z; gv[3] = a.w;
+            uv[0] = b.x; uv[1] = b.y; uv[2] = b.z; uv[3] = b.w;
+        } else {
+            for (int j = 0; j < n; j++) gv[j] = g[j], uv[j] = u[j];
+        }
+        float r[4];
+    #pragma unroll
+        for (int j = 0; j < 4; j++) r[j] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
+        if (n == 4 && (inter & 3) == 0) {
+            *(float4*)(out + o) = make_float4(r[0], r[1], r[2], r[3]);
+            if (kind) store16x4(out16, o, r[0], r[1], r[2], r[3], kind);
+        } else {
+            for (int j = 0; j < n; j++) out[o + j] = r[j];
+            if (kind)
+                for (int j = 0; j < n; j++) store16(out16, o + j, r[j], kind);
+        }
+    }
 }
 
 extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {

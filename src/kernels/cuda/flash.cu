@@ -235,7 +235,7 @@ template <typename T> struct Frag16 {
     static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
     static __device__ __forceinline__ void mma(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
                                                unsigned b1) {
-        float d2, d3;
+        float d2, d3;  // rows g + 8: dropped
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%10,%11,%12,%13};\n"
             : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)
@@ -249,7 +249,7 @@ template <> struct Frag16<__half> {
     }
     static __device__ __forceinline__ void mma(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
                                                unsigned b1) {
-        float d2, d3;
+        float d2, d3;  // rows g + 8: dropped
         asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%10,%11,%12,%13};\n"
             : "=f"(c0), "=f"(c1), "=f"(d2), "=f"(d3)

@@ -213,8 +213,12 @@ impl Device for CudaDevice {
         let inter = gate_up.cols / 2;
         let mut out = self.tensor(gate_up.rows, inter)?;
         let (mut half, kind) = self.half(gate_up.rows, inter)?;
-        let total = (gate_up.rows * inter) as i64;
-        let i = inter as i32;
+        let (i, rows) = (inter as i32, gate_up.rows as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (inter.div_ceil(4 * 256) as u32, gate_up.rows.clamp(1, 65535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let _t = self.span("silu_mul", (0, 0), gate_up.rows);
         let mut launch = self.stream.launch_builder(self.f("silu_mul_f32"));
         launch.arg(&*gate_up.buf).arg(&mut *out.buf);
@@ -223,7 +227,7 @@ impl Device for CudaDevice {
             None => launch.arg(&*gate_up.buf), // not written with kind 0
         };
         // SAFETY: gate_up is [rows, 2·inter], out [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
-        unsafe { launch.arg(&kind).arg(&i).arg(&total).launch(Self::grid(total as usize)) }
+        unsafe { launch.arg(&kind).arg(&i).arg(&rows).launch(cfg) }
             .map_err(cuda("silu_mul launch"))?;
         out.half = half;
         Ok(out)

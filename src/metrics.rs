@@ -96,6 +96,9 @@ pub struct StepProfile {
     pub device_allocs: AtomicU64,
     /// Steps whose forward was a CUDA graph replay.
     pub graph_steps: AtomicU64,
+    /// Of those steps, the time not spent waiting for the device's forward (the host's
+    /// share of a decode step; the sampling kernel's own time is in it).
+    pub graph_host_ns: AtomicU64,
 }
 
 /// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
@@ -116,10 +119,12 @@ pub struct StepBreakdown {
     pub device_allocations: u64,
     /// Steps replayed from CUDA graphs.
     pub graph_steps: u64,
+    /// Per graph-replayed (decode) step: milliseconds not spent waiting for the forward.
+    pub graph_host_ms: f64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 11] {
+    pub fn snapshot(&self) -> [u64; 12] {
         [
             &self.steps,
             &self.step_ns,
@@ -132,12 +137,13 @@ impl StepProfile {
             &self.output_ns,
             &self.device_allocs,
             &self.graph_steps,
+            &self.graph_host_ns,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 11], b: [u64; 11]) -> StepBreakdown {
+    pub fn between(a: [u64; 12], b: [u64; 12]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -155,6 +161,7 @@ impl StepProfile {
             messaging_ms: ms(d[1].saturating_sub(parts)),
             device_allocations: d[9],
             graph_steps: d[10],
+            graph_host_ms: d[11] as f64 / d[10].max(1) as f64 / 1e6,
         }
     }
 }

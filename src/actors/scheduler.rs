@@ -402,7 +402,11 @@ impl SchedulerActor {
                     p.device_allocs.fetch_add(t.device_allocs, Relaxed);
                     p.graph_steps.fetch_add(u64::from(t.graph), Relaxed);
                     p.output_ns.fetch_add(nanos(applying, Instant::now()), Relaxed);
-                    p.step_ns.fetch_add(nanos(start, Instant::now()), Relaxed);
+                    let step = nanos(start, Instant::now());
+                    p.step_ns.fetch_add(step, Relaxed);
+                    if t.graph {
+                        p.graph_host_ns.fetch_add(step.saturating_sub(t.device_ns), Relaxed);
+                    }
                     p.steps.fetch_add(1, Relaxed);
                 }
                 Err(e) => act.fail_all(e.to_string()),

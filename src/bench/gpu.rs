@@ -123,7 +123,8 @@ fn print_breakdown(b: &StepBreakdown) {
         "per step, over {} steps (prefill steps included): {:.3} ms = scheduling {:.3} + block \
          reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
          sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
-         steps replayed from CUDA graphs: {}",
+         steps replayed from CUDA graphs: {}, host time per replayed step (all but the wait for the \
+         forward): {:.3} ms",
         b.steps,
         b.step_ms,
         b.schedule_ms,
@@ -135,7 +136,8 @@ fn print_breakdown(b: &StepBreakdown) {
         b.output_ms,
         b.messaging_ms,
         b.device_allocations,
-        b.graph_steps
+        b.graph_steps,
+        b.graph_host_ms
     );
 }
 

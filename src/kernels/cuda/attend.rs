@@ -74,7 +74,11 @@ impl CudaDevice {
         // Decode rows of a 16-bit model with a GQA group of up to 8 go to tensor cores.
         let tc = self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8;
         self.decode_on_tensor_cores.set(tc);
-        let part = if tc { Some(decode_partition(b.num_rows, s, ctx_max)) } else { split_partition(b.num_rows, s, ctx_max) };
+        let part = if tc {
+            Some(decode_partition(b.num_rows, s, ctx_max))
+        } else {
+            split_partition(b.num_rows, s, ctx_max)
+        };
         if let Some(part) = part {
             let parts_max = ctx_max.div_ceil(part);
             let slots = q.rows * s.num_heads * parts_max;

@@ -140,12 +140,14 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
 }
 
 // Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half, the first
-// 2·half dims of each head) at each token's position. One block per (token, head slot).
+// 2·half dims of each head) at each token's position. Blocks of (threads over a head's
+// pairs) × 4 head slots, grid (token, slot groups of 4).
 extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
                                               float* __restrict__ k, float* __restrict__ v,
                                               const unsigned int* positions, const float* inv_freq, int heads,
                                               int kv_heads, int head_dim, int half) {
-    int t = blockIdx.x, slot = blockIdx.y;
+    int t = blockIdx.x, slot = blockIdx.y * blockDim.y + threadIdx.y;
+    if (slot >= heads + 2 * kv_heads) return;
     int qn = heads * head_dim, kn = kv_heads * head_dim;
     const float* src = qkv + (size_t)t * (qn + 2 * kn) + (size_t)slot * head_dim;
     float* dst;
@@ -159,8 +161,8 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
     float p = (float)positions[t];
     for (int j = threadIdx.x; j < head_dim - half; j += blockDim.x) {
         if (j < half) {
-            float a = p * inv_freq[j];
-            float c = cosf(a), s = sinf(a);
+            float s, c;
+            sincosf(p * inv_freq[j], &s, &c);
             float x0 = src[j], x1 = src[j + half];
             dst[j] = x0 * c - x1 * s;
             dst[j + half] = x1 * c + x0 * s;

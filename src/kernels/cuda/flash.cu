@@ -205,10 +205,6 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
 
 FLASH_ENTRY(64, f32, float)
 FLASH_ENTRY(128, f32, float)
-FLASH_ENTRY(64, bf16, __nv_bfloat16)
-FLASH_ENTRY(128, bf16, __nv_bfloat16)
-FLASH_ENTRY(64, f16, __half)
-FLASH_ENTRY(128, f16, __half)
 
 // Decode attention on tensor cores (split over partitions of the context, as
 // paged_attention_split, whose reduce kernel joins the partitions). One warp per (query
@@ -404,3 +400,205 @@ DECODE_ENTRY(64, bf16, __nv_bfloat16)
 DECODE_ENTRY(128, bf16, __nv_bfloat16)
 DECODE_ENTRY(64, f16, __half)
 DECODE_ENTRY(128, f16, __half)
+
+// Prefill attention over a 16-bit cache, pipelined: the same tiles, warps and online
+// softmax as flash_prefill, with each chunk's K and V rows copied into shared memory as
+// they are (cp.async, 16 bytes at a time, no conversion) while the previous chunk is being
+// computed, into one of two buffers. V stays row-major: ldmatrix .trans hands each lane
+// its B fragment (two keys of one dim). The mma runs in the cache's type. Tiles are taken
+// longest first (the last tile of a prompt has the most keys), so that the short ones fill
+// the last wave.
+
+template <typename T> __device__ __forceinline__ void mma16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    mma_bf16(c, a, b0, b1);
+}
+template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    int size = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(size));
+}
+
+template <int HD, typename T>
+__device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+                                   float* __restrict__ out, void* out16, int kind, const unsigned int* positions,
+                                   const unsigned int* token_seq, const unsigned int* tables,
+                                   const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads,
+                                   int block_size, float scale) {
+    typedef Frag16<T> F;
+    constexpr int RS = HD + 8;   // padded rows: fragment loads and ldmatrix hit distinct banks
+    constexpr int PIECES = HD / 8;  // 16-byte pieces per row
+    __shared__ __align__(16) T ks[2][BC * RS];
+    __shared__ __align__(16) T vs[2][BC * RS];
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    int tile = gridDim.x - 1 - blockIdx.x;
+    int row0 = tiles[2 * tile], nrows = tiles[2 * tile + 1];
+    int h = blockIdx.y, kvh = h / (heads / kv_heads);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const unsigned int* table = tables + table_off[token_seq[row0]];
+    int ctx_end = positions[row0 + nrows - 1] + 1;
+    int width = kv_heads * HD;
+    int ra = warp * 16 + g, rb = ra + 8;
+    bool va = ra < nrows, vb = rb < nrows;
+    int pa = va ? (int)positions[row0 + ra] : -1, pb = vb ? (int)positions[row0 + rb] : -1;
+    int last = min(warp * 16 + 15, nrows - 1);
+    int warp_end = warp * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
+
+    // Issues the copies of chunk c0 into buffer `buf` (rows past the context are zeros).
+    auto stage = [&](int c0, int buf) {
+        for (int i = threadIdx.x; i < BC * PIECES; i += blockDim.x) {
+            int r = i / PIECES, c = (i % PIECES) * 8;
+            int p = c0 + r;
+            bool ok = p < ctx_end;
+            size_t at = ok ? ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD : 0;
+            cp_async16(&ks[buf][r * RS + c], kc + at + c, ok);
+            cp_async16(&vs[buf][r * RS + c], vc + at + c, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    unsigned qf[HD / 16][4];
+    const float* qa = q + ((size_t)(row0 + ra) * heads + h) * HD;
+    const float* qb = q + ((size_t)(row0 + rb) * heads + h) * HD;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        int c = kk * 16 + tq * 2;
+        qf[kk][0] = va ? F::pack(qa[c] * scale, qa[c + 1] * scale) : 0u;
+        qf[kk][1] = vb ? F::pack(qb[c] * scale, qb[c + 1] * scale) : 0u;
+        qf[kk][2] = va ? F::pack(qa[c + 8] * scale, qa[c + 9] * scale) : 0u;
+        qf[kk][3] = vb ? F::pack(qb[c + 8] * scale, qb[c + 9] * scale) : 0u;
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float ma = NEG, mb = NEG, la = 0.0f, lb = 0.0f;
+
+    stage(0, 0);
+    for (int c0 = 0, buf = 0; c0 < ctx_end; c0 += BC, buf ^= 1) {
+        if (c0 + BC < ctx_end) {
+            stage(c0 + BC, buf ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        if (c0 < warp_end) {
+            const T* kb = ks[buf];
+            const T* vb_ = vs[buf];
+            float s[BC / 8][4];
+#pragma unroll
+            for (int j = 0; j < BC / 8; j++) {
+                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk++) {
+                    const T* kr = kb + (j * 8 + g) * RS + kk * 16 + tq * 2;
+                    mma16<T>(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                }
+            }
+            float mxa = ma, mxb = mb;
+#pragma unroll
+            for (int j = 0; j < BC / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int key = c0 + j * 8 + tq * 2 + e;
+                    if (key > pa) s[j][e] = NEG;
+                    if (key > pb) s[j][2 + e] = NEG;
+                    mxa = fmaxf(mxa, s[j][e]);
+                    mxb = fmaxf(mxb, s[j][2 + e]);
+                }
+            }
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 2));
+            // A row with no key yet (or no row at all) keeps a zero base: exp(-inf - 0) = 0.
+            float ba = mxa == NEG ? 0.0f : mxa, bb = mxb == NEG ? 0.0f : mxb;
+            float fa = expf(ma - ba), fb = expf(mb - bb);
+            float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+            for (int j = 0; j < BC / 8; j++) {
+                s[j][0] = expf(s[j][0] - ba);
+                s[j][1] = expf(s[j][1] - ba);
+                s[j][2] = expf(s[j][2] - bb);
+                s[j][3] = expf(s[j][3] - bb);
+                sa += s[j][0] + s[j][1];
+                sb += s[j][2] + s[j][3];
+            }
+            la = la * fa + sa;
+            lb = lb * fb + sb;
+            ma = mxa;
+            mb = mxb;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                o[n][0] *= fa;
+                o[n][1] *= fa;
+                o[n][2] *= fb;
+                o[n][3] *= fb;
+            }
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; kk++) {
+                unsigned a[4] = {F::pack(s[2 * kk][0], s[2 * kk][1]), F::pack(s[2 * kk][2], s[2 * kk][3]),
+                                 F::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                 F::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                // Lanes 0-15 point at keys kk·16 + lane (dims n·8..), lanes 16-31 at the same
+                // keys' dims (n+1)·8..: b0, b1 of output tiles n and n+1.
+                const T* vrow = vb_ + (kk * 16 + (lane & 15)) * RS + (lane >> 4) * 8;
+#pragma unroll
+                for (int n = 0; n < HD / 8; n += 2) {
+                    unsigned b[4];
+                    unsigned addr = (unsigned)__cvta_generic_to_shared(vrow + n * 8);
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                                 : "r"(addr));
+                    mma16<T>(o[n], a, b[0], b[1]);
+                    mma16<T>(o[n + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // the buffer is staged again two chunks on
+    }
+    la += __shfl_xor_sync(0xffffffff, la, 1);
+    la += __shfl_xor_sync(0xffffffff, la, 2);
+    lb += __shfl_xor_sync(0xffffffff, lb, 1);
+    lb += __shfl_xor_sync(0xffffffff, lb, 2);
+    float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        int c = n * 8 + tq * 2;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            if (va) {
+                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
+                out[at] = o[n][e] * ia;
+                if (kind) store16(out16, at, o[n][e] * ia, kind);
+            }
+            if (vb) {
+                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
+                out[at] = o[n][2 + e] * ib;
+                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
+            }
+        }
+    }
+}
+
+#define FLASH_PIPE_ENTRY(HD, SUF, T)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_prefill_h##HD##_##SUF(                              \
+        const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
+        const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
+        const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
+        int block_size, float scale) {                                                                          \
+        flash_prefill_pipe<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles,     \
+                                  heads, kv_heads, block_size, scale);                                          \
+    }
+
+FLASH_PIPE_ENTRY(64, bf16, __nv_bfloat16)
+FLASH_PIPE_ENTRY(128, bf16, __nv_bfloat16)
+FLASH_PIPE_ENTRY(64, f16, __half)
+FLASH_PIPE_ENTRY(128, f16, __half)

@@ -227,8 +227,7 @@ impl Device for CudaDevice {
             None => launch.arg(&*gate_up.buf), // not written with kind 0
         };
         // SAFETY: gate_up is [rows, 2·inter], out [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
-        unsafe { launch.arg(&kind).arg(&i).arg(&rows).launch(cfg) }
-            .map_err(cuda("silu_mul launch"))?;
+        unsafe { launch.arg(&kind).arg(&i).arg(&rows).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
         out.half = half;
         Ok(out)
     }
@@ -270,8 +269,8 @@ impl Device for CudaDevice {
                 .arg(&hd)
                 .arg(&half)
                 .launch(LaunchConfig {
-                    grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads) as u32, 1),
-                    block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(1024) as u32, 1, 1),
+                    grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(4) as u32, 1),
+                    block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256) as u32, 4, 1),
                     shared_mem_bytes: 0,
                 })
         }

@@ -74,21 +74,22 @@ impl CudaDevice {
         // Decode rows of a 16-bit model with a GQA group of up to 8 go to tensor cores.
         let tc = self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8;
         self.decode_on_tensor_cores.set(tc);
-        let part = if tc {
-            Some(decode_partition(b.num_rows, s, ctx_max))
-        } else {
-            split_partition(b.num_rows, s, ctx_max)
+        // flash_decode shares each row's own context among `parts_max` warps (part 0 tells
+        // the reduction so); the split kernel cuts the bound into partitions of `part`.
+        let parts = match tc {
+            true => Some((0, decode_warps(b.num_rows, s, ctx_max))),
+            false => split_partition(b.num_rows, s, ctx_max).map(|part| (part, ctx_max.div_ceil(part))),
         };
-        if let Some(part) = part {
-            let parts_max = ctx_max.div_ceil(part);
-            let slots = q.rows * s.num_heads * parts_max;
+        if let Some((part, parts_max)) = parts {
+            let slots = b.num_rows * s.num_heads * parts_max;
             let mut part_out = self.tensor(slots, s.head_dim)?;
             let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             let (name, kernel, cfg) = if tc {
+                let warps = parts_max.min(4);
                 let cfg = LaunchConfig {
-                    grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, parts_max.div_ceil(4) as u32),
-                    block_dim: (128, 1, 1),
+                    grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, (parts_max / warps) as u32),
+                    block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 ("attention_decode_tc", &kk.decode[usize::from(s.head_dim == 128)], cfg)
@@ -109,7 +110,10 @@ impl CudaDevice {
             launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf).arg(&b.rows);
             push_tables(&mut launch, b);
             dims.push(&mut launch);
-            launch.arg(&part_i).arg(&parts_i);
+            if !tc {
+                launch.arg(&part_i);
+            }
+            launch.arg(&parts_i);
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out).
             unsafe { launch.launch(cfg) }.map_err(cuda("decode attention launch"))?;
@@ -209,17 +213,13 @@ pub(super) fn split_index(s: AttnShape) -> usize {
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
 const SPLIT_CHUNK: usize = 32;
 
-/// Keys per warp for flash_decode: from one chunk of 16, doubled while the grid would hold
-/// more than 8192 warps (about five waves of the H200's resident warps) and while the
-/// partial results would take more than 256 MiB.
-fn decode_partition(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
-    let warps = |part: usize| rows * s.num_kv_heads * ctx_max.div_ceil(part);
-    let bytes = |part: usize| rows * s.num_heads * ctx_max.div_ceil(part) * (s.head_dim + 2) * 4;
-    let mut part = 16;
-    while (part < 1024 && warps(part) > 8192) || bytes(part) > 256 << 20 {
-        part *= 2;
-    }
-    part
+/// Warps per (row, KV head) for flash_decode: as many as keep the grid near 8192 warps
+/// (about five waves of the H200's resident warps), no more than the bound has chunks of 16
+/// keys, at most 64; a power of two.
+fn decode_warps(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
+    let want = 8192 / (rows * s.num_kv_heads).max(1);
+    let n = want.min(ctx_max.div_ceil(16)).clamp(1, 64);
+    1 << n.ilog2()
 }
 
 /// Positions per partition for the split attention kernel, or None where it does not apply

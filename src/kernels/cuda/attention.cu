@@ -169,7 +169,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
         }
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
         if (lane == 0) {
-            size_t at = ((size_t)t * heads + kvh * group + g) * parts_max + pi;
+            size_t at = ((size_t)blockIdx.x * heads + kvh * group + g) * parts_max + pi;
             part_max[at] = m;
             part_sum[at] = sum;
         }
@@ -203,7 +203,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; g++)
                 if (g < group)
-                    part_out[(((size_t)t * heads + kvh * group + g) * parts_max + pi) * head_dim + d] = acc[g][di];
+                    part_out[(((size_t)blockIdx.x * heads + kvh * group + g) * parts_max + pi) * head_dim + d] = acc[g][di];
     }
 }
 
@@ -241,14 +241,20 @@ SPLIT_ENTRIES(f32, float)
 SPLIT_ENTRIES(bf16, __nv_bfloat16)
 SPLIT_ENTRIES(f16, __half)
 
-// Joins the partitions of paged_attention_split: one block per (row, head).
+// Joins the partitions of paged_attention_split (`part` positions each) or of flash_decode
+// (`part` 0: the row's context shared among parts_max partitions in chunks of 16, as
+// flash_decode shares it): one block per (row, head). Partial results are indexed by the
+// row's place in `rows`, so they take rows · heads · parts_max slots whatever the step's
+// prefill rows.
 extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,
                                                       const float* part_sum, float* out, void* out16, int kind,
                                                       const unsigned int* rows, const unsigned int* positions,
                                                       int heads, int head_dim, int part, int parts_max) {
-    int t = rows[blockIdx.x / heads], h = blockIdx.x % heads;
-    int parts = (positions[t] + part) / part;  // ceil((position + 1) / part)
-    size_t base = ((size_t)t * heads + h) * parts_max;
+    int i = blockIdx.x / heads, h = blockIdx.x % heads;
+    int t = rows[i], ctx = positions[t] + 1;
+    if (part == 0) part = (ctx + 16 * parts_max - 1) / (16 * parts_max) * 16;
+    int parts = (ctx + part - 1) / part;
+    size_t base = ((size_t)i * heads + h) * parts_max;
     float m = -3.0e38f;
     for (int p = 0; p < parts; p++) m = fmaxf(m, part_max[base + p]);
     float total = 0.0f;

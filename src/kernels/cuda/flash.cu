@@ -207,8 +207,9 @@ FLASH_ENTRY(64, f32, float)
 FLASH_ENTRY(128, f32, float)
 
 // Decode attention on tensor cores (split over partitions of the context, as
-// paged_attention_split, whose reduce kernel joins the partitions). One warp per (query
-// row, KV head, partition of `part` keys), four warps per block, no shared memory: the
+// paged_attention_split, whose reduce kernel joins the partitions). `parts_max` warps per
+// (query row, KV head) share the row's own context in chunks of 16 keys (warps past its end
+// have nothing to do), up to four warps per block, no shared memory: the
 // warp's query heads (the GQA group, up to 8) are the rows of the m16n8k16 A fragment, so
 // each key of the KV head is read once for the whole group. Keys go 16 at a time: each
 // lane loads its K and V pieces straight into registers with 16-byte loads (several in
@@ -271,21 +272,24 @@ __device__ void flash_decode(const float* __restrict__ q, const T* __restrict__ 
                              float* __restrict__ part_sum, const unsigned int* rows, const unsigned int* positions,
                              const unsigned int* token_seq, const unsigned int* tables,
                              const unsigned int* table_off, int heads, int kv_heads, int block_size, float scale,
-                             int part, int parts_max) {
+                             int parts_max) {
     typedef Frag16<T> F;
     constexpr int NC = HD / 32;  // 8-dim pieces of a key row per lane (scores)
     constexpr int NT = HD / 8;   // output tiles; also dims per lane of a V row
     const float NEG = __int_as_float(0xff800000);  // -inf
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z * 4 + warp;
+    int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z * (blockDim.x >> 5) + warp;
+    if (pi >= parts_max) return;
     int ctx = positions[t] + 1;
-    int start = pi * part;
-    if (start >= ctx) return;  // the reduction reads only partitions inside the context
-    int end = min(ctx, start + part);
     int group = heads / kv_heads, width = kv_heads * HD;
-    const unsigned int* table = tables + table_off[token_seq[t]];
     bool live = g < group;
     int h = kvh * group + g;
+    // The row's context is shared out among its parts_max warps in whole chunks of 16.
+    int part = (ctx + 16 * parts_max - 1) / (16 * parts_max) * 16;
+    int start = pi * part;
+    if (start >= ctx) return;  // nothing left for this warp (the reduction counts alike)
+    int end = min(ctx, start + part);
+    const unsigned int* table = tables + table_off[token_seq[t]];
 
     unsigned qa[2 * NC][2];
     {
@@ -373,7 +377,7 @@ __device__ void flash_decode(const float* __restrict__ q, const T* __restrict__ 
     l += __shfl_xor_sync(0xffffffff, l, 1);
     l += __shfl_xor_sync(0xffffffff, l, 2);
     if (!live) return;
-    size_t at = ((size_t)t * heads + h) * parts_max + pi;
+    size_t at = ((size_t)blockIdx.x * heads + h) * parts_max + pi;  // by place in `rows`
     if (tq == 0) {
         part_max[at] = m;
         part_sum[at] = l;
@@ -389,9 +393,9 @@ __device__ void flash_decode(const float* __restrict__ q, const T* __restrict__ 
         const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
         const unsigned int* rows, const unsigned int* positions, const unsigned int* token_seq,                \
         const unsigned int* tables, const unsigned int* table_off, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale, int part, int parts_max) {                                                 \
+        int block_size, float scale, int parts_max) {                                                           \
         flash_decode<HD, T>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq, tables,        \
-                            table_off, heads, kv_heads, block_size, scale, part, parts_max);                    \
+                            table_off, heads, kv_heads, block_size, scale, parts_max);                          \
     }
 
 DECODE_ENTRY(64, f32, float)

@@ -39,12 +39,16 @@ pub struct EngineArgs {
     /// Context length (prompt + output); defaults to the model's max_position_embeddings.
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Most sequences in one step.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
-    /// Most tokens in one step (longer prompts are prefilled in chunks).
-    #[arg(long, default_value_t = 2048)]
-    pub max_num_batched_tokens: usize,
+    /// Most sequences in one step. Default, as vLLM's: 1024 on a GPU of 70 GiB or more
+    /// (other than an A100), else 256.
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Most tokens in one step (longer prompts are prefilled in chunks). Default, as vLLM's:
+    /// on a GPU of 70 GiB or more (other than an A100) 8192 for the server and 16384 for the
+    /// offline benchmarks; elsewhere 2048 for the server and 8192 for the GPU's offline
+    /// benchmarks (2048 on the CPU).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -68,6 +72,23 @@ pub struct EngineArgs {
     pub tensor_parallel_size: usize,
     #[command(flatten)]
     pub lora: LoraArgs,
+    /// Set by the offline benchmarks (vLLM's LLM class): larger default batches.
+    #[arg(skip)]
+    pub offline: bool,
+}
+
+impl EngineArgs {
+    /// Fills in the batch limits left unset with vLLM's defaults for a GPU: `large` is a GPU
+    /// of 70 GiB or more other than an A100.
+    pub fn gpu_batch_defaults(&mut self, large: bool) {
+        let tokens = match (large, self.offline) {
+            (true, true) => 16384,
+            (true, false) | (false, true) => 8192,
+            (false, false) => 2048,
+        };
+        self.max_num_seqs.get_or_insert(if large { 1024 } else { 256 });
+        self.max_num_batched_tokens.get_or_insert(tokens);
+    }
 }
 
 /// LoRA flags, as vLLM names them.
@@ -142,8 +163,8 @@ impl Default for EngineArgs {
             model: PathBuf::from(DEFAULT_MODEL_DIR),
             dtype: DTypeArg::Auto,
             max_model_len: None,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
+            max_num_seqs: None,
+            max_num_batched_tokens: None,
             block_size: 16,
             kv_cache_space: 4.0,
             num_gpu_blocks_override: None,
@@ -152,6 +173,7 @@ impl Default for EngineArgs {
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),
+            offline: false,
         }
     }
 }
@@ -248,14 +270,14 @@ impl EngineConfig {
         if !bs.is_power_of_two() || bs > 256 {
             return Err(ConfigError::BlockSize(bs));
         }
-        if args.max_num_seqs == 0 {
+        // Limits still unset take the CPU's defaults (Engine::start sets a GPU's first).
+        let max_num_seqs = args.max_num_seqs.unwrap_or(256);
+        let max_num_batched_tokens = args.max_num_batched_tokens.unwrap_or(2048);
+        if max_num_seqs == 0 {
             return Err(ConfigError::MaxNumSeqs(0));
         }
-        if args.max_num_batched_tokens < args.max_num_seqs {
-            return Err(ConfigError::BatchedTokens {
-                tokens: args.max_num_batched_tokens,
-                seqs: args.max_num_seqs,
-            });
+        if max_num_batched_tokens < max_num_seqs {
+            return Err(ConfigError::BatchedTokens { tokens: max_num_batched_tokens, seqs: max_num_seqs });
         }
         let limit = model.max_position_embeddings;
         let max_model_len = args.max_model_len.unwrap_or(limit);
@@ -322,11 +344,46 @@ impl EngineConfig {
             model_dir: args.model.clone(),
             dtype,
             max_model_len,
-            max_num_seqs: args.max_num_seqs,
-            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs,
+            max_num_batched_tokens,
             block_size: bs,
             num_blocks,
             tensor_parallel_size: tp,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unset_batch_limits_take_vllms_defaults_for_the_gpu_and_set_ones_stay() {
+        let limits = |large: bool, offline: bool, seqs: Option<usize>| {
+            let mut a = EngineArgs { offline, max_num_seqs: seqs, ..EngineArgs::default() };
+            a.gpu_batch_defaults(large);
+            (a.max_num_seqs, a.max_num_batched_tokens)
+        };
+        assert_eq!(limits(true, true, None), (Some(1024), Some(16384)));
+        assert_eq!(limits(true, false, None), (Some(1024), Some(8192)));
+        assert_eq!(limits(false, true, None), (Some(256), Some(8192)));
+        assert_eq!(limits(false, false, None), (Some(256), Some(2048)));
+        assert_eq!(limits(true, false, Some(64)), (Some(64), Some(8192)));
+        // Without a GPU's defaults, the CPU's: 256 sequences, 2048 tokens.
+        let dir = std::env::temp_dir().join(format!("actorllm-config-{}", std::process::id()));
+        crate::models::random::make_random_model(
+            crate::models::random::Preset::Tiny.shape(),
+            &dir,
+            DType::F32,
+            1,
+            1.0,
+        )
+        .unwrap();
+        let model =
+            crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(&dir)
+                .unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let c = EngineConfig::resolve(&EngineArgs::default(), &model).unwrap();
+        assert_eq!((c.max_num_seqs, c.max_num_batched_tokens), (256, 2048));
     }
 }

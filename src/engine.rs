@@ -90,13 +90,14 @@ pub struct Engine {
 impl Engine {
     /// Loads the model and starts the actors. Must be called inside an actix System.
     /// `--device auto` takes the first CUDA GPU when one is present, else the CPU.
-    pub async fn start(args: EngineArgs) -> Result<Engine, EngineError> {
+    pub async fn start(mut args: EngineArgs) -> Result<Engine, EngineError> {
         let cuda = match args.device {
             DeviceArg::Cpu => false,
             DeviceArg::Cuda => true,
             DeviceArg::Auto => CudaDevice::available(),
         };
         if cuda {
+            args.gpu_batch_defaults(CudaDevice::large_gpu());
             let tp = args.tensor_parallel_size;
             Self::start_on(args, ModelRegistry::<CudaDevice>::default(), move || CudaDevice::group(tp)).await
         } else {

@@ -571,8 +571,8 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
     let (_, total) = probe.memory_info().expect("a GPU reports its memory");
     let args = EngineArgs {
         device: DeviceArg::Cuda,
-        max_num_seqs: 32,
-        max_num_batched_tokens: 8192,
+        max_num_seqs: Some(32),
+        max_num_batched_tokens: Some(8192),
         max_model_len: Some(512),
         ..common::args(&common::default_model())
     };

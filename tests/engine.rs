@@ -144,7 +144,7 @@ async fn n_choices_share_a_prompt_and_each_is_reproducible() {
 async fn chunked_prefill_gives_the_same_output() {
     let model = tiny_model(7);
     let whole = Engine::start(common::args(&model)).await.unwrap();
-    let args = EngineArgs { max_num_batched_tokens: 16, max_num_seqs: 4, ..common::args(&model) };
+    let args = EngineArgs { max_num_batched_tokens: Some(16), max_num_seqs: Some(4), ..common::args(&model) };
     let chunked = Engine::start(args).await.unwrap();
     let prompt: Vec<u32> = (0..45).map(|i| (i * 7) % 250 + 3).collect();
     let a = run(&whole, prompt.clone(), long(10)).await;

@@ -188,6 +188,14 @@ pub(crate) async fn decode_run_lora(
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let mut args = args;
+    // The offline benchmarks run as vLLM's LLM class does: its larger default batches.
+    match &mut args.mode {
+        BenchMode::Offline { engine, .. }
+        | BenchMode::Latency { engine, .. }
+        | BenchMode::Throughput { engine, .. } => engine.offline = true,
+        BenchMode::Serve(_) => {}
+    }
     let (eargs, batch_sizes, input_len, output_len, prefill_len, json, loras) = match args.mode {
         BenchMode::Offline {
             engine,

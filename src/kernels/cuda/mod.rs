@@ -362,6 +362,16 @@ impl CudaDevice {
         present && CudaContext::device_count().is_ok_and(|n| n > 0)
     }
 
+    /// Whether GPU 0 is one vLLM gives its larger batch defaults: 70 GiB of memory or more,
+    /// and not an A100 (false when it can not be asked).
+    pub fn large_gpu() -> bool {
+        use cudarc::driver::result::{self, device};
+        let Ok(dev) = result::init().and_then(|_| device::get(0)) else { return false };
+        // SAFETY: `dev` is a device handle the driver just returned.
+        let big = unsafe { device::total_mem(dev) }.is_ok_and(|b| b >= 70 << 30);
+        big && device::get_name(dev).is_ok_and(|n| !n.contains("A100"))
+    }
+
     fn compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, DeviceError> {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();

@@ -366,6 +366,9 @@ impl CudaDevice {
     /// and not an A100 (false when it can not be asked).
     pub fn large_gpu() -> bool {
         use cudarc::driver::result::{self, device};
+        if !Self::available() {
+            return false; // no driver to ask (`--device cuda` then fails as it opens the GPU)
+        }
         let Ok(dev) = result::init().and_then(|_| device::get(0)) else { return false };
         // SAFETY: `dev` is a device handle the driver just returned.
         let big = unsafe { device::total_mem(dev) }.is_ok_and(|b| b >= 70 << 30);

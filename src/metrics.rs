@@ -90,8 +90,11 @@ pub struct StepProfile {
     pub launch_ns: AtomicU64,
     pub device_ns: AtomicU64,
     pub sample_ns: AtomicU64,
-    /// The Scheduler applying the sampled tokens: detokenizing, stop checks, events.
+    /// The Scheduler applying the sampled tokens: detokenizing, stop checks, queueing events.
     pub output_ns: AtomicU64,
+    /// Sending the queued events to the clients' streams: while the next step runs, not part
+    /// of any step's time.
+    pub events_ns: AtomicU64,
     /// Device memory allocations made by the steps (a count, not a time).
     pub device_allocs: AtomicU64,
     /// Steps whose forward was a CUDA graph replay.
@@ -121,10 +124,12 @@ pub struct StepBreakdown {
     pub graph_steps: u64,
     /// Per graph-replayed (decode) step: milliseconds not spent waiting for the forward.
     pub graph_host_ms: f64,
+    /// Per step: sending its events, while the next step runs.
+    pub events_ms: f64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 12] {
+    pub fn snapshot(&self) -> [u64; 13] {
         [
             &self.steps,
             &self.step_ns,
@@ -138,12 +143,13 @@ impl StepProfile {
             &self.device_allocs,
             &self.graph_steps,
             &self.graph_host_ns,
+            &self.events_ns,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 12], b: [u64; 12]) -> StepBreakdown {
+    pub fn between(a: [u64; 13], b: [u64; 13]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -162,6 +168,7 @@ impl StepProfile {
             device_allocations: d[9],
             graph_steps: d[10],
             graph_host_ms: d[11] as f64 / d[10].max(1) as f64 / 1e6,
+            events_ms: ms(d[12]),
         }
     }
 }

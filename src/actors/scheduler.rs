@@ -108,6 +108,11 @@ pub struct SchedulerActor {
     in_flight: bool,
     last_step: Option<Instant>,
     total_blocks: usize,
+    /// Events for the clients' streams, with their request, in the order they happened. A
+    /// step's are sent once the next step is on its way to the runner (at once when none
+    /// starts), so that the device runs that step while the streams are fed; every event
+    /// goes through here, so each request's stay in order.
+    outbox: Vec<(u64, mpsc::UnboundedSender<TokenEvent>, TokenEvent)>,
 }
 
 impl SchedulerActor {
@@ -134,6 +139,7 @@ impl SchedulerActor {
             in_flight: false,
             last_step: None,
             total_blocks: cfg.num_blocks,
+            outbox: Vec::new(),
         }
     }
 
@@ -200,11 +206,12 @@ impl SchedulerActor {
         if let Some(req) = self.requests.get_mut(&group) {
             for c in req.choices.iter_mut().filter(|c| !c.done) {
                 c.done = true;
-                let _ = req.events.send(TokenEvent::Finished {
+                let ev = TokenEvent::Finished {
                     index: self.seq_owner[&c.seq].1,
                     reason: FinishReason::Abort,
                     stop_reason: None,
-                });
+                };
+                self.outbox.push((group, req.events.clone(), ev));
             }
         }
         self.metrics.on_abort(reason);
@@ -236,7 +243,27 @@ impl SchedulerActor {
         if !aborted {
             self.metrics.on_request_done(req.arrival, req.first_token, req.completion_tokens);
         }
-        let _ = req.events.send(TokenEvent::Done { usage });
+        self.outbox.push((group, req.events, TokenEvent::Done { usage }));
+    }
+
+    /// Sends the waiting events; a request whose client has gone is aborted.
+    fn flush_events(&mut self) {
+        let started = Instant::now();
+        while !self.outbox.is_empty() {
+            let mut gone = Vec::new();
+            for (group, tx, ev) in std::mem::take(&mut self.outbox) {
+                if tx.send(ev).is_err() && !gone.contains(&group) {
+                    gone.push(group);
+                }
+            }
+            // Their aborts queue events for streams already closed: sent (and lost) next round.
+            for group in gone {
+                if let Some(id) = self.requests.get(&group).map(|r| r.id.clone()) {
+                    self.abort(&id, AbortReason::ClientGone);
+                }
+            }
+        }
+        self.metrics.profile.events_ns.fetch_add(nanos(started, Instant::now()), Relaxed);
     }
 
     fn fail_all(&mut self, message: String) {
@@ -244,11 +271,12 @@ impl SchedulerActor {
         let groups: Vec<u64> = self.requests.keys().copied().collect();
         for g in groups {
             if let Some(req) = self.requests.get(&g) {
-                let _ = req.events.send(TokenEvent::Error { message: message.clone() });
+                self.outbox.push((g, req.events.clone(), TokenEvent::Error { message: message.clone() }));
             }
             self.metrics.on_abort(AbortReason::Engine);
             self.end_request(g, true);
         }
+        self.flush_events();
     }
 
     fn build_batch(
@@ -315,7 +343,7 @@ impl SchedulerActor {
                 match req.choices[index].out.push(&self.tokenizer, &seq.tokens, seq.prompt_len, &lim) {
                     Ok(o) => o,
                     Err(e) => {
-                        let _ = req.events.send(TokenEvent::Error { message: e.to_string() });
+                        self.outbox.push((group, req.events.clone(), TokenEvent::Error { message: e.to_string() }));
                         self.metrics.on_abort(AbortReason::Engine);
                         self.end_request(group, true);
                         continue;
@@ -328,21 +356,11 @@ impl SchedulerActor {
             }
             req.first_token.get_or_insert(now);
             req.last_token = Some(now);
-            let sent = req.events.send(TokenEvent::Token {
-                index,
-                token_id: sm.token,
-                text: outcome.text,
-                logprobs: sm.logprobs,
-            });
-            if sent.is_err() {
-                // The client dropped its stream: abort the whole request now.
-                let id = req.id.clone();
-                self.abort(&id, AbortReason::ClientGone);
-                continue;
-            }
+            let token = TokenEvent::Token { index, token_id: sm.token, text: outcome.text, logprobs: sm.logprobs };
+            self.outbox.push((group, req.events.clone(), token));
             if let Some((reason, stop_reason)) = outcome.finish {
                 req.choices[index].done = true;
-                let _ = req.events.send(TokenEvent::Finished { index, reason, stop_reason });
+                self.outbox.push((group, req.events.clone(), TokenEvent::Finished { index, reason, stop_reason }));
                 self.metrics.on_finish(reason);
                 self.core.finish(sm.seq);
                 if req.choices.iter().all(|c| c.done) {
@@ -377,9 +395,10 @@ impl SchedulerActor {
             let p = &act.metrics.profile;
             p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
             p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
-            act.runner
-                .send(batch)
-                .into_actor(act)
+            let sent = act.runner.send(batch);
+            // The runner has the step: the last step's events go out while it runs.
+            act.flush_events();
+            sent.into_actor(act)
                 .map(move |res, _, _| match res {
                     Ok(Ok(out)) => Ok((scheduled, out)),
                     Ok(Err(e)) => Err(StepError::Runner(e.to_string())),
@@ -412,6 +431,9 @@ impl SchedulerActor {
                 Err(e) => act.fail_all(e.to_string()),
             }
             act.maybe_step(ctx);
+            if !act.in_flight {
+                act.flush_events();
+            }
         }));
     }
 }
@@ -449,6 +471,7 @@ impl Handler<Abort> for SchedulerActor {
         let found = self.abort(&msg.id, msg.reason);
         // Deliver the frees even when nothing else is left to run.
         self.maybe_step(ctx);
+        self.flush_events();
         found
     }
 }

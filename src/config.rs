@@ -64,6 +64,11 @@ pub struct EngineArgs {
     /// Run every step as issued: no CUDA graphs for decode steps.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Plan and send the next step while one runs, so that the host's share of a step
+    /// (scheduling, outputs, messages) overlaps the device's; a sequence that stops is given
+    /// one step more, whose token is dropped.
+    #[arg(long)]
+    pub async_scheduling: bool,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// Ranks the model is split over (one ModelRunner each): GPUs with --device cuda,
@@ -170,6 +175,7 @@ impl Default for EngineArgs {
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
+            async_scheduling: false,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),

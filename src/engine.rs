@@ -227,6 +227,7 @@ impl Engine {
             limits,
             metrics.clone(),
         )
+        .with_async_scheduling(args.async_scheduling)
         .start();
         let lora = match &config.lora {
             None => None,

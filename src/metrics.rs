@@ -99,6 +99,8 @@ pub struct StepProfile {
     pub device_allocs: AtomicU64,
     /// Steps whose forward was a CUDA graph replay.
     pub graph_steps: AtomicU64,
+    /// Steps planned and sent while another was still running (`--async-scheduling`).
+    pub pipelined_steps: AtomicU64,
     /// Of those steps, the time not spent waiting for the device's forward (the host's
     /// share of a decode step; the sampling kernel's own time is in it).
     pub graph_host_ns: AtomicU64,

@@ -341,3 +341,55 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     let msgs = [actorllm::tokenizer::ChatMessage { role: "user".into(), content: "hi".into() }];
     assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
 }
+
+/// `--async-scheduling` plans each step while the one before it runs, so a request that
+/// stops has already been given one step more. Every request must still get exactly what
+/// it gets without it: lengths that end at different steps, a stop token and a stop string
+/// (found a step after the next was planned), seeded sampling with n = 2, and preemption in
+/// a pool too small for everyone; and every block must come back.
+#[actix_rt::test]
+async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
+    let model = tiny_model(9);
+    let small =
+        EngineArgs { num_gpu_blocks_override: Some(12), max_model_len: Some(128), ..common::args(&model) };
+    let sync = Engine::start(small.clone()).await.unwrap();
+    let pipelined = Engine::start(EngineArgs { async_scheduling: true, ..small }).await.unwrap();
+    let p = prompts();
+    let full = run(&sync, p[4].clone(), long(30)).await;
+    let text = sync.tokenizer().decode(&full.tokens[0], true).unwrap();
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let params: Vec<SamplingParams> = (0..p.len())
+        .map(|i| match i % 3 {
+            0 => long(12 + 9 * i),
+            1 => SamplingParams { n: 2, temperature: 1.0, seed: Some(i as u64), ..long(20 + i) },
+            _ => SamplingParams {
+                stop_token_ids: vec![full.tokens[0][6]],
+                stop: vec![stop.clone()],
+                ..long(40)
+            },
+        })
+        .collect();
+    async fn work(engine: &Engine, p: &[Vec<u32>], params: &[SamplingParams]) -> Vec<common::Outcome> {
+        let runs = p.iter().zip(params).map(|(q, sp)| run(engine, q.clone(), sp.clone()));
+        futures::future::join_all(runs).await
+    }
+    let (a, b) = (work(&sync, &p, &params).await, work(&pipelined, &p, &params).await);
+    assert_eq!(a, b, "outputs, finish reasons and usage unchanged");
+    assert!(a.iter().any(|o| o.finish.contains(&Some(FinishReason::Stop))), "a stop condition was met");
+    let m = |e: &Engine| {
+        let p = &e.metrics().profile;
+        (
+            p.pipelined_steps.load(std::sync::atomic::Ordering::Relaxed),
+            e.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let ((sync_piped, _), (piped, preempted)) = (m(&sync), m(&pipelined));
+    assert_eq!(sync_piped, 0);
+    assert!(piped > 0, "steps were planned while another ran");
+    assert!(preempted > 0, "the small pool preempted");
+    for e in [&sync, &pipelined] {
+        let (free, total) = wait_all_blocks_free(e).await;
+        assert_eq!(free, total);
+    }
+}

@@ -17,7 +17,7 @@ use super::block_manager::{Reserve, Reserved};
 use super::model_runner::{BatchSeq, ExecuteBatch, NewSeq, StepOutput};
 use crate::core::block_pool::{AllocStatus, BlockError, SeqId};
 use crate::core::output::{SeqOutput, StopLimits};
-use crate::core::scheduler::{ScheduledSeq, Scheduler, SchedulerConfig};
+use crate::core::scheduler::{PENDING, ScheduledSeq, Scheduler, SchedulerConfig};
 use crate::engine::EngineError;
 use crate::metrics::Metrics;
 use crate::models::lora::LoraAdapter;
@@ -105,7 +105,11 @@ pub struct SchedulerActor {
     next_group: u64,
     /// Adapters of live requests: load id → (weights, live requests using it).
     adapters: HashMap<u64, (Arc<LoraAdapter>, usize)>,
-    in_flight: bool,
+    /// Steps sent and not yet answered.
+    in_flight: usize,
+    /// Steps that may be in flight at once: 2 with `--async-scheduling` (the next step is
+    /// planned and queued at the runner while one runs), else 1.
+    max_in_flight: usize,
     last_step: Option<Instant>,
     total_blocks: usize,
     /// Events for the clients' streams, with their request, in the order they happened. A
@@ -136,11 +140,20 @@ impl SchedulerActor {
             seq_owner: HashMap::new(),
             next_group: 0,
             adapters: HashMap::new(),
-            in_flight: false,
+            in_flight: 0,
+            max_in_flight: 1,
             last_step: None,
             total_blocks: cfg.num_blocks,
             outbox: Vec::new(),
         }
+    }
+
+    /// With `on`, the next step is planned and sent while one runs (vLLM's
+    /// `--async-scheduling`): the host's share of a step overlaps the device's. A sequence
+    /// that stops at a step has then already been given the next one, whose token is dropped.
+    pub fn with_async_scheduling(mut self, on: bool) -> Self {
+        self.max_in_flight = if on { 2 } else { 1 };
+        self
     }
 
     fn add(&mut self, msg: AddRequest) -> Result<(), EngineError> {
@@ -279,24 +292,29 @@ impl SchedulerActor {
         self.flush_events();
     }
 
+    /// The runner's message for a planned step; `fresh[i]`: the runner does not hold
+    /// sequence i yet (as planned: the plan already counts as launched).
     fn build_batch(
         &self,
         seqs: &[ScheduledSeq],
+        fresh: &[bool],
         dropped: Vec<SeqId>,
         lora_loads: &[(usize, u64)],
         reserved: Reserved,
     ) -> ExecuteBatch {
         let seqs = seqs
             .iter()
+            .zip(fresh)
             .zip(reserved.tables)
             // A request aborted while its blocks were being reserved drops out here; its
             // blocks are freed at the next step.
-            .filter_map(|(s, block_table)| {
+            .filter_map(|((s, &fresh), block_table)| {
                 let seq = self.core.seq(s.seq)?;
                 let &(group, index) = self.seq_owner.get(&s.seq)?;
                 let req = self.requests.get(&group)?;
-                let new = (!seq.registered).then(|| NewSeq {
-                    tokens: seq.tokens.clone(),
+                // Its known tokens: pending ones (a suffix) come from the runner itself.
+                let new = fresh.then(|| NewSeq {
+                    tokens: seq.tokens.iter().copied().take_while(|&t| t != PENDING).collect(),
                     prompt_len: seq.prompt_len,
                     params: req.params.clone(),
                     seed: req.seed,
@@ -322,33 +340,40 @@ impl SchedulerActor {
     }
 
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
-        for s in scheduled {
-            self.core.on_computed(s);
-        }
         let now = Instant::now();
-        self.metrics.on_step(scheduled.iter().map(|s| s.len).sum(), out.sampled.len());
+        let mut applied = 0;
         for sm in out.sampled {
             // Aborted while the step ran: its result is dropped.
             let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else { continue };
-            self.core.append_token(sm.seq, sm.token);
+            let at = self.core.resolve_token(sm.seq, sm.token);
             let Some(req) = self.requests.get_mut(&group) else { continue };
+            // Stopped at the step before (planned before that was known): dropped too.
+            if req.choices[index].done {
+                continue;
+            }
+            applied += 1;
             let seq = self.core.seq(sm.seq).expect("owned sequences are live");
+            // The tokens up to this one (a later step's may be pending behind it).
+            let tokens = &seq.tokens[..at.map_or(seq.tokens.len(), |i| i + 1)];
             let lim = StopLimits {
                 params: &req.params,
                 eos_ids: &self.tokenizer.eos_ids,
                 max_tokens: req.max_tokens,
                 max_model_len: self.limits.max_model_len,
             };
-            let outcome =
-                match req.choices[index].out.push(&self.tokenizer, &seq.tokens, seq.prompt_len, &lim) {
-                    Ok(o) => o,
-                    Err(e) => {
-                        self.outbox.push((group, req.events.clone(), TokenEvent::Error { message: e.to_string() }));
-                        self.metrics.on_abort(AbortReason::Engine);
-                        self.end_request(group, true);
-                        continue;
-                    }
-                };
+            let outcome = match req.choices[index].out.push(&self.tokenizer, tokens, seq.prompt_len, &lim) {
+                Ok(o) => o,
+                Err(e) => {
+                    self.outbox.push((
+                        group,
+                        req.events.clone(),
+                        TokenEvent::Error { message: e.to_string() },
+                    ));
+                    self.metrics.on_abort(AbortReason::Engine);
+                    self.end_request(group, true);
+                    continue;
+                }
+            };
             req.completion_tokens += 1;
             match req.first_token {
                 None => self.metrics.on_first_token(req.arrival, now),
@@ -356,11 +381,16 @@ impl SchedulerActor {
             }
             req.first_token.get_or_insert(now);
             req.last_token = Some(now);
-            let token = TokenEvent::Token { index, token_id: sm.token, text: outcome.text, logprobs: sm.logprobs };
+            let token =
+                TokenEvent::Token { index, token_id: sm.token, text: outcome.text, logprobs: sm.logprobs };
             self.outbox.push((group, req.events.clone(), token));
             if let Some((reason, stop_reason)) = outcome.finish {
                 req.choices[index].done = true;
-                self.outbox.push((group, req.events.clone(), TokenEvent::Finished { index, reason, stop_reason }));
+                self.outbox.push((
+                    group,
+                    req.events.clone(),
+                    TokenEvent::Finished { index, reason, stop_reason },
+                ));
                 self.metrics.on_finish(reason);
                 self.core.finish(sm.seq);
                 if req.choices.iter().all(|c| c.done) {
@@ -368,36 +398,48 @@ impl SchedulerActor {
                 }
             }
         }
+        self.metrics.on_step(scheduled.iter().map(|s| s.len).sum(), applied);
     }
 
     /// Starts a step unless one is running or there is nothing to do.
     fn maybe_step(&mut self, ctx: &mut Context<Self>) {
-        if self.in_flight {
+        if self.in_flight >= self.max_in_flight {
             return;
         }
         let start = Instant::now();
         let Some(plan) = self.core.schedule() else { return };
-        self.in_flight = true;
+        if self.in_flight > 0 {
+            self.metrics.profile.pipelined_steps.fetch_add(1, Relaxed);
+        }
+        self.in_flight += 1;
+        // Counted as computed now, with pending tokens, so that the next plan may follow.
+        let fresh: Vec<bool> =
+            plan.seqs.iter().map(|s| self.core.seq(s.seq).is_some_and(|q| !q.registered)).collect();
+        for s in &plan.seqs {
+            self.core.on_launched(s);
+        }
         self.metrics.on_preemptions(plan.num_preempted);
         let scheduled = plan.seqs;
         let dropped = plan.dropped;
         let lora_loads = plan.lora_loads;
         let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
         let scheduled_at = Instant::now();
-        let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, _| {
+        let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, ctx| {
             let reserved_at = Instant::now();
             let reserved = match res {
                 Ok(Ok(r)) => r,
                 Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
                 Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
             };
-            let batch = act.build_batch(&scheduled, dropped, &lora_loads, reserved);
+            let batch = act.build_batch(&scheduled, &fresh, dropped, &lora_loads, reserved);
             let p = &act.metrics.profile;
             p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
             p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
             let sent = act.runner.send(batch);
-            // The runner has the step: the last step's events go out while it runs.
+            // The runner has the step: the last step's events go out while it runs, and
+            // with async scheduling the next step is planned behind it.
             act.flush_events();
+            act.maybe_step(ctx);
             sent.into_actor(act)
                 .map(move |res, _, _| match res {
                     Ok(Ok(out)) => Ok((scheduled, out)),
@@ -407,7 +449,7 @@ impl SchedulerActor {
                 .boxed_local()
         });
         ctx.spawn(step.map(move |res, act, ctx| {
-            act.in_flight = false;
+            act.in_flight -= 1;
             act.last_step = Some(Instant::now());
             match res {
                 Ok((scheduled, out)) => {
@@ -431,7 +473,7 @@ impl SchedulerActor {
                 Err(e) => act.fail_all(e.to_string()),
             }
             act.maybe_step(ctx);
-            if !act.in_flight {
+            if act.in_flight == 0 {
                 act.flush_events();
             }
         }));
@@ -486,7 +528,7 @@ impl Handler<GetStats> for SchedulerActor {
             total_blocks: self.total_blocks,
             num_preemptions: self.core.total_preemptions,
             last_step: self.last_step,
-            busy: self.in_flight,
+            busy: self.in_flight > 0,
             lora_slots_used: self.core.lora_slots_used(),
         })
     }

@@ -456,7 +456,31 @@ impl Scheduler {
             seq.tokens.push(token);
         }
     }
+
+    /// Records a step as sent to the runner: its chunks count as computed, and each
+    /// sampling sequence gets a [`PENDING`] token, so that the next step can be planned
+    /// before this one's tokens are known (the runner feeds it the real ones).
+    /// [`Self::resolve_token`] puts each token in its place, in step order.
+    pub fn on_launched(&mut self, s: &ScheduledSeq) {
+        self.on_computed(s);
+        if s.sample {
+            self.append_token(s.seq, PENDING);
+        }
+    }
+
+    /// Puts a sampled token in place of the sequence's oldest pending one (pending tokens
+    /// are always the last ones) and returns where; None when it has none left (it ended).
+    pub fn resolve_token(&mut self, id: SeqId, token: u32) -> Option<usize> {
+        let seq = self.seqs.get_mut(&id)?;
+        let first_pending = seq.tokens.iter().rposition(|&t| t != PENDING).map_or(0, |i| i + 1);
+        let at = first_pending.max(seq.prompt_len);
+        *seq.tokens.get_mut(at)? = token;
+        Some(at)
+    }
 }
+
+/// A sampled token the scheduler does not know yet (no vocabulary reaches this id).
+pub const PENDING: u32 = u32::MAX;
 
 #[cfg(test)]
 mod tests;

@@ -161,3 +161,29 @@ fn a_batch_never_holds_more_adapters_than_slots() {
     let c_slot = plan.seqs.iter().find(|s| s.seq == c).unwrap().lora_slot;
     assert_eq!(plan.lora_loads, vec![(c_slot as usize, 300)]);
 }
+
+#[test]
+fn a_step_planned_before_the_last_ones_tokens_are_known_decodes_on_and_resolves_in_order() {
+    let mut h = Harness::new(16, 4, 8, 64);
+    let a = h.s.add(0, &[1, 2, 3], 1, None)[0];
+    // Step 1 (the prompt) is sent; step 2 is planned before its token comes back.
+    let p1 = h.s.schedule().unwrap();
+    h.pool.apply(&p1.ops).unwrap();
+    p1.seqs.iter().for_each(|s| h.s.on_launched(s));
+    assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, PENDING]);
+    let p2 = h.s.schedule().unwrap();
+    h.pool.apply(&p2.ops).unwrap();
+    assert_eq!(lens(&p2), vec![(a, 3, 1)], "decodes the token step 1 samples");
+    p2.seqs.iter().for_each(|s| h.s.on_launched(s));
+    assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, PENDING, PENDING]);
+    // The tokens come back in step order.
+    h.s.resolve_token(a, 40);
+    assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, 40, PENDING]);
+    h.s.resolve_token(a, 41);
+    assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, 40, 41]);
+    assert_eq!(h.pool.num_free(), h.s.free_blocks());
+    // A sequence that ended keeps its tokens.
+    h.s.finish(a);
+    h.s.resolve_token(a, 42);
+    assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, 40, 41]);
+}

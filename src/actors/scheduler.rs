@@ -3,7 +3,9 @@
 //! the step loop. Receives [`AddRequest`] / [`Abort`] / [`GetStats`] from the Engine handle
 //! (HTTP, WebSocket and CLI all go through it); sends [`Reserve`] to the BlockManager and
 //! [`ExecuteBatch`] to the ModelRunner, one of each per step. New requests and aborts are
-//! handled between steps, so an abort frees its blocks at the next step.
+//! handled between steps, so an abort frees its blocks at the next step. A step's events go
+//! to the clients once the next step is with the runner; with `--async-scheduling` that
+//! next step is planned while the previous one still runs (two steps in flight).
 
 use std::collections::HashMap;
 use std::sync::Arc;

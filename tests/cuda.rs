@@ -442,6 +442,10 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
                 ..common::args(&model)
             },
         ),
+        (
+            "gpu, CUDA graphs, async scheduling",
+            EngineArgs { device: DeviceArg::Cuda, async_scheduling: true, ..common::args(&model) },
+        ),
     ] {
         let eager = args.enforce_eager;
         let gpu = Engine::start(args).await.unwrap();

@@ -1,6 +1,7 @@
 //! Paged attention launches: K/V written into the cache, then prefill tiles on tensor
-//! cores (flash.cu) and the other rows through the split (PagedAttention v2) or the
-//! one-block-per-head kernel (attention.cu), shaped per step.
+//! cores (flash_prefill) and the other rows on tensor cores too where the shape allows
+//! (flash_decode, flash.cu), else through the split (PagedAttention v2) or the
+//! one-block-per-head kernel (attention.cu); partitions joined by one reduction.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 

@@ -128,10 +128,12 @@ pub struct StepBreakdown {
     pub graph_host_ms: f64,
     /// Per step: sending its events, while the next step runs.
     pub events_ms: f64,
+    /// Steps planned and sent while another was still running (`--async-scheduling`).
+    pub pipelined_steps: u64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 13] {
+    pub fn snapshot(&self) -> [u64; 14] {
         [
             &self.steps,
             &self.step_ns,
@@ -146,12 +148,13 @@ impl StepProfile {
             &self.graph_steps,
             &self.graph_host_ns,
             &self.events_ns,
+            &self.pipelined_steps,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 13], b: [u64; 13]) -> StepBreakdown {
+    pub fn between(a: [u64; 14], b: [u64; 14]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -171,6 +174,7 @@ impl StepProfile {
             graph_steps: d[10],
             graph_host_ms: d[11] as f64 / d[10].max(1) as f64 / 1e6,
             events_ms: ms(d[12]),
+            pipelined_steps: d[13],
         }
     }
 }

@@ -124,7 +124,8 @@ fn print_breakdown(b: &StepBreakdown) {
          reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
          sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
          steps replayed from CUDA graphs: {}, host time per replayed step (all but the wait for the \
-         forward): {:.3} ms; then, while the next step runs, event delivery {:.3} ms",
+         forward): {:.3} ms; then, while the next step runs, event delivery {:.3} ms; steps planned \
+         while another ran: {}",
         b.steps,
         b.step_ms,
         b.schedule_ms,
@@ -138,7 +139,8 @@ fn print_breakdown(b: &StepBreakdown) {
         b.device_allocations,
         b.graph_steps,
         b.graph_host_ms,
-        b.events_ms
+        b.events_ms,
+        b.pipelined_steps
     );
 }
 

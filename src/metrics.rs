@@ -101,6 +101,9 @@ pub struct StepProfile {
     pub graph_steps: AtomicU64,
     /// Steps planned and sent while another was still running (`--async-scheduling`).
     pub pipelined_steps: AtomicU64,
+    /// Tokens sampled for a sequence that had already stopped or been aborted (a step
+    /// planned before that was known), and dropped.
+    pub dropped_tokens: AtomicU64,
     /// Of those steps, the time not spent waiting for the device's forward (the host's
     /// share of a decode step; the sampling kernel's own time is in it).
     pub graph_host_ns: AtomicU64,

@@ -346,7 +346,8 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
 /// stops has already been given one step more. Every request must still get exactly what
 /// it gets without it: lengths that end at different steps, a stop token and a stop string
 /// (found a step after the next was planned), seeded sampling with n = 2, and preemption in
-/// a pool too small for everyone; and every block must come back.
+/// a pool too small for everyone; and every block must come back. A request that ends by
+/// length is given no step past its last token.
 #[actix_rt::test]
 async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     let model = tiny_model(9);
@@ -355,6 +356,12 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     let sync = Engine::start(small.clone()).await.unwrap();
     let pipelined = Engine::start(EngineArgs { async_scheduling: true, ..small }).await.unwrap();
     let p = prompts();
+    // Sequences that end by length are given no step past their last token.
+    let lengths: Vec<_> =
+        p.iter().enumerate().map(|(i, q)| run(&pipelined, q.clone(), long(5 + 3 * i))).collect();
+    futures::future::join_all(lengths).await;
+    let dropped = pipelined.metrics().profile.dropped_tokens.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(dropped, 0, "tokens sampled past max_tokens");
     let full = run(&sync, p[4].clone(), long(30)).await;
     let text = sync.tokenizer().decode(&full.tokens[0], true).unwrap();
     let chars: Vec<char> = text.chars().collect();

@@ -185,6 +185,7 @@ impl SchedulerActor {
         }
         let seqs = self.core.add(group, &msg.prompt_ids, n, lora);
         let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
+        self.core.set_max_len(group, prompt_len + max_tokens);
         let choices = seqs
             .iter()
             .enumerate()
@@ -344,15 +345,20 @@ impl SchedulerActor {
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
         let now = Instant::now();
         let mut applied = 0;
+        let metrics = self.metrics.clone();
+        let dropped = &metrics.profile.dropped_tokens;
         for sm in out.sampled {
             // Aborted while the step ran: its result is dropped.
-            let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else { continue };
-            let at = self.core.resolve_token(sm.seq, sm.token);
-            let Some(req) = self.requests.get_mut(&group) else { continue };
-            // Stopped at the step before (planned before that was known): dropped too.
-            if req.choices[index].done {
+            let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else {
+                dropped.fetch_add(1, Relaxed);
                 continue;
-            }
+            };
+            let at = self.core.resolve_token(sm.seq, sm.token);
+            // Stopped at the step before (planned before that was known): dropped too.
+            let Some(req) = self.requests.get_mut(&group).filter(|r| !r.choices[index].done) else {
+                dropped.fetch_add(1, Relaxed);
+                continue;
+            };
             applied += 1;
             let seq = self.core.seq(sm.seq).expect("owned sequences are live");
             // The tokens up to this one (a later step's may be pending behind it).

@@ -55,6 +55,9 @@ pub struct Sequence {
     shared: usize,
     /// Never preempted: may share its group's prompt blocks on admission.
     fresh: bool,
+    /// Tokens (prompt included) at which it ends whatever it samples (`max_tokens`, the
+    /// context length): once that many are known or pending, it needs no further step.
+    max_len: usize,
 }
 
 impl Sequence {
@@ -151,12 +154,22 @@ impl Scheduler {
                     blocks: 0,
                     shared: 0,
                     fresh: true,
+                    max_len: usize::MAX,
                 },
             );
             self.waiting.push_back(id);
         }
         self.groups.insert(group, Group { seqs: ids.clone(), shared_blocks: 0, shared_holders: 0 });
         ids
+    }
+
+    /// Sets the token count at which the group's sequences end for certain.
+    pub fn set_max_len(&mut self, group: u64, max_len: usize) {
+        for id in self.groups.get(&group).map(|g| g.seqs.clone()).unwrap_or_default() {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.max_len = max_len;
+            }
+        }
     }
 
     pub fn seq(&self, id: SeqId) -> Option<&Sequence> {
@@ -314,6 +327,12 @@ impl Scheduler {
         while i < self.running.len() && *budget > 0 {
             let id = self.running[i];
             let (start, total) = (self.seqs[&id].num_computed, self.seqs[&id].tokens.len());
+            // Its last token is pending (a step planned before the last one's tokens came
+            // back): it ends there, so it is given no step more.
+            if total >= self.seqs[&id].max_len && start + 1 >= total {
+                i += 1;
+                continue;
+            }
             let len = (total - start).min(*budget);
             let mut scheduled = false;
             loop {

@@ -34,6 +34,56 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 #endif
 }
 
+// One chunk's causal mask and online softmax for a warp's two rows of a tile (a and b:
+// rows g and g + 8 of its 16, at positions pa and pb; -1 for no row): scores of keys after
+// a row's position are masked, the scores become exp(score - new max) in place, and the
+// running sums and the output are rescaled to the new maxima.
+template <int HD>
+__device__ __forceinline__ void softmax_chunk(float (&s)[BC / 8][4], float (&o)[HD / 8][4], int c0, int tq, int pa,
+                                              int pb, float& ma, float& mb, float& la, float& lb) {
+    const float NEG = __int_as_float(0xff800000);  // -inf
+    float mxa = ma, mxb = mb;
+#pragma unroll
+    for (int j = 0; j < BC / 8; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            int key = c0 + j * 8 + tq * 2 + e;
+            if (key > pa) s[j][e] = NEG;
+            if (key > pb) s[j][2 + e] = NEG;
+            mxa = fmaxf(mxa, s[j][e]);
+            mxb = fmaxf(mxb, s[j][2 + e]);
+        }
+    }
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 1));
+    mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 2));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 1));
+    mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 2));
+    // A row with no key yet (or no row at all) keeps a zero base: exp(-inf - 0) = 0.
+    float ba = mxa == NEG ? 0.0f : mxa, bb = mxb == NEG ? 0.0f : mxb;
+    float fa = expf(ma - ba), fb = expf(mb - bb);
+    float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+    for (int j = 0; j < BC / 8; j++) {
+        s[j][0] = expf(s[j][0] - ba);
+        s[j][1] = expf(s[j][1] - ba);
+        s[j][2] = expf(s[j][2] - bb);
+        s[j][3] = expf(s[j][3] - bb);
+        sa += s[j][0] + s[j][1];
+        sb += s[j][2] + s[j][3];
+    }
+    la = la * fa + sa;
+    lb = lb * fb + sb;
+    ma = mxa;
+    mb = mxb;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        o[n][0] *= fa;
+        o[n][1] *= fa;
+        o[n][2] *= fb;
+        o[n][3] *= fb;
+    }
+}
+
 template <int HD, typename T>
 __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
                               const unsigned int* positions, const unsigned int* token_seq,
@@ -117,46 +167,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
                 mma_bf16(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
             }
         }
-        float mxa = ma, mxb = mb;
-#pragma unroll
-        for (int j = 0; j < BC / 8; j++) {
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                int key = c0 + j * 8 + tq * 2 + e;
-                if (key > pa) s[j][e] = NEG;
-                if (key > pb) s[j][2 + e] = NEG;
-                mxa = fmaxf(mxa, s[j][e]);
-                mxb = fmaxf(mxb, s[j][2 + e]);
-            }
-        }
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 2));
-        // A row with no key yet (or no row at all) keeps a zero base: exp(-inf - 0) = 0.
-        float ba = mxa == NEG ? 0.0f : mxa, bb = mxb == NEG ? 0.0f : mxb;
-        float fa = expf(ma - ba), fb = expf(mb - bb);
-        float sa = 0.0f, sb = 0.0f;
-#pragma unroll
-        for (int j = 0; j < BC / 8; j++) {
-            s[j][0] = expf(s[j][0] - ba);
-            s[j][1] = expf(s[j][1] - ba);
-            s[j][2] = expf(s[j][2] - bb);
-            s[j][3] = expf(s[j][3] - bb);
-            sa += s[j][0] + s[j][1];
-            sb += s[j][2] + s[j][3];
-        }
-        la = la * fa + sa;
-        lb = lb * fb + sb;
-        ma = mxa;
-        mb = mxb;
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            o[n][0] *= fa;
-            o[n][1] *= fa;
-            o[n][2] *= fb;
-            o[n][3] *= fb;
-        }
+        softmax_chunk<HD>(s, o, c0, tq, pa, pb, ma, mb, la, lb);
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
             unsigned a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
@@ -506,46 +517,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
                     mma16<T>(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
                 }
             }
-            float mxa = ma, mxb = mb;
-#pragma unroll
-            for (int j = 0; j < BC / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    int key = c0 + j * 8 + tq * 2 + e;
-                    if (key > pa) s[j][e] = NEG;
-                    if (key > pb) s[j][2 + e] = NEG;
-                    mxa = fmaxf(mxa, s[j][e]);
-                    mxb = fmaxf(mxb, s[j][2 + e]);
-                }
-            }
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 1));
-            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffff, mxa, 2));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 1));
-            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffff, mxb, 2));
-            // A row with no key yet (or no row at all) keeps a zero base: exp(-inf - 0) = 0.
-            float ba = mxa == NEG ? 0.0f : mxa, bb = mxb == NEG ? 0.0f : mxb;
-            float fa = expf(ma - ba), fb = expf(mb - bb);
-            float sa = 0.0f, sb = 0.0f;
-#pragma unroll
-            for (int j = 0; j < BC / 8; j++) {
-                s[j][0] = expf(s[j][0] - ba);
-                s[j][1] = expf(s[j][1] - ba);
-                s[j][2] = expf(s[j][2] - bb);
-                s[j][3] = expf(s[j][3] - bb);
-                sa += s[j][0] + s[j][1];
-                sb += s[j][2] + s[j][3];
-            }
-            la = la * fa + sa;
-            lb = lb * fb + sb;
-            ma = mxa;
-            mb = mxb;
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                o[n][0] *= fa;
-                o[n][1] *= fa;
-                o[n][2] *= fb;
-                o[n][3] *= fb;
-            }
+            softmax_chunk<HD>(s, o, c0, tq, pa, pb, ma, mb, la, lb);
 #pragma unroll
             for (int kk = 0; kk < BC / 16; kk++) {
                 unsigned a[4] = {F::pack(s[2 * kk][0], s[2 * kk][1]), F::pack(s[2 * kk][2], s[2 * kk][3]),

@@ -1,0 +1,76 @@
+//! The Scheduler actor against a slow fake BlockManager and a recording fake runner.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::*;
+use crate::actors::block_manager::Reserved;
+use crate::actors::model_runner::{Sampled, StepOutput};
+use crate::core::block_pool::BlockPool;
+use crate::kernels::DType;
+use crate::models::random::{Preset, make_random_model};
+
+struct SlowBlocks(BlockPool);
+impl Actor for SlowBlocks {
+    type Context = Context<Self>;
+}
+impl Handler<Reserve> for SlowBlocks {
+    type Result = ResponseActFuture<Self, Result<Reserved, BlockError>>;
+    fn handle(&mut self, msg: Reserve, _: &mut Context<Self>) -> Self::Result {
+        let applied = self.0.apply(&msg.ops).map(|_| {
+            let tables =
+                msg.tables_for.iter().map(|&s| self.0.table(s).map(<[u32]>::to_vec).unwrap_or_default());
+            Reserved { tables: tables.collect(), num_free: self.0.num_free() }
+        });
+        Box::pin(
+            actix_rt::time::sleep(Duration::from_millis(100)).into_actor(self).map(move |_, _, _| applied),
+        )
+    }
+}
+
+#[derive(Default)]
+struct Recorder(Arc<Mutex<Vec<Vec<SeqId>>>>);
+impl Actor for Recorder {
+    type Context = Context<Self>;
+}
+impl Handler<ExecuteBatch> for Recorder {
+    type Result = Result<StepOutput, super::super::model_runner::RunnerError>;
+    fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
+        self.0.lock().unwrap().push(b.seqs.iter().map(|s| s.seq).collect());
+        let sampled =
+            b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None });
+        Ok(StepOutput { sampled: sampled.collect(), ..Default::default() })
+    }
+}
+
+#[actix_rt::test]
+async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_batch() {
+    let dir = std::env::temp_dir().join(format!("actorllm-sched-actor-{}", std::process::id()));
+    make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
+    let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
+    let cfg = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        block_size: 4,
+        num_blocks: 32,
+        max_loras: 0,
+    };
+    let batches = Arc::new(Mutex::new(Vec::new()));
+    let blocks = SlowBlocks(BlockPool::new(32, 4)).start();
+    let runner = Recorder(batches.clone()).start();
+    let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
+    let sched =
+        SchedulerActor::new(cfg, blocks.recipient(), runner.recipient(), tokenizer, limits, Arc::default())
+            .start();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let params = Arc::new(SamplingParams { max_tokens: Some(20), ignore_eos: true, ..Default::default() });
+    let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
+    sched.send(add).await.unwrap().unwrap();
+    // The first step is now waiting on the slow BlockManager: abort in that window.
+    assert!(sched.send(Abort { id: "a".into(), reason: AbortReason::Cancelled }).await.unwrap());
+    actix_rt::time::sleep(Duration::from_millis(400)).await;
+    let stats = sched.send(GetStats).await.expect("the scheduler survived");
+    assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
+    assert!(batches.lock().unwrap().iter().all(|b| b.is_empty()), "the aborted request never ran");
+    assert!(matches!(rx.recv().await, Some(TokenEvent::Finished { reason: FinishReason::Abort, .. })));
+}

@@ -19,6 +19,7 @@ use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, LoraShape, Rop
 mod attend;
 mod gemm;
 mod graph;
+mod nvrtc;
 mod ops;
 mod pool;
 mod profile;
@@ -27,54 +28,9 @@ mod step;
 
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
+use nvrtc::{COMMON, SOURCES, kernel_names, split_names};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};
-
-/// Prepended to every source (16-bit types and the rounding store the kernels share).
-const COMMON: &str = include_str!("common.cuh");
-
-const SOURCES: [(&str, &str); 4] = [
-    ("elementwise", include_str!("elementwise.cu")),
-    ("attention", include_str!("attention.cu")),
-    ("flash", include_str!("flash.cu")),
-    ("sampling", include_str!("sampling.cu")),
-];
-
-const KERNELS: [&str; 33] = [
-    "embedding_f32",
-    "embedding_bf16",
-    "embedding_f16",
-    "f32_to_bf16",
-    "f32_to_f16",
-    "rms_norm_f32",
-    "silu_mul_f32",
-    "add_f32",
-    "add_bias_f32",
-    "gather_rows_f32",
-    "join_shards_f32",
-    "sample_f32",
-    "split_qkv_rope_f32",
-    "write_kv_f32",
-    "write_kv_bf16",
-    "write_kv_f16",
-    "paged_attention_f32",
-    "paged_attention_bf16",
-    "paged_attention_f16",
-    "paged_attention_reduce_f32",
-    "lora_f32",
-    "flash_prefill_h64_f32",
-    "flash_prefill_h128_f32",
-    "flash_prefill_h64_bf16",
-    "flash_prefill_h128_bf16",
-    "flash_prefill_h64_f16",
-    "flash_prefill_h128_f16",
-    "flash_decode_h64_f32",
-    "flash_decode_h128_f32",
-    "flash_decode_h64_bf16",
-    "flash_decode_h128_bf16",
-    "flash_decode_h64_f16",
-    "flash_decode_h128_f16",
-];
 
 /// Bytes of cuBLAS workspace (what cuBLAS itself reserves on Hopper).
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -87,23 +43,6 @@ fn err(e: impl std::fmt::Debug) -> DeviceError {
 /// what was being done.
 fn cuda<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> DeviceError {
     move |e| DeviceError::Cuda { what, detail: format!("{e:?}") }
-}
-
-/// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'
-/// `split` order: group bound G, then dims-per-lane bound D.
-fn split_names(sfx: &str) -> impl Iterator<Item = String> + '_ {
-    [1, 2, 4, 8].into_iter().flat_map(move |g| {
-        [2, 4, 8].into_iter().map(move |d| format!("paged_attention_split_g{g}_d{d}_{sfx}"))
-    })
-}
-
-/// Every entry point: [`KERNELS`] and the split attention kernel's instantiations.
-fn kernel_names() -> Vec<String> {
-    let mut names: Vec<String> = KERNELS.iter().map(|k| k.to_string()).collect();
-    for sfx in ["f32", "bf16", "f16"] {
-        names.extend(split_names(sfx));
-    }
-    names
 }
 
 /// The attention kernels of one KV cache element type, looked up when a cache is made so
@@ -245,12 +184,6 @@ pub struct CudaDevice {
 unsafe impl Send for CudaDevice {}
 impl Unpin for CudaDevice {}
 
-fn cache_dir() -> std::path::PathBuf {
-    std::env::var_os("ACTORLLM_KERNEL_CACHE")
-        .map(Into::into)
-        .unwrap_or_else(|| std::env::temp_dir().join("actorllm-kernels"))
-}
-
 impl CudaDevice {
     /// Opens GPU `ordinal`, compiles (or loads cached) kernels for its architecture.
     pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
@@ -321,7 +254,7 @@ impl CudaDevice {
         let arch = format!("sm_{major}{minor}");
         let mut funcs = std::collections::HashMap::new();
         for (name, src) in SOURCES {
-            let ptx = Self::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
+            let ptx = nvrtc::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
             let module = ctx.load_module(ptx).map_err(err)?;
             for k in kernel_names() {
                 if let Ok(f) = module.load_function(&k) {
@@ -373,27 +306,6 @@ impl CudaDevice {
         // SAFETY: `dev` is a device handle the driver just returned.
         let big = unsafe { device::total_mem(dev) }.is_ok_and(|b| b >= 70 << 30);
         big && device::get_name(dev).is_ok_and(|n| !n.contains("A100"))
-    }
-
-    fn compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx, DeviceError> {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        src.hash(&mut h);
-        let path = cache_dir().join(format!("{name}-{:016x}-{arch}.ptx", h.finish()));
-        if let Ok(text) = std::fs::read_to_string(&path) {
-            return Ok(cudarc::nvrtc::Ptx::from_src(text));
-        }
-        let arch_static: &'static str = Box::leak(arch.to_string().into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch_static),
-            include_paths: vec!["/usr/local/cuda/include".into()],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-            .map_err(|e| DeviceError::Other(format!("NVRTC compiling {name}.cu for {arch}: {e:?}")))?;
-        let _ = std::fs::create_dir_all(cache_dir());
-        let _ = std::fs::write(&path, ptx.to_src());
-        Ok(ptx)
     }
 
     /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as

@@ -258,9 +258,10 @@ impl IncrementalDetokenizer {
 
     /// Text made stable by the last token of `tokens` (prompt + generated so far).
     pub fn step(&mut self, tok: &Tokenizer, tokens: &[u32]) -> Result<String, TokenizerError> {
-        match &tok.bytes {
-            Some(table) => Ok(self.step_bytes(table, *tokens.last().expect("a token was just appended"))),
-            None => self.step_window(tok, tokens),
+        match (&tok.bytes, tokens.last()) {
+            (Some(table), Some(&last)) => Ok(self.step_bytes(table, last)),
+            (Some(_), None) => Ok(String::new()),
+            (None, _) => self.step_window(tok, tokens),
         }
     }
 

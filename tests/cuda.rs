@@ -265,19 +265,36 @@ fn every_kernel_matches_its_cpu_twin() {
     seqs.push(1);
     step(positions, seqs, 9);
 
-    // Batched LoRA over mixed slots.
-    let shape = LoraShape { slots: 2, max_rank: 8, in_features: hidden, out_features: 40, bf16: false };
-    let (mut lc, mut lg) = (c.alloc_lora(shape).unwrap(), g.alloc_lora(shape).unwrap());
-    let (a, bw) = (rand(5 * hidden, 10), rand(40 * 5, 11));
-    let wts = || Some(LoraSlotWeights { a: &a, b: &bw, rank: 5, scale: 1.5 });
-    c.set_lora_slot(&mut lc, 0, wts()).unwrap();
-    g.set_lora_slot(&mut lg, 0, wts()).unwrap();
-    let slots: Vec<i32> = (0..n as i32).map(|i| if i % 3 == 1 { -1 } else { 0 }).collect();
-    let y = rand(n * 50, 12);
-    let (mut yc, mut yg) = both(&y, n, 50);
-    c.add_lora(&mut yc, &xc, &[(&lc, 7)], &slots).unwrap();
-    g.add_lora(&mut yg, &xg, &[(&lg, 7)], &slots).unwrap();
-    close("lora", &g.to_host(&yg).unwrap(), &c.to_host(&yc).unwrap(), 1e-4);
+    // Batched LoRA over mixed slots: two modules that read the same x (as q and k do)
+    // into one output at their offsets, three slots (ranks 5 and 8, the middle one empty),
+    // rows on each slot and on none; adapters kept in f32 and in bf16.
+    for bf16 in [false, true] {
+        let shape = |out| LoraShape { slots: 3, max_rank: 8, in_features: hidden, out_features: out, bf16 };
+        let (outs, offs) = ([40, 20], [0, 44]);
+        let mut lc: Vec<_> = outs.iter().map(|&o| c.alloc_lora(shape(o)).unwrap()).collect();
+        let mut lg: Vec<_> = outs.iter().map(|&o| g.alloc_lora(shape(o)).unwrap()).collect();
+        for (m, &out) in outs.iter().enumerate() {
+            for (slot, rank) in [(0, 5), (2, 8)] {
+                let seed = 10 + 2 * (m * 3 + slot) as u64;
+                let (a, b) = (rand(rank * hidden, seed), rand(out * rank, seed + 1));
+                let w = || Some(LoraSlotWeights { a: &a, b: &b, rank, scale: 1.5 });
+                c.set_lora_slot(&mut lc[m], slot, w()).unwrap();
+                g.set_lora_slot(&mut lg[m], slot, w()).unwrap();
+            }
+        }
+        let slots: Vec<i32> = (0..n as i32).map(|i| [0, -1, 2, 1][i as usize % 4]).collect();
+        let y = rand(n * 64, 12);
+        let (mut yc, mut yg) = both(&y, n, 64);
+        let (mc, mg): (Vec<_>, Vec<_>) = (lc.iter().zip(offs).collect(), lg.iter().zip(offs).collect());
+        c.add_lora(&mut yc, &xc, &mc, &slots).unwrap();
+        g.add_lora(&mut yg, &xg, &mg, &slots).unwrap();
+        let (got, want) = (g.to_host(&yg).unwrap(), c.to_host(&yc).unwrap());
+        // On the GPU a bf16 adapter also rounds x and the shrunk values to bf16.
+        close(&format!("lora (bf16 {bf16})"), &got, &want, if bf16 { 2e-2 } else { 1e-4 });
+        let untouched = |row: usize| got[row * 64..(row + 1) * 64] == y[row * 64..(row + 1) * 64];
+        assert!((0..n).filter(|r| slots[*r] < 0).all(untouched), "rows without an adapter are unchanged");
+        assert!(!untouched(0), "an adapter changes its rows");
+    }
 }
 
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
@@ -463,6 +480,77 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
             "{label}: {} preemptions",
             gpu.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed)
         );
+    }
+}
+
+/// LoRA on the GPU gives the CPU's greedy tokens (the CPU's adapters match PEFT, see
+/// tests/lora.rs): one batch mixes two adapters of ranks 8 and 4 with the base model, with
+/// decode steps replayed from graphs (the graph set that applies adapters) and eager.
+#[actix_rt::test]
+async fn adapters_on_the_gpu_give_the_cpu_tokens() {
+    if gpu().is_none() {
+        return;
+    }
+    let model = tiny_model(33);
+    let cfg = ModelRegistry::<CpuDevice>::read_config(&model).unwrap();
+    let root = std::env::temp_dir().join(format!("actorllm-gpu-loras-{}", std::process::id()));
+    let mut modules = Vec::new();
+    for (i, rank) in [8, 4].into_iter().enumerate() {
+        let dir = root.join(format!("a{i}"));
+        actorllm::models::random::make_random_lora(&cfg, &dir, rank, 40 + i as u64).unwrap();
+        modules.push((format!("a{i}"), dir));
+    }
+    let lora = actorllm::config::LoraArgs {
+        enable_lora: true,
+        lora_modules: modules,
+        max_loras: 2,
+        max_lora_rank: 8,
+        ..Default::default()
+    };
+    let args = |device, enforce_eager| EngineArgs {
+        device,
+        enforce_eager,
+        lora: lora.clone(),
+        ..common::args(&model)
+    };
+    let runs: Vec<(Vec<u32>, Option<&str>)> = (0..6u32)
+        .map(|i| {
+            let prompt = (0..(5 + 7 * i)).map(|j| (i * 11 + j * 5) % 250 + 3).collect();
+            (prompt, [None, Some("a0"), Some("a1")][i as usize % 3])
+        })
+        .collect();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(32) };
+    let all = |engine: Engine| {
+        let runs = runs.clone();
+        let params = params.clone();
+        async move {
+            let reqs = runs.iter().map(|(p, l)| {
+                let (engine, params) = (&engine, params.clone());
+                async move {
+                    let id = engine.next_request_id("t");
+                    let s = engine.add_request_with_lora(id, p.clone(), params, *l).await.unwrap();
+                    common::collect(s, 1).await.tokens.remove(0)
+                }
+            });
+            let tokens = futures::future::join_all(reqs).await;
+            let replayed = engine.metrics().profile.graph_steps.load(std::sync::atomic::Ordering::Relaxed);
+            (tokens, replayed)
+        }
+    };
+    let (want, _) = all(Engine::start(args(DeviceArg::Cpu, false)).await.unwrap()).await;
+    // The adapters change the output: the base model's tokens differ on the same prompt.
+    let base = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
+    let plain = run(&base, runs[1].0.clone(), params.clone()).await;
+    drop(base);
+    assert_ne!(plain.tokens[0], want[1], "adapter a0 leaves the output as the base model's");
+    for eager in [false, true] {
+        // The engine before releases its device first (its cache would leave this one none).
+        actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(30));
+        let (got, replayed) = all(Engine::start(args(DeviceArg::Cuda, eager)).await.unwrap()).await;
+        for ((w, g), (_, l)) in want.iter().zip(&got).zip(&runs) {
+            assert_eq!(g, w, "eager {eager}, adapter {l:?}");
+        }
+        assert_eq!(replayed > 0, !eager, "eager {eager}: {replayed} steps replayed from graphs");
     }
 }
 

@@ -202,8 +202,9 @@ pub struct ModelRunner<D: Device> {
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
     peers: Vec<Addr<ModelRunner<D>>>,
-    /// Decode forwards recorded as graphs, by (batch size, context bound), ascending.
-    graphs: Vec<((usize, usize), D::Graph)>,
+    /// Decode forwards recorded as graphs, by (with adapters, batch size, context bound),
+    /// ascending.
+    graphs: Vec<((bool, usize, usize), D::Graph)>,
     /// Last, so that it drops after the device.
     _live: LiveRunner,
 }
@@ -285,27 +286,32 @@ impl<D: Device> ModelRunner<D> {
     /// Records the decode forward for each batch size and context bound, the largest first
     /// (the graphs' input buffers are sized by the first). Each runs on dummy inputs: every
     /// row at position 0 with a block table as long as the bound allows, writing no cache.
+    /// A model with LoRA capacity gets a second set that applies the batch's adapters
+    /// (recorded first: it reads one input more), so that steps without adapters skip them.
     fn capture_graphs(&mut self, sizes: &[usize], bounds: &[usize]) -> Result<usize, DeviceError> {
         self.graphs.clear();
         if !self.peers.is_empty() {
             return Ok(0);
         }
-        for &size in sizes.iter().rev() {
-            for &bound in bounds.iter().rev() {
-                let ids = vec![0; size];
-                let meta = AttnMetadata {
-                    positions: vec![0; size],
-                    slot_mapping: vec![-1; size],
-                    token_seq: (0..size as u32).collect(),
-                    block_tables: vec![vec![0; bound.div_ceil(self.block_size)]; size],
-                    last_token_rows: (0..size).collect(),
-                    lora_slots: Vec::new(),
-                };
-                let (dev, model, caches) = (&self.dev, &self.model, &mut self.caches);
-                let mut forward = || model.forward(dev, &ids, &meta.positions, caches, &meta);
-                match dev.capture_graph(&ids, &meta, bound, &mut forward)? {
-                    Some(g) => self.graphs.push(((size, bound), g)),
-                    None => return Ok(0),
+        let sets: &[bool] = if self.model.has_lora() { &[true, false] } else { &[false] };
+        for &lora in sets {
+            for &size in sizes.iter().rev() {
+                for &bound in bounds.iter().rev() {
+                    let ids = vec![0; size];
+                    let meta = AttnMetadata {
+                        positions: vec![0; size],
+                        slot_mapping: vec![-1; size],
+                        token_seq: (0..size as u32).collect(),
+                        block_tables: vec![vec![0; bound.div_ceil(self.block_size)]; size],
+                        last_token_rows: (0..size).collect(),
+                        lora_slots: if lora { vec![-1; size] } else { Vec::new() },
+                    };
+                    let (dev, model, caches) = (&self.dev, &self.model, &mut self.caches);
+                    let mut forward = || model.forward(dev, &ids, &meta.positions, caches, &meta);
+                    match dev.capture_graph(&ids, &meta, bound, &mut forward)? {
+                        Some(g) => self.graphs.push(((lora, size, bound), g)),
+                        None => return Ok(0),
+                    }
                 }
             }
         }
@@ -314,8 +320,8 @@ impl<D: Device> ModelRunner<D> {
     }
 
     /// The logits of a decode step through a graph: every sequence contributes its one
-    /// last token, no adapter is in use, and a graph holds the batch (padded to its size)
-    /// and the longest context. None when no graph applies.
+    /// last token, and a graph of the batch's set (with adapters or without) holds the
+    /// batch (padded to its size) and the longest context. None when no graph applies.
     /// The batch is padded in place when a graph takes it.
     fn replay(
         &mut self,
@@ -323,23 +329,29 @@ impl<D: Device> ModelRunner<D> {
         meta: &mut AttnMetadata,
     ) -> Result<Option<D::Tensor>, DeviceError> {
         let n = ids.len();
-        if self.graphs.is_empty() || !meta.lora_slots.is_empty() || meta.last_token_rows.len() != n {
+        if self.graphs.is_empty() || meta.last_token_rows.len() != n {
             return Ok(None);
         }
+        let lora = !meta.lora_slots.is_empty();
         let ctx = meta.positions.iter().copied().max().unwrap_or(0) as usize + 1;
-        let Some(((size, _), graph)) =
-            self.graphs.iter().find(|((size, bound), _)| *size >= n && *bound >= ctx)
+        let Some(((_, size, _), graph)) = self
+            .graphs
+            .iter()
+            .find(|((with_lora, size, bound), _)| *with_lora == lora && *size >= n && *bound >= ctx)
         else {
             return Ok(None);
         };
-        // Padding rows read block 0 at position 0 and write no cache; their outputs are
-        // never sampled (`last_token_rows` still names the real rows, the first n).
+        // Padding rows read block 0 at position 0, write no cache and use no adapter; their
+        // outputs are never sampled (`last_token_rows` still names the real rows, the first n).
         let size = *size;
         ids.resize(size, 0);
         meta.positions.resize(size, 0);
         meta.slot_mapping.resize(size, -1);
         meta.token_seq.extend(n as u32..size as u32);
         meta.block_tables.resize(size, vec![0]);
+        if lora {
+            meta.lora_slots.resize(size, -1);
+        }
         let hidden = self.dev.replay_graph(graph, ids, meta)?;
         self.model.compute_logits(&self.dev, hidden, meta).map(Some)
     }

@@ -298,6 +298,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         self.weight_bytes
     }
 
+    fn has_lora(&self) -> bool {
+        self.layers.first().is_some_and(|l| l.lora.is_some())
+    }
+
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let Some(l) = layer.lora.as_mut() else { return Ok(()) };

@@ -77,4 +77,7 @@ pub trait CausalLM<D: Device>: Send {
     /// Places an adapter's weights in a LoRA slot (None clears it). A no-op on a model
     /// built without LoRA capacity: the scheduler never assigns slots then.
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>) -> DevResult<()>;
+    /// Whether the model was built with LoRA capacity (its forward then applies the
+    /// adapters of `AttnMetadata::lora_slots`).
+    fn has_lora(&self) -> bool;
 }

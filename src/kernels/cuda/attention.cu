@@ -269,27 +269,22 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
     }
 }
 
-// Batched LoRA (BGMV): one block per row; row t with slot s >= 0 gets
-// y[t, off + o] += sum_r Bt[s, r, o] * (A[s, r, :] . x[t, :]). Dynamic shared: max_rank floats.
-extern "C" __global__ void lora_f32(float* y, const float* x, const float* a, const float* bt, const int* ranks,
-                                    const int* slots, int max_rank, int fin, int fout, int off, int ycols) {
-    extern __shared__ float v[];
-    int t = blockIdx.x;
+// Masked LoRA shrink output: v holds `parts` partial sums (split over the input features)
+// of `[rows, width]` (total values each), `width / per` modules side by side, each `per` =
+// slots · R columns of x · Aᵀ over every slot's A. Row t keeps only the R columns of its own
+// slot (slots[t]; none when negative), summed over the parts, so that one GEMM against
+// every slot's Bᵀ expands each row with its own adapter. kind 0 writes the result over the
+// first part, 1 (bf16) and 2 (f16) write it rounded into v16.
+extern "C" __global__ void lora_mask_f32(float* v, void* v16, const int* slots, int width, int per, int rank,
+                                         long long total, int kind, int parts) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int t = (int)(i / width), c = (int)(i % width);
     int s = slots[t];
-    if (s < 0) return;
-    int rank = ranks[s];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int r = warp; r < rank; r += nw) {
-        const float* ar = a + ((size_t)s * max_rank + r) * fin;
-        float acc = 0.0f;
-        for (int i = lane; i < fin; i += 32) acc += ar[i] * x[(size_t)t * fin + i];
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-        if (lane == 0) v[r] = acc;
-    }
-    __syncthreads();
-    for (int o = threadIdx.x; o < fout; o += blockDim.x) {
-        float acc = 0.0f;
-        for (int r = 0; r < rank; r++) acc += v[r] * bt[((size_t)s * max_rank + r) * fout + o];
-        y[(size_t)t * ycols + off + o] += acc;
-    }
+    float x = 0.0f;
+    if (s >= 0 && (c % per) / rank == s)
+        for (int p = 0; p < parts; p++) x += v[i + p * total];
+    if (kind) store16(v16, i, x, kind);
+    else v[i] = x;
 }
+

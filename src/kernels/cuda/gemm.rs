@@ -1,7 +1,10 @@
 //! GEMMs through cuBLAS: `out = x @ wᵀ` for f32 weights (sgemm) and 16-bit weights
 //! (cublasGemmEx, f32 accumulation and output).
 
-use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::cublas::sys::cublasOperation_t as Op;
+use cudarc::cublas::sys::cudaDataType as DataType;
+use cudarc::cublas::{Gemm, GemmConfig};
+use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, DevResult, cuda};
@@ -17,8 +20,8 @@ impl CudaDevice {
     ) -> DevResult<()> {
         let (m, k) = (x.rows as i32, x.cols as i32);
         let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
+            transa: Op::CUBLAS_OP_T,
+            transb: Op::CUBLAS_OP_N,
             m: n as i32,
             n: m,
             k,
@@ -44,15 +47,33 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
         f16: bool,
     ) -> DevResult<()> {
-        use cudarc::cublas::sys::cudaDataType;
-        use cudarc::driver::DevicePtr;
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (m, k) = (x.rows, x.cols);
-        let ty = if f16 { cudaDataType::CUDA_R_16F } else { cudaDataType::CUDA_R_16BF };
-        if let Some(h) = x.half.as_ref().filter(|h| h.kind == if f16 { 2 } else { 1 }) {
+        let ty = if f16 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (op, _o) = out.device_ptr_mut(&self.stream);
+        self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
+            // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
+            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (wp, k), (xp, k), 0.0, (op, n)) }
+        })
+    }
+
+    /// Runs `f` with the device address of x's values rounded to 16-bit `kind` (1 bf16,
+    /// 2 f16): the tensor's own 16-bit copy when it has one of that kind, else a conversion
+    /// into scratch space (valid until the next conversion, in stream order).
+    pub(super) fn with_x16<R>(
+        &self,
+        x: &CudaTensor,
+        kind: i32,
+        f: impl FnOnce(cudarc::driver::sys::CUdeviceptr) -> DevResult<R>,
+    ) -> DevResult<R> {
+        use cudarc::driver::DevicePtr;
+        if let Some(h) = x.half.as_ref().filter(|h| h.kind == kind) {
             let (xp, _x) = h.buf.device_ptr(&self.stream);
-            return self.gemm_16_raw(w, xp, ty, n, m, k, out);
+            return f(xp);
         }
+        let (m, k) = (x.rows, x.cols);
         let total = (m * k) as i64;
         let mut scratch = self.scratch16.borrow_mut();
         if scratch.as_ref().is_none_or(|b| b.len() < m * k) {
@@ -60,7 +81,7 @@ impl CudaDevice {
             *scratch = Some(unsafe { self.uninit::<u16>((m * k).next_power_of_two()) }?);
         }
         let xh = scratch.as_mut().expect("allocated above");
-        let conv = if f16 { "f32_to_f16" } else { "f32_to_bf16" };
+        let conv = if kind == 2 { "f32_to_f16" } else { "f32_to_bf16" };
         let t = self.span(conv, (0, 0), m);
         // SAFETY: x holds m·k floats and xh m·k 16-bit values.
         unsafe {
@@ -73,48 +94,103 @@ impl CudaDevice {
         }
         .map_err(cuda("conversion launch"))?;
         drop(t);
-        let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
         let (xp, _x) = xh.device_ptr(&self.stream);
-        self.gemm_16_raw(w, xp, ty, n, m, k, out)
+        f(xp)
     }
 
-    /// `out = x @ wᵀ` with x `[m, k]` of 16-bit type `ty` at device address `xp`.
+    /// `batch` GEMMs as [`Self::gemm_raw`] in one call: GEMM i reads A, B and C each
+    /// `stride` elements further than GEMM i − 1 (operands as (address, leading dimension,
+    /// stride)).
+    ///
+    /// # Safety
+    /// As [`Self::gemm_raw`], for every one of the `batch` GEMMs.
     #[allow(clippy::too_many_arguments)]
-    fn gemm_16_raw(
+    pub(super) unsafe fn gemm_raw_batched(
         &self,
-        w: &CudaSlice<u16>,
-        xp: cudarc::driver::sys::CUdeviceptr,
-        ty: cudarc::cublas::sys::cudaDataType,
-        n: usize,
-        m: usize,
-        k: usize,
-        out: &mut CudaSlice<f32>,
+        ty: DataType,
+        op_a: Op,
+        (m, n, k): (usize, usize, usize),
+        (a, lda, stride_a): (CUdeviceptr, usize, usize),
+        (b, ldb, stride_b): (CUdeviceptr, usize, usize),
+        beta: f32,
+        (c, ldc, stride_c): (CUdeviceptr, usize, usize),
+        batch: usize,
     ) -> DevResult<()> {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (wp, _w) = w.device_ptr(&self.stream);
-        let (op, _o) = out.device_ptr_mut(&self.stream);
-        // SAFETY: as in `gemm`: w is [n, k], xh [m, k], out [m, n]; pointers live for the call.
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t};
+        let alpha = 1.0f32;
+        // SAFETY: the caller's contract.
+        unsafe {
+            cudarc::cublas::result::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op_a,
+                Op::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                a as *const _,
+                ty,
+                lda as i32,
+                stride_a as i64,
+                b as *const _,
+                ty,
+                ldb as i32,
+                stride_b as i64,
+                (&beta as *const f32).cast(),
+                c as *mut _,
+                DataType::CUDA_R_32F,
+                ldc as i32,
+                stride_c as i64,
+                batch as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(cuda("cuBLAS GemmStridedBatchedEx"))
+    }
+
+    /// cublasGemmEx in cuBLAS's column-major terms: `C[m, n] = op(A)[m, k] · B[k, n] +
+    /// beta · C`, A and B of type `ty`, C f32, f32 accumulation. Each operand is a device
+    /// address with its leading dimension; `op(A)` is A (`CUBLAS_OP_N`, `m × k` with `lda ≥ m`)
+    /// or Aᵀ (`CUBLAS_OP_T`, A `k × m` with `lda ≥ k`). A row-major `[r, c]` matrix is a
+    /// column-major `c × r` one.
+    ///
+    /// # Safety
+    /// Every address must hold its operand at the given shape and leading dimension for
+    /// as long as the stream runs the call.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn gemm_raw(
+        &self,
+        ty: DataType,
+        op_a: Op,
+        (m, n, k): (usize, usize, usize),
+        (a, lda): (CUdeviceptr, usize),
+        (b, ldb): (CUdeviceptr, usize),
+        beta: f32,
+        (c, ldc): (CUdeviceptr, usize),
+    ) -> DevResult<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t};
+        let alpha = 1.0f32;
+        // SAFETY: the caller's contract.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
+                op_a,
+                Op::CUBLAS_OP_N,
                 m as i32,
+                n as i32,
                 k as i32,
                 (&alpha as *const f32).cast(),
-                wp as *const _,
+                a as *const _,
                 ty,
-                k as i32,
-                xp as *const _,
+                lda as i32,
+                b as *const _,
                 ty,
-                k as i32,
+                ldb as i32,
                 (&beta as *const f32).cast(),
-                op as *mut _,
-                cudaDataType::CUDA_R_32F,
-                n as i32,
+                c as *mut _,
+                DataType::CUDA_R_32F,
+                ldc as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

@@ -59,6 +59,9 @@ impl CudaDevice {
         let ids = self.stage("embedding ids", ids)?;
         self.restage("embedding ids", ids);
         self.rope_positions(&meta.positions)?;
+        if !meta.lora_slots.is_empty() {
+            self.upload_lora_slots(&meta.lora_slots)?;
+        }
         // Decode rows never form tensor-core tiles, whatever the model.
         self.step_bufs(meta, false)
     }

@@ -14,11 +14,12 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, LoraShape, RopeSpec, TpRank};
+use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, RopeSpec, TpRank};
 
 mod attend;
 mod gemm;
 mod graph;
+mod lora;
 mod nvrtc;
 mod ops;
 mod pool;
@@ -28,6 +29,7 @@ mod step;
 
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
+pub use lora::CudaLora;
 use nvrtc::{COMMON, SOURCES, kernel_names, split_names};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};
@@ -126,15 +128,6 @@ impl KvBuf {
             KvBuf::Half(b) => b,
         }
     }
-}
-
-/// LoRA A `[slots, R, in]` and Bᵀ `[slots, R, out]` (scale folded in), ranks per slot.
-pub struct CudaLora {
-    pub shape: LoraShape,
-    a: CudaSlice<f32>,
-    bt: CudaSlice<f32>,
-    ranks: Vec<i32>,
-    ranks_dev: CudaSlice<i32>,
 }
 
 pub struct CudaDevice {

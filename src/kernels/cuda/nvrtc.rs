@@ -34,7 +34,7 @@ const KERNELS: [&str; 33] = [
     "paged_attention_bf16",
     "paged_attention_f16",
     "paged_attention_reduce_f32",
-    "lora_f32",
+    "lora_mask_f32",
     "flash_prefill_h64_f32",
     "flash_prefill_h128_f32",
     "flash_prefill_h64_bf16",

@@ -335,35 +335,11 @@ impl Device for CudaDevice {
     }
 
     fn alloc_lora(&self, shape: LoraShape) -> Result<CudaLora, DeviceError> {
-        let (s, r) = (shape.slots, shape.max_rank);
-        Ok(CudaLora {
-            shape,
-            a: self.zeros(s * r * shape.in_features)?,
-            bt: self.zeros(s * r * shape.out_features)?,
-            ranks: vec![0; s],
-            ranks_dev: self.zeros(s.max(1))?,
-        })
+        self.lora_alloc(shape)
     }
 
     fn set_lora_slot(&self, l: &mut CudaLora, slot: usize, w: Option<LoraSlotWeights>) -> DevResult<()> {
-        let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = l.shape;
-        let mut a = vec![0f32; rm * fin];
-        let mut bt = vec![0f32; rm * fout];
-        l.ranks[slot] = 0;
-        if let Some(w) = w {
-            a[..w.rank * fin].copy_from_slice(w.a);
-            for o in 0..fout {
-                for r in 0..w.rank {
-                    bt[r * fout + o] = w.b[o * w.rank + r] * w.scale;
-                }
-            }
-            l.ranks[slot] = w.rank as i32;
-        }
-        let mut av = l.a.slice_mut(slot * rm * fin..(slot + 1) * rm * fin);
-        self.stream.memcpy_htod(&a, &mut av).map_err(cuda("host to device copy"))?;
-        let mut bv = l.bt.slice_mut(slot * rm * fout..(slot + 1) * rm * fout);
-        self.stream.memcpy_htod(&bt, &mut bv).map_err(cuda("host to device copy"))?;
-        self.stream.memcpy_htod(&l.ranks, &mut l.ranks_dev).map_err(cuda("host to device copy"))
+        self.lora_set(l, slot, w)
     }
 
     fn add_lora(
@@ -373,37 +349,7 @@ impl Device for CudaDevice {
         modules: &[(&CudaLora, usize)],
         slots: &[i32],
     ) -> DevResult<()> {
-        // The kernel reads the slots as int: same bits.
-        let s = self.stage("lora slots", bytemuck::cast_slice(slots))?;
-        for (l, off) in modules {
-            let LoraShape { max_rank, in_features, out_features, .. } = l.shape;
-            let args = [max_rank as i32, in_features as i32, out_features as i32, *off as i32, y.cols as i32];
-            let cfg = LaunchConfig {
-                grid_dim: (y.rows as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: (max_rank * 4) as u32,
-            };
-            let _t = self.span("lora", (0, 0), y.rows);
-            // SAFETY: slots hold one entry per row of y and x; offsets are within y's row.
-            unsafe {
-                self.stream
-                    .launch_builder(self.f("lora_f32"))
-                    .arg(&mut *y.buf)
-                    .arg(&*x.buf)
-                    .arg(&l.a)
-                    .arg(&l.bt)
-                    .arg(&l.ranks_dev)
-                    .arg(&s)
-                    .arg(&args[0])
-                    .arg(&args[1])
-                    .arg(&args[2])
-                    .arg(&args[3])
-                    .arg(&args[4])
-                    .launch(cfg)
-            }
-            .map_err(cuda("lora launch"))?;
-        }
-        self.restage("lora slots", s);
-        Ok(())
+        self.upload_lora_slots(slots)?;
+        self.lora_add(y, x, modules)
     }
 }

@@ -19,6 +19,8 @@ pub(super) struct Inputs {
     /// pageable host memory waits for the stream to drain: once per layer it would stall
     /// the host behind the GPU every layer.
     pub(super) rope_positions: RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
+    /// The step's LoRA slot per row, uploaded once for all layers.
+    pub(super) lora_slots: RefCell<Option<(Vec<i32>, CudaSlice<i32>)>>,
     /// Per-step index lists (token ids, sampled rows, sampling parameters and results) by use.
     pub(super) staging: RefCell<HashMap<&'static str, CudaSlice<u32>>>,
 }
@@ -116,6 +118,18 @@ impl CudaDevice {
         let old = inputs.rope_positions.borrow_mut().take().map(|(_, d)| d);
         let dev = self.refill(old, positions)?;
         *inputs.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
+        Ok(())
+    }
+
+    /// Uploads the step's LoRA slot per row unless they are already there.
+    pub(super) fn upload_lora_slots(&self, slots: &[i32]) -> DevResult<()> {
+        let inputs = self.inputs();
+        if self.capturing() || inputs.lora_slots.borrow().as_ref().is_some_and(|(h, _)| h == slots) {
+            return Ok(());
+        }
+        let old = inputs.lora_slots.borrow_mut().take().map(|(_, d)| d);
+        let dev = self.refill(old, slots)?;
+        *inputs.lora_slots.borrow_mut() = Some((slots.to_vec(), dev));
         Ok(())
     }
 

@@ -1,0 +1,210 @@
+//! Batched LoRA as GEMMs: every slot's A side by side shrinks all rows at once
+//! (`x · [A_0; A_1; …]ᵀ`), a mask keeps each row's own slot, and one GEMM against every
+//! slot's Bᵀ expands the rows into the projection's output. The mask makes a mixed batch
+//! one pass with fixed shapes (CUDA graphs replay it); the GEMMs run on tensor cores for
+//! 16-bit adapters, and the work spent on other slots' columns (slots · R of them) is small
+//! beside the projection itself.
+
+use cudarc::cublas::sys::cublasOperation_t as Op;
+use cudarc::cublas::sys::cudaDataType as DataType;
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+
+use super::{CudaDevice, CudaTensor, cuda};
+use crate::kernels::{DevResult, LoraShape, LoraSlotWeights};
+
+/// One module's adapter weights for every slot: A `[slots · R, in]` and Bᵀ `[slots · R,
+/// out]` with the scale folded in, ranks under R padded with zeros; f32, or bf16 bits
+/// (`LoraShape::bf16`).
+pub struct CudaLora {
+    pub shape: LoraShape,
+    a: LoraBuf,
+    bt: LoraBuf,
+}
+
+enum LoraBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl LoraBuf {
+    fn ptr(&self, dev: &CudaDevice) -> cudarc::driver::sys::CUdeviceptr {
+        match self {
+            LoraBuf::F32(b) => b.device_ptr(&dev.stream).0,
+            LoraBuf::Bf16(b) => b.device_ptr(&dev.stream).0,
+        }
+    }
+
+    /// Writes `values` at element `start`.
+    fn write(&mut self, dev: &CudaDevice, start: usize, values: &[f32]) -> DevResult<()> {
+        let copy = cuda("host to device copy");
+        match self {
+            LoraBuf::F32(b) => dev.stream.memcpy_htod(values, &mut b.slice_mut(start..start + values.len())),
+            LoraBuf::Bf16(b) => {
+                let bits: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
+                dev.stream.memcpy_htod(&bits, &mut b.slice_mut(start..start + values.len()))
+            }
+        }
+        .map_err(copy)
+    }
+}
+
+impl CudaDevice {
+    pub(super) fn lora_alloc(&self, shape: LoraShape) -> DevResult<CudaLora> {
+        let per = shape.slots * shape.max_rank;
+        let buf = |n: usize| -> DevResult<LoraBuf> {
+            Ok(if shape.bf16 {
+                LoraBuf::Bf16(self.zeros(n.max(1))?)
+            } else {
+                LoraBuf::F32(self.zeros(n.max(1))?)
+            })
+        };
+        Ok(CudaLora { shape, a: buf(per * shape.in_features)?, bt: buf(per * shape.out_features)? })
+    }
+
+    pub(super) fn lora_set(
+        &self,
+        l: &mut CudaLora,
+        slot: usize,
+        w: Option<LoraSlotWeights>,
+    ) -> DevResult<()> {
+        let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = l.shape;
+        let mut a = vec![0f32; rm * fin];
+        let mut bt = vec![0f32; rm * fout];
+        if let Some(w) = w {
+            a[..w.rank * fin].copy_from_slice(w.a);
+            for o in 0..fout {
+                for r in 0..w.rank {
+                    bt[r * fout + o] = w.b[o * w.rank + r] * w.scale;
+                }
+            }
+        }
+        l.a.write(self, slot * rm * fin, &a)?;
+        l.bt.write(self, slot * rm * fout, &bt)
+    }
+
+    /// `y[t, off..off + out] += B_s A_s x[t]` for every module and every row t whose slot
+    /// s (in the step's uploaded slots) is not negative; the modules read the same `x`.
+    pub(super) fn lora_add(
+        &self,
+        y: &mut CudaTensor,
+        x: &CudaTensor,
+        modules: &[(&CudaLora, usize)],
+    ) -> DevResult<()> {
+        let Some((first, _)) = modules.first() else { return Ok(()) };
+        let LoraShape { slots, max_rank, bf16, .. } = first.shape;
+        let (rows, per) = (y.rows, slots * max_rank);
+        let width = per * modules.len();
+        let ty = if bf16 { DataType::CUDA_R_16BF } else { DataType::CUDA_R_32F };
+        let fin = first.shape.in_features;
+        let parts = split_k(fin);
+        let mut v = self.tensor(rows * parts, width)?;
+        // Raw addresses: the stream orders every use (one stream, no event tracking needed).
+        let vp = v.buf.device_ptr(&self.stream).0;
+        // Shrink: part p of v[:, m·per..(m+1)·per] = x · A_mᵀ over input features
+        // p·kc..(p+1)·kc, every slot of module m. The parts are the GEMMs of one batched
+        // call, so that the few output tiles of a long K still fill the GPU.
+        let kc = fin / parts;
+        let shrink = |xp, ldx| -> DevResult<()> {
+            for (m, (l, _)) in modules.iter().enumerate() {
+                let _t = self.span("lora shrink", (per, fin), rows);
+                let out = vp + (m * per * 4) as u64;
+                // SAFETY: A is [per, fin] row-major (fin × per column-major, transposed),
+                // x is [rows, fin] (fin × rows); part p reads both from column p·kc and
+                // writes its [rows, width] block (the module's columns from m·per) p·rows·width
+                // values into v, which holds `parts` such blocks.
+                unsafe {
+                    self.gemm_raw_batched(
+                        ty,
+                        Op::CUBLAS_OP_T,
+                        (per, rows, kc),
+                        (l.a.ptr(self), fin, kc),
+                        (xp, ldx, kc),
+                        0.0,
+                        (out, width, rows * width),
+                        parts,
+                    )
+                }?;
+            }
+            Ok(())
+        };
+        if bf16 {
+            self.with_x16(x, 1, |xp| shrink(xp, x.cols))?;
+        } else {
+            shrink(x.buf.device_ptr(&self.stream).0, x.cols)?;
+        }
+        // Mask: each row keeps its own slot's R columns of every module (rounded to bf16
+        // into a second buffer for the 16-bit expand).
+        let v16 = if bf16 { Some(self.tensor(rows, width.div_ceil(2))?) } else { None };
+        {
+            let inputs = self.inputs();
+            let staged = inputs.lora_slots.borrow();
+            let (_, s) = staged.as_ref().ok_or_else(|| {
+                crate::kernels::DeviceError::Other("LoRA slots were not uploaded for this step".into())
+            })?;
+            let total = (rows * width) as i64;
+            let args = [width as i32, per as i32, max_rank as i32, parts as i32];
+            let kind = i32::from(bf16);
+            let _t = self.span("lora mask", (0, 0), rows);
+            // The 16-bit output as an address (unused when kind is 0).
+            let v16p = v16.as_ref().map_or(vp, |h| h.buf.device_ptr(&self.stream).0);
+            let mut b = self.stream.launch_builder(self.f("lora_mask_f32"));
+            b.arg(&mut *v.buf)
+                .arg(&v16p)
+                .arg(s)
+                .arg(&args[0])
+                .arg(&args[1])
+                .arg(&args[2])
+                .arg(&total)
+                .arg(&kind)
+                .arg(&args[3]);
+            // SAFETY: v holds `parts` blocks of rows·width values (v16 one), the slots one
+            // per row.
+            unsafe { b.launch(Self::grid(total as usize)) }.map_err(cuda("LoRA mask launch"))?;
+        }
+        let mp = v16.as_ref().unwrap_or(&v).buf.device_ptr(&self.stream).0;
+        // Expand: y[:, off..off + out] += v_m · Bᵀ_m over every slot.
+        let yp = y.buf.device_ptr(&self.stream).0;
+        let elem = if bf16 { 2 } else { 4 };
+        for (m, (l, off)) in modules.iter().enumerate() {
+            let fout = l.shape.out_features;
+            let _t = self.span("lora expand", (fout, per), rows);
+            let vin = mp + (m * per * elem) as u64;
+            let out = yp + (off * 4) as u64;
+            // SAFETY: Bᵀ is [per, fout] row-major (fout × per column-major), the module's
+            // v block [rows, per] within rows of `width`, y's columns off..off + fout within
+            // rows of y.cols.
+            unsafe {
+                self.gemm_raw(
+                    ty,
+                    Op::CUBLAS_OP_N,
+                    (fout, rows, per),
+                    (l.bt.ptr(self), fout),
+                    (vin, width),
+                    1.0,
+                    (out, y.cols),
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
+/// How many parts the shrink's input features split into: chunks of about 512 (a multiple
+/// of 8, so that each part's operands stay 16-byte aligned), one part for short inputs.
+fn split_k(fin: usize) -> usize {
+    let mut parts = (fin / 512).max(1);
+    while parts > 1 && !(fin.is_multiple_of(parts) && (fin / parts).is_multiple_of(8)) {
+        parts -= 1;
+    }
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn split_k_divides_evenly_into_aligned_chunks() {
+        for (fin, parts) in [(64, 1), (576, 1), (1536, 3), (4096, 8), (14336, 28), (3584, 7), (4100, 1)] {
+            assert_eq!(super::split_k(fin), parts, "in_features {fin}");
+        }
+    }
+}

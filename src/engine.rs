@@ -407,17 +407,38 @@ async fn size_kv_cache<D: Device>(
     let profiled = |e: String| EngineError::Device(format!("profiling step at the largest batch: {e}"));
     runners[0].send(step).await.map_err(|e| profiled(e.to_string()))?.map_err(|e| profiled(e.to_string()))?;
     // The graphs too: their memory stays out of the cache (they are recorded again on it).
-    // A failed capture is reported when they are recorded for good.
+    // A failed capture is reported when they are recorded for good, unless it left the
+    // device failing.
+    let mut capture = None;
     if let Some(shapes) = graphs {
-        runners[0].send(shapes).await.map_err(|e| profiled(e.to_string()))?.ok();
+        capture = runners[0].send(shapes).await.map_err(|e| profiled(e.to_string()))?.err();
     }
-    let mut left = usize::MAX;
+    let (mut left, mut memory) = (usize::MAX, (0, 0));
     for r in runners {
-        let (free, total) = r.send(ReleaseCache).await.map_err(|_| EngineError::Stopped)?.unwrap_or((0, 0));
+        let released = r.send(ReleaseCache).await.map_err(|_| EngineError::Stopped)?;
+        let (free, total) = released
+            .map_err(|e| {
+                let after =
+                    capture.as_ref().map_or(String::new(), |c| format!(" (a graph capture had failed: {c})"));
+                EngineError::Device(format!("after the profiling step: {e}{after}"))
+            })?
+            .unwrap_or((0, 0));
         let keep = ((1.0 - kv.utilization) * total as f64) as usize;
-        left = left.min(free.saturating_sub(keep));
+        if free.saturating_sub(keep) < left {
+            (left, memory) = (free.saturating_sub(keep), (free, total));
+        }
     }
-    config.resize_kv(kv.model, left, kv.elem_bytes)?;
+    config.resize_kv(kv.model, left, kv.elem_bytes).map_err(|e| {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        EngineError::Device(format!(
+            "{e} ({:.2} GiB of {:.2} GiB free after the weights and the profiling step, {:.2} GiB of it \
+             left out by --gpu-memory-utilization {})",
+            gib(memory.0),
+            gib(memory.1),
+            gib(memory.1) * (1.0 - kv.utilization),
+            kv.utilization
+        ))
+    })?;
     tracing::info!(cache_mib = left >> 20, kv_blocks = config.num_blocks, "profiled the largest batch");
     for r in runners {
         let alloc = AllocateCache { num_blocks: config.num_blocks };

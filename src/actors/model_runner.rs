@@ -103,9 +103,10 @@ pub struct ShardStep {
 }
 
 /// Drops the KV cache and the sequences (after the profiling step) and answers the
-/// device's (free, total) memory: what a cache may then take. None on the CPU.
+/// device's (free, total) memory: what a cache may then take. None on the CPU; an error
+/// when the device failed (a fault in the profiling step or a graph capture).
 #[derive(Message)]
-#[rtype(result = "Option<(usize, usize)>")]
+#[rtype(result = "Result<Option<(usize, usize)>, RunnerError>")]
 pub struct ReleaseCache;
 
 /// Records decode steps as graphs (CUDA graphs) for every batch size of `sizes` and every
@@ -470,16 +471,16 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
 }
 
 impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
-    type Result = Option<(usize, usize)>;
+    type Result = Result<Option<(usize, usize)>, RunnerError>;
     fn handle(&mut self, _: ReleaseCache, _: &mut SyncContext<Self>) -> Self::Result {
         self.caches.clear();
         self.seqs.clear();
-        self.dev.synchronize().ok()?;
+        self.dev.synchronize()?;
         // Measured with the graphs (recorded on the profiling cache) still held: their
         // memory stays out of the cache's budget. They go with the cache they point into.
         let memory = self.dev.memory_info();
         self.graphs.clear();
-        memory
+        Ok(memory)
     }
 }
 

@@ -367,7 +367,10 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
             }
         })
         .collect();
-    (ExecuteBatch { seqs: batch, dropped: Vec::new(), lora_loads: Vec::new() }, next_block as usize)
+    (
+        ExecuteBatch { seqs: batch, dropped: Vec::new(), lora_loads: Vec::new(), follows: false },
+        next_block as usize,
+    )
 }
 
 /// The decode steps recorded as graphs: batch sizes by powers of two up to

@@ -107,6 +107,10 @@ pub struct StepProfile {
     /// Of those steps, the time not spent waiting for the device's forward (the host's
     /// share of a decode step; the sampling kernel's own time is in it).
     pub graph_host_ns: AtomicU64,
+    /// Of those steps, the ones that followed another without a pause in the work, and
+    /// the device's idle time before their forwards (see `RunnerTiming::idle_ns`).
+    pub graph_idle_steps: AtomicU64,
+    pub graph_idle_ns: AtomicU64,
 }
 
 /// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
@@ -128,7 +132,13 @@ pub struct StepBreakdown {
     /// Steps replayed from CUDA graphs.
     pub graph_steps: u64,
     /// Per graph-replayed (decode) step: milliseconds not spent waiting for the forward.
+    /// With steps in flight together (`--async-scheduling`) a step's time includes waiting
+    /// for the one before, so this counts only without them.
     pub graph_host_ms: f64,
+    /// Per graph-replayed step that followed another: milliseconds the device sat idle
+    /// before its forward (from the last step's results read back to this forward's issue),
+    /// the host's share of a step that no overlap hid.
+    pub graph_idle_ms: f64,
     /// Per step: sending its events, while the next step runs.
     pub events_ms: f64,
     /// Steps planned and sent while another was still running (`--async-scheduling`).
@@ -136,7 +146,7 @@ pub struct StepBreakdown {
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 14] {
+    pub fn snapshot(&self) -> [u64; 16] {
         [
             &self.steps,
             &self.step_ns,
@@ -152,12 +162,14 @@ impl StepProfile {
             &self.graph_host_ns,
             &self.events_ns,
             &self.pipelined_steps,
+            &self.graph_idle_steps,
+            &self.graph_idle_ns,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 14], b: [u64; 14]) -> StepBreakdown {
+    pub fn between(a: [u64; 16], b: [u64; 16]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -178,6 +190,7 @@ impl StepProfile {
             graph_host_ms: d[11] as f64 / d[10].max(1) as f64 / 1e6,
             events_ms: ms(d[12]),
             pipelined_steps: d[13],
+            graph_idle_ms: d[15] as f64 / d[14].max(1) as f64 / 1e6,
         }
     }
 }

@@ -419,8 +419,9 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
                 })
                 .collect();
             let dropped = if step == 0 { (0..first_id).collect() } else { Vec::new() };
-            let out =
-                runner.execute(ExecuteBatch { seqs, dropped, lora_loads: Vec::new() }).expect("step runs");
+            let out = runner
+                .execute(ExecuteBatch { seqs, dropped, lora_loads: Vec::new(), follows: step > 0 })
+                .expect("step runs");
             for s in &out.sampled {
                 tokens[(s.seq - first_id) as usize].push(s.token);
             }
@@ -474,6 +475,9 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
         // Decode steps replay graphs unless --enforce-eager says otherwise.
         let replayed = gpu.metrics().profile.graph_steps.load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(replayed > 0, !eager, "{label}: {replayed} steps replayed from graphs");
+        // Replayed decode steps that followed another report the device's wait for them.
+        let idle = gpu.metrics().profile.graph_idle_steps.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(idle > 0, !eager, "{label}: {idle} replayed steps with the device's idle time");
         let (free, total) = common::wait_all_blocks_free(&gpu).await;
         assert_eq!(free, total, "{label}");
         eprintln!(

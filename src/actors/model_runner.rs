@@ -60,6 +60,9 @@ pub struct ExecuteBatch {
     pub dropped: Vec<SeqId>,
     /// Adapters to place in slots before this step runs.
     pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
+    /// Whether the step was planned while the one before it ran or as soon as it ended
+    /// (the scheduler had work throughout): the device's wait for it is then host overhead.
+    pub follows: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +93,9 @@ pub struct RunnerTiming {
     pub device_allocs: u64,
     /// Whether the forward was a graph replay.
     pub graph: bool,
+    /// For a step that follows another: from the end of that step's work (its sampled
+    /// tokens back on the host) to this forward's issue, the time the device sat idle.
+    pub idle_ns: Option<u64>,
 }
 
 /// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
@@ -206,6 +212,8 @@ pub struct ModelRunner<D: Device> {
     /// Decode forwards recorded as graphs, by (with adapters, batch size, context bound),
     /// ascending.
     graphs: Vec<((bool, usize, usize), D::Graph)>,
+    /// When the last step's work on the device was done (its results read back).
+    last_done: Option<std::time::Instant>,
     /// Last, so that it drops after the device.
     _live: LiveRunner,
 }
@@ -253,6 +261,7 @@ impl<D: Device> ModelRunner<D> {
             seqs: HashMap::new(),
             peers: Vec::new(),
             graphs: Vec::new(),
+            last_done: None,
             _live: LiveRunner::new(),
         };
         runner.allocate_cache(cfg.num_blocks)?;
@@ -359,6 +368,7 @@ impl<D: Device> ModelRunner<D> {
 
     /// Runs one step. Public so that benchmarks can drive a runner without actors.
     pub fn execute(&mut self, batch: ExecuteBatch) -> Result<StepOutput, RunnerError> {
+        let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
         let (t0, allocs) = (std::time::Instant::now(), self.dev.allocations());
         for id in &batch.dropped {
             self.seqs.remove(id);
@@ -411,6 +421,7 @@ impl<D: Device> ModelRunner<D> {
             }
         }
         let t1 = std::time::Instant::now();
+        let idle_ns = self.last_done.filter(|_| batch.follows).map(|d| ns(d, t1));
         // A device error fails the step (its requests get it); the other ranks of a group
         // may then wait in a collective this rank never joined (see the module doc).
         let replayed = self.replay(&mut ids, &mut meta)?;
@@ -425,7 +436,7 @@ impl<D: Device> ModelRunner<D> {
             futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
         }
         let t3 = std::time::Instant::now();
-        let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
+        self.last_done = Some(t3);
         let mut timing = RunnerTiming {
             prepare_ns: ns(t0, t1),
             launch_ns: ns(t1, t2),
@@ -433,6 +444,7 @@ impl<D: Device> ModelRunner<D> {
             sample_ns: 0,
             device_allocs: 0,
             graph,
+            idle_ns,
         };
         let Some(logits) = logits else {
             return Ok(StepOutput { sampled: Vec::new(), timing });
@@ -442,6 +454,7 @@ impl<D: Device> ModelRunner<D> {
         let inputs: Vec<SampleInput> = sampled_seqs.iter().map(|s| self.seqs[s].sample_input(&eos)).collect();
         let results = self.dev.sample_rows(logits, &inputs)?;
         drop(inputs);
+        self.last_done = Some(std::time::Instant::now());
         timing.sample_ns = ns(t3, std::time::Instant::now());
         timing.device_allocs = self.dev.allocations() - allocs;
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };

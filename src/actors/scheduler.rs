@@ -112,6 +112,8 @@ pub struct SchedulerActor {
     /// Steps that may be in flight at once: 2 with `--async-scheduling` (the next step is
     /// planned and queued at the runner while one runs), else 1.
     max_in_flight: usize,
+    /// Set while the end of a step plans the next one: that step follows without a gap.
+    chained: bool,
     last_step: Option<Instant>,
     total_blocks: usize,
     /// Events for the clients' streams, with their request, in the order they happened. A
@@ -144,6 +146,7 @@ impl SchedulerActor {
             adapters: HashMap::new(),
             in_flight: 0,
             max_in_flight: 1,
+            chained: false,
             last_step: None,
             total_blocks: cfg.num_blocks,
             outbox: Vec::new(),
@@ -304,6 +307,7 @@ impl SchedulerActor {
         dropped: Vec<SeqId>,
         lora_loads: &[(usize, u64)],
         reserved: Reserved,
+        follows: bool,
     ) -> ExecuteBatch {
         let seqs = seqs
             .iter()
@@ -339,7 +343,7 @@ impl SchedulerActor {
             .iter()
             .filter_map(|(slot, id)| self.adapters.get(id).map(|(a, _)| (*slot, a.clone())))
             .collect();
-        ExecuteBatch { seqs, dropped, lora_loads }
+        ExecuteBatch { seqs, dropped, lora_loads, follows }
     }
 
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
@@ -419,6 +423,7 @@ impl SchedulerActor {
         if self.in_flight > 0 {
             self.metrics.profile.pipelined_steps.fetch_add(1, Relaxed);
         }
+        let follows = self.in_flight > 0 || self.chained;
         self.in_flight += 1;
         // Counted as computed now, with pending tokens, so that the next plan may follow.
         let fresh: Vec<bool> =
@@ -439,7 +444,7 @@ impl SchedulerActor {
                 Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
                 Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
             };
-            let batch = act.build_batch(&scheduled, &fresh, dropped, &lora_loads, reserved);
+            let batch = act.build_batch(&scheduled, &fresh, dropped, &lora_loads, reserved, follows);
             let p = &act.metrics.profile;
             p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
             p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
@@ -475,12 +480,18 @@ impl SchedulerActor {
                     p.step_ns.fetch_add(step, Relaxed);
                     if t.graph {
                         p.graph_host_ns.fetch_add(step.saturating_sub(t.device_ns), Relaxed);
+                        if let Some(idle) = t.idle_ns {
+                            p.graph_idle_ns.fetch_add(idle, Relaxed);
+                            p.graph_idle_steps.fetch_add(1, Relaxed);
+                        }
                     }
                     p.steps.fetch_add(1, Relaxed);
                 }
                 Err(e) => act.fail_all(e.to_string()),
             }
+            act.chained = true;
             act.maybe_step(ctx);
+            act.chained = false;
             if act.in_flight == 0 {
                 act.flush_events();
             }

@@ -1,13 +1,14 @@
-//! Batched LoRA as GEMMs: every slot's A side by side shrinks all rows at once
-//! (`x · [A_0; A_1; …]ᵀ`), a mask keeps each row's own slot, and one GEMM against every
-//! slot's Bᵀ expands the rows into the projection's output. The mask makes a mixed batch
-//! one pass with fixed shapes (CUDA graphs replay it); the GEMMs run on tensor cores for
-//! 16-bit adapters, and the work spent on other slots' columns (slots · R of them) is small
-//! beside the projection itself.
+//! Batched LoRA. Up to [`BGMV_ROWS`] rows, Punica's BGMV (lora.cu): each row reads only its
+//! own slot's A and B, two launches per group of modules that read the same x. Beyond,
+//! GEMMs: every slot's A side by side shrinks all rows at once (`x · [A_0; A_1; …]ᵀ`), a
+//! mask keeps each row's own slot, and one GEMM against every slot's Bᵀ expands the rows
+//! into the projection's output; they run on tensor cores for 16-bit adapters, and the work
+//! spent on other slots' columns (slots · R of them) is small beside the projection itself.
+//! Either way a mixed batch is one pass with fixed shapes, which CUDA graphs replay.
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::cublas::sys::cudaDataType as DataType;
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, cuda};
 use crate::kernels::{DevResult, LoraShape, LoraSlotWeights};
@@ -90,6 +91,74 @@ impl CudaDevice {
         x: &CudaTensor,
         modules: &[(&CudaLora, usize)],
     ) -> DevResult<()> {
+        if y.rows <= BGMV_ROWS && modules.len() <= 3 {
+            self.lora_bgmv(y, x, modules)
+        } else {
+            self.lora_gemms(y, x, modules)
+        }
+    }
+
+    /// [`Self::lora_add`] for a few rows: each reads its own slot's weights only.
+    fn lora_bgmv(&self, y: &mut CudaTensor, x: &CudaTensor, modules: &[(&CudaLora, usize)]) -> DevResult<()> {
+        let Some((first, _)) = modules.first() else { return Ok(()) };
+        let LoraShape { max_rank, bf16, in_features: fin, .. } = first.shape;
+        let (rows, nm) = (y.rows, modules.len());
+        let parts = split_k(fin);
+        let mut part = self.tensor(rows * parts, nm * max_rank)?;
+        let inputs = self.inputs();
+        let staged = inputs.lora_slots.borrow();
+        let (_, slots) = staged.as_ref().ok_or_else(not_uploaded)?;
+        let (shrink, expand) = if bf16 {
+            ("lora_shrink_bf16", "lora_expand_bf16")
+        } else {
+            ("lora_shrink_f32", "lora_expand_f32")
+        };
+        // Absent modules (groups of fewer than 3) repeat the first: their blocks never run.
+        let module = |m: usize| modules.get(m).unwrap_or(&modules[0]);
+        let ptrs = |f: fn(&CudaLora) -> &LoraBuf| -> [u64; 3] { [0, 1, 2].map(|m| f(module(m).0).ptr(self)) };
+        let (a, bt) = (ptrs(|l| &l.a), ptrs(|l| &l.bt));
+        let ints = [rows, fin, fin / parts, max_rank, parts].map(|v| v as i32);
+        {
+            let _t = self.span("lora bgmv shrink", (nm * max_rank, fin), rows);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, nm as u32, parts as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(self.f(shrink));
+            b.arg(&mut *part.buf).arg(&*x.buf).arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(slots);
+            b.arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&ints[3]);
+            // SAFETY: x is [rows, fin]; each A holds slots·R rows of fin; part holds parts
+            // blocks of [rows, nm·R]; the slots are one per row.
+            unsafe { b.launch(cfg) }.map_err(cuda("LoRA shrink launch"))?;
+        }
+        let fouts = [0, 1, 2].map(|m| module(m).0.shape.out_features as i32);
+        let offs = [0, 1, 2].map(|m| module(m).1 as i32);
+        let widest = modules.iter().map(|(l, _)| l.shape.out_features).max().unwrap_or(0);
+        let ycols = y.cols as i32;
+        let _t = self.span("lora bgmv expand", (widest, nm * max_rank), rows);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, widest.div_ceil(1024) as u32, nm as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(self.f(expand));
+        b.arg(&mut *y.buf).arg(&*part.buf).arg(&bt[0]).arg(&bt[1]).arg(&bt[2]).arg(slots);
+        b.arg(&ints[0]).arg(&ints[4]).arg(&ints[3]);
+        b.arg(&fouts[0]).arg(&fouts[1]).arg(&fouts[2]).arg(&offs[0]).arg(&offs[1]).arg(&offs[2]).arg(&ycols);
+        // SAFETY: y is [rows, ycols] and each module's columns off..off + out lie within a
+        // row; each Bᵀ holds slots·R rows of out; part is the shrink's.
+        unsafe { b.launch(cfg) }.map_err(cuda("LoRA expand launch"))?;
+        Ok(())
+    }
+
+    /// [`Self::lora_add`] as GEMMs over every slot, masked to each row's own.
+    fn lora_gemms(
+        &self,
+        y: &mut CudaTensor,
+        x: &CudaTensor,
+        modules: &[(&CudaLora, usize)],
+    ) -> DevResult<()> {
         let Some((first, _)) = modules.first() else { return Ok(()) };
         let LoraShape { slots, max_rank, bf16, .. } = first.shape;
         let (rows, per) = (y.rows, slots * max_rank);
@@ -138,9 +207,7 @@ impl CudaDevice {
         {
             let inputs = self.inputs();
             let staged = inputs.lora_slots.borrow();
-            let (_, s) = staged.as_ref().ok_or_else(|| {
-                crate::kernels::DeviceError::Other("LoRA slots were not uploaded for this step".into())
-            })?;
+            let (_, s) = staged.as_ref().ok_or_else(not_uploaded)?;
             let total = (rows * width) as i64;
             let args = [width as i32, per as i32, max_rank as i32, parts as i32];
             let kind = i32::from(bf16);
@@ -187,6 +254,14 @@ impl CudaDevice {
         }
         Ok(())
     }
+}
+
+/// Rows up to which LoRA runs as BGMV (each row reads its own slot's weights) rather than
+/// GEMMs over every slot.
+const BGMV_ROWS: usize = 32;
+
+fn not_uploaded() -> crate::kernels::DeviceError {
+    crate::kernels::DeviceError::Other("LoRA slots were not uploaded for this step".into())
 }
 
 /// How many parts the shrink's input features split into: chunks of about 512 (a multiple

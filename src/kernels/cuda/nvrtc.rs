@@ -6,14 +6,15 @@ use super::DeviceError;
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 pub(super) const COMMON: &str = include_str!("common.cuh");
 
-pub(super) const SOURCES: [(&str, &str); 4] = [
+pub(super) const SOURCES: [(&str, &str); 5] = [
     ("elementwise", include_str!("elementwise.cu")),
     ("attention", include_str!("attention.cu")),
     ("flash", include_str!("flash.cu")),
     ("sampling", include_str!("sampling.cu")),
+    ("lora", include_str!("lora.cu")),
 ];
 
-const KERNELS: [&str; 33] = [
+const KERNELS: [&str; 37] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -35,6 +36,10 @@ const KERNELS: [&str; 33] = [
     "paged_attention_f16",
     "paged_attention_reduce_f32",
     "lora_mask_f32",
+    "lora_shrink_f32",
+    "lora_shrink_bf16",
+    "lora_expand_f32",
+    "lora_expand_bf16",
     "flash_prefill_h64_f32",
     "flash_prefill_h128_f32",
     "flash_prefill_h64_bf16",

@@ -105,8 +105,10 @@ pub struct StepProfile {
     /// planned before that was known), and dropped.
     pub dropped_tokens: AtomicU64,
     /// Of those steps, the time not spent waiting for the device's forward (the host's
-    /// share of a decode step; the sampling kernel's own time is in it).
+    /// share of a decode step; the sampling kernel's own time is in it). Only steps not
+    /// planned while another ran count: the time of those includes the other's.
     pub graph_host_ns: AtomicU64,
+    pub graph_host_steps: AtomicU64,
     /// Of those steps, the ones that followed another without a pause in the work, and
     /// the device's idle time before their forwards (see `RunnerTiming::idle_ns`).
     pub graph_idle_steps: AtomicU64,
@@ -131,9 +133,9 @@ pub struct StepBreakdown {
     pub device_allocations: u64,
     /// Steps replayed from CUDA graphs.
     pub graph_steps: u64,
-    /// Per graph-replayed (decode) step: milliseconds not spent waiting for the forward.
-    /// With steps in flight together (`--async-scheduling`) a step's time includes waiting
-    /// for the one before, so this counts only without them.
+    /// Per graph-replayed (decode) step not planned while another ran: milliseconds not
+    /// spent waiting for the forward (with `--async-scheduling` a step's time includes
+    /// waiting for the one before, so those steps do not count).
     pub graph_host_ms: f64,
     /// Per graph-replayed step that followed another: milliseconds the device sat idle
     /// before its forward (from the last step's results read back to this forward's issue),
@@ -146,7 +148,7 @@ pub struct StepBreakdown {
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 16] {
+    pub fn snapshot(&self) -> [u64; 17] {
         [
             &self.steps,
             &self.step_ns,
@@ -164,12 +166,13 @@ impl StepProfile {
             &self.pipelined_steps,
             &self.graph_idle_steps,
             &self.graph_idle_ns,
+            &self.graph_host_steps,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 16], b: [u64; 16]) -> StepBreakdown {
+    pub fn between(a: [u64; 17], b: [u64; 17]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -187,7 +190,7 @@ impl StepProfile {
             messaging_ms: ms(d[1].saturating_sub(parts)),
             device_allocations: d[9],
             graph_steps: d[10],
-            graph_host_ms: d[11] as f64 / d[10].max(1) as f64 / 1e6,
+            graph_host_ms: d[11] as f64 / d[16].max(1) as f64 / 1e6,
             events_ms: ms(d[12]),
             pipelined_steps: d[13],
             graph_idle_ms: d[15] as f64 / d[14].max(1) as f64 / 1e6,

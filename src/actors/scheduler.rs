@@ -420,10 +420,12 @@ impl SchedulerActor {
         }
         let start = Instant::now();
         let Some(plan) = self.core.schedule() else { return };
-        if self.in_flight > 0 {
+        // Planned while another step ran: its time until its results includes that step's.
+        let overlapped = self.in_flight > 0;
+        if overlapped {
             self.metrics.profile.pipelined_steps.fetch_add(1, Relaxed);
         }
-        let follows = self.in_flight > 0 || self.chained;
+        let follows = overlapped || self.chained;
         self.in_flight += 1;
         // Counted as computed now, with pending tokens, so that the next plan may follow.
         let fresh: Vec<bool> =
@@ -479,7 +481,10 @@ impl SchedulerActor {
                     let step = nanos(start, Instant::now());
                     p.step_ns.fetch_add(step, Relaxed);
                     if t.graph {
-                        p.graph_host_ns.fetch_add(step.saturating_sub(t.device_ns), Relaxed);
+                        if !overlapped {
+                            p.graph_host_ns.fetch_add(step.saturating_sub(t.device_ns), Relaxed);
+                            p.graph_host_steps.fetch_add(1, Relaxed);
+                        }
                         if let Some(idle) = t.idle_ns {
                             p.graph_idle_ns.fetch_add(idle, Relaxed);
                             p.graph_idle_steps.fetch_add(1, Relaxed);

@@ -1,5 +1,6 @@
 //! GEMMs through cuBLAS: `out = x @ wᵀ` for f32 weights (sgemm) and 16-bit weights
-//! (cublasGemmEx, f32 accumulation and output).
+//! (cublasGemmEx, f32 accumulation and output), and cublasGemmEx on raw operands, plain and
+//! strided-batched, for LoRA's GEMMs (lora.rs).
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::cublas::sys::cudaDataType as DataType;
@@ -66,7 +67,7 @@ impl CudaDevice {
         &self,
         x: &CudaTensor,
         kind: i32,
-        f: impl FnOnce(cudarc::driver::sys::CUdeviceptr) -> DevResult<R>,
+        f: impl FnOnce(CUdeviceptr) -> DevResult<R>,
     ) -> DevResult<R> {
         use cudarc::driver::DevicePtr;
         if let Some(h) = x.half.as_ref().filter(|h| h.kind == kind) {

@@ -6,7 +6,8 @@
 //! also writing their output in the weights' type), 1-D weights (norms, biases) are f32.
 //! The KV cache is f32 for an f32 model and the weights' type for a 16-bit one; prefill
 //! attention of 16-bit models runs on tensor cores (flash.cu). Sampling runs here too
-//! (sample.rs, sampling.cu), and decode steps can be recorded as CUDA graphs (graph.rs).
+//! (sample.rs, sampling.cu), and so do batched LoRA adapters (lora.rs, lora.cu); decode
+//! steps can be recorded as CUDA graphs (graph.rs).
 //! Every operation runs on the device's one stream; a failed one is a `DeviceError`.
 
 use std::sync::Arc;

@@ -268,23 +268,3 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
         if (kind) store16(out16, o, acc * inv, kind);
     }
 }
-
-// Masked LoRA shrink output: v holds `parts` partial sums (split over the input features)
-// of `[rows, width]` (total values each), `width / per` modules side by side, each `per` =
-// slots · R columns of x · Aᵀ over every slot's A. Row t keeps only the R columns of its own
-// slot (slots[t]; none when negative), summed over the parts, so that one GEMM against
-// every slot's Bᵀ expands each row with its own adapter. kind 0 writes the result over the
-// first part, 1 (bf16) and 2 (f16) write it rounded into v16.
-extern "C" __global__ void lora_mask_f32(float* v, void* v16, const int* slots, int width, int per, int rank,
-                                         long long total, int kind, int parts) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    int t = (int)(i / width), c = (int)(i % width);
-    int s = slots[t];
-    float x = 0.0f;
-    if (s >= 0 && (c % per) / rank == s)
-        for (int p = 0; p < parts; p++) x += v[i + p * total];
-    if (kind) store16(v16, i, x, kind);
-    else v[i] = x;
-}
-

@@ -1,7 +1,8 @@
-// LoRA for a few rows (Punica's BGMV): each row reads only its own slot's A and B, in two
-// launches per group of modules that read the same x (q/k/v, gate/up, o, down), where the
-// GEMM path (lora.rs) makes five for q/k/v. Weights are W (f32 or bf16), A `[slots · R, in]`
-// and Bᵀ `[slots · R, out]` per module, ranks under R padded with zeros; x and y are f32.
+// Batched LoRA (lora.rs). For a few rows, Punica's BGMV: each row reads only its own slot's
+// A and B, in two launches per group of modules that read the same x (q/k/v, gate/up, o,
+// down). Weights are W (f32 or bf16), A `[slots · R, in]` and Bᵀ `[slots · R, out]` per
+// module, ranks under R padded with zeros; x and y are f32. For more rows cuBLAS runs the
+// GEMMs and lora_mask_f32 (at the end) keeps each row's own slot between them.
 
 // Ranks are taken 16 at a time so that each thread issues 16 independent loads at once
 // (a loop over a runtime rank would wait on one load after another).
@@ -126,3 +127,22 @@ __device__ void lora_expand(float* y, const float* part, const W* b0, const W* b
     }
 LORA_BGMV(f32, float)
 LORA_BGMV(bf16, __nv_bfloat16)
+
+// Masked LoRA shrink output: v holds `parts` partial sums (split over the input features)
+// of `[rows, width]` (total values each), `width / per` modules side by side, each `per` =
+// slots · R columns of x · Aᵀ over every slot's A. Row t keeps only the R columns of its own
+// slot (slots[t]; none when negative), summed over the parts, so that one GEMM against
+// every slot's Bᵀ expands each row with its own adapter. kind 0 writes the result over the
+// first part, 1 (bf16) and 2 (f16) write it rounded into v16.
+extern "C" __global__ void lora_mask_f32(float* v, void* v16, const int* slots, int width, int per, int rank,
+                                         long long total, int kind, int parts) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    int t = (int)(i / width), c = (int)(i % width);
+    int s = slots[t];
+    float x = 0.0f;
+    if (s >= 0 && (c % per) / rank == s)
+        for (int p = 0; p < parts; p++) x += v[i + p * total];
+    if (kind) store16(v16, i, x, kind);
+    else v[i] = x;
+}

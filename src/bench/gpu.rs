@@ -178,6 +178,18 @@ struct ThroughputReport {
     bound: Bound,
     /// Where the steps' time went (every step of the run).
     breakdown: StepBreakdown,
+    /// The same requests again on random LoRA adapters (`--random-loras`).
+    lora: Option<LoraThroughput>,
+}
+
+#[derive(Debug, Serialize)]
+struct LoraThroughput {
+    adapters: usize,
+    seconds: f64,
+    output_tokens_per_s: f64,
+    /// Of the base model's output tok/s in the run before, on the same engine.
+    ratio_to_base: f64,
+    breakdown: StepBreakdown,
 }
 
 /// The shape of a throughput run.
@@ -187,27 +199,33 @@ pub struct ThroughputRun {
     pub seed: u64,
     /// Temperature and top-p of every request.
     pub sampling: SamplingParams,
+    /// With adapters `lora0` .. served: the requests run again, request i on `lora{i % loras}`.
+    pub loras: usize,
 }
 
-pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> anyhow::Result<()> {
-    let ThroughputRun { num_prompts, seed, sampling } = run;
-    let engine = Engine::start(args.clone()).await?;
+/// One pass over the requests (request i on adapter `lora{i % loras}` when `loras` is not
+/// 0): seconds, output tokens, and where the steps' time went.
+async fn throughput_pass(
+    engine: &Engine,
+    inputs: &[usize],
+    outputs: &[usize],
+    run: &ThroughputRun,
+    loras: usize,
+) -> anyhow::Result<(f64, usize, StepBreakdown)> {
     let vocab = engine.model_config().vocab_size;
-    let max_len = engine.config().max_model_len;
-    let inputs = lengths(num_prompts, 200.0, seed, 4, 1024);
-    let outputs = lengths(num_prompts, 180.0, seed ^ 0x5eed, 4, 1024);
     let before = engine.metrics().profile.snapshot();
     let start = Instant::now();
-    let mut streams = Vec::with_capacity(num_prompts);
-    for (i, (&inp, &out)) in inputs.iter().zip(&outputs).enumerate() {
-        let out = out.min(max_len - inp);
+    let mut streams = Vec::with_capacity(inputs.len());
+    for (i, (&inp, &out)) in inputs.iter().zip(outputs).enumerate() {
         let params = SamplingParams {
             max_tokens: Some(out),
             ignore_eos: true,
-            seed: Some(seed + i as u64),
-            ..sampling.clone()
+            seed: Some(run.seed + i as u64),
+            ..run.sampling.clone()
         };
-        streams.push(engine.add_request(engine.next_request_id("tp"), prompt(inp, i, vocab), params).await?);
+        let lora = (loras > 0).then(|| format!("lora{}", i % loras));
+        let id = engine.next_request_id("tp");
+        streams.push(engine.add_request_with_lora(id, prompt(inp, i, vocab), params, lora.as_deref()).await?);
     }
     let counts = futures::future::join_all(streams.into_iter().map(|mut s| async move {
         let mut n = 0usize;
@@ -226,12 +244,39 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
     .collect::<anyhow::Result<Vec<usize>>>()?;
     let secs = start.elapsed().as_secs_f64();
     let breakdown = StepProfile::between(before, engine.metrics().profile.snapshot());
-    let out_tokens: usize = counts.iter().sum();
+    Ok((secs, counts.iter().sum(), breakdown))
+}
+
+pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> anyhow::Result<()> {
+    let num_prompts = run.num_prompts;
+    let engine = Engine::start(args.clone()).await?;
+    let max_len = engine.config().max_model_len;
+    let inputs = lengths(num_prompts, 200.0, run.seed, 4, 1024);
+    let outputs: Vec<usize> = lengths(num_prompts, 180.0, run.seed ^ 0x5eed, 4, 1024)
+        .into_iter()
+        .zip(&inputs)
+        .map(|(out, inp)| out.min(max_len - inp))
+        .collect();
+    let (secs, out_tokens, breakdown) = throughput_pass(&engine, &inputs, &outputs, &run, 0).await?;
     let in_tokens: usize = inputs.iter().sum();
+    let lora = match run.loras {
+        0 => None,
+        n => {
+            let (lsecs, ltokens, lbreakdown) = throughput_pass(&engine, &inputs, &outputs, &run, n).await?;
+            let tps = ltokens as f64 / lsecs;
+            Some(LoraThroughput {
+                adapters: n,
+                seconds: lsecs,
+                output_tokens_per_s: tps,
+                ratio_to_base: tps / (out_tokens as f64 / secs),
+                breakdown: lbreakdown,
+            })
+        }
+    };
     let report = ThroughputReport {
         requests: num_prompts,
-        temperature: sampling.temperature,
-        top_p: sampling.top_p,
+        temperature: run.sampling.temperature,
+        top_p: run.sampling.top_p,
         mean_input_len: in_tokens as f64 / num_prompts as f64,
         mean_output_len: out_tokens as f64 / num_prompts as f64,
         seconds: secs,
@@ -240,6 +285,7 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
         total_tokens_per_s: (in_tokens + out_tokens) as f64 / secs,
         bound: bound(&engine, &args),
         breakdown,
+        lora,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -259,6 +305,17 @@ pub async fn throughput(args: EngineArgs, run: ThroughputRun, json: bool) -> any
             report.bound.bound_tokens_per_s
         );
         print_breakdown(&report.breakdown);
+        if let Some(l) = &report.lora {
+            println!(
+                "  … on {} adapters (request i on adapter i mod {}): {:.1} s, {:.0} output tok/s ({:.1}% of the base model)",
+                l.adapters,
+                l.adapters,
+                l.seconds,
+                l.output_tokens_per_s,
+                100.0 * l.ratio_to_base
+            );
+            print_breakdown(&l.breakdown);
+        }
     }
     Ok(())
 }

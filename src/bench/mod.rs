@@ -82,6 +82,13 @@ pub enum BenchMode {
         temperature: f32,
         #[arg(long, default_value_t = 1.0)]
         top_p: f32,
+        /// Also run the requests again spread over this many random LoRA adapters (written
+        /// to a temp dir), request i on adapter i mod N, and report the ratio to the base
+        /// model's run on the same engine.
+        #[arg(long, default_value_t = 0)]
+        random_loras: usize,
+        #[arg(long, default_value_t = 16)]
+        random_lora_rank: usize,
         #[arg(long)]
         json: bool,
     },
@@ -187,6 +194,26 @@ pub(crate) async fn decode_run_lora(
     })
 }
 
+/// Writes `n` random rank-`rank` adapters for the engine's model to a temp dir and serves
+/// them as `lora0` .. `lora{n-1}`, all in one batch (`--max-loras n`). Nothing when n is 0.
+fn with_random_loras(engine: &mut EngineArgs, n: usize, rank: usize) -> anyhow::Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let cfg =
+        crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(&engine.model)?;
+    let root = std::env::temp_dir().join(format!("actorllm-bench-loras-{}", std::process::id()));
+    for i in 0..n {
+        let dir = root.join(format!("lora{i}"));
+        crate::models::random::make_random_lora(&cfg, &dir, rank, i as u64 + 1)?;
+        engine.lora.lora_modules.push((format!("lora{i}"), dir));
+    }
+    engine.lora.enable_lora = true;
+    engine.lora.max_loras = n;
+    engine.lora.max_lora_rank = rank;
+    Ok(())
+}
+
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut args = args;
     // The offline benchmarks run as vLLM's LLM class does: its larger default batches.
@@ -208,21 +235,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             random_lora_rank,
         } => {
             let mut engine = engine;
-            if random_loras > 0 {
-                let cfg =
-                    crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(
-                        &engine.model,
-                    )?;
-                let root = std::env::temp_dir().join(format!("actorllm-bench-loras-{}", std::process::id()));
-                for i in 0..random_loras {
-                    let dir = root.join(format!("lora{i}"));
-                    crate::models::random::make_random_lora(&cfg, &dir, random_lora_rank, i as u64 + 1)?;
-                    engine.lora.lora_modules.push((format!("lora{i}"), dir));
-                }
-                engine.lora.enable_lora = true;
-                engine.lora.max_loras = random_loras;
-                engine.lora.max_lora_rank = random_lora_rank;
-            }
+            with_random_loras(&mut engine, random_loras, random_lora_rank)?;
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(a).await,
@@ -232,9 +245,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             actix::System::current().stop();
             return Ok(());
         }
-        BenchMode::Throughput { engine, num_prompts, seed, temperature, top_p, json } => {
+        BenchMode::Throughput {
+            mut engine,
+            num_prompts,
+            seed,
+            temperature,
+            top_p,
+            random_loras,
+            random_lora_rank,
+            json,
+        } => {
             let sampling = SamplingParams { temperature, top_p, ..Default::default() };
-            gpu::throughput(engine, gpu::ThroughputRun { num_prompts, seed, sampling }, json).await?;
+            with_random_loras(&mut engine, random_loras, random_lora_rank)?;
+            let run = gpu::ThroughputRun { num_prompts, seed, sampling, loras: random_loras };
+            gpu::throughput(engine, run, json).await?;
             actix::System::current().stop();
             return Ok(());
         }

@@ -111,25 +111,31 @@ impl CudaDevice {
     }
 
     pub(super) fn rope_positions(&self, positions: &[u32]) -> DevResult<()> {
-        let inputs = self.inputs();
-        if self.capturing() || inputs.rope_positions.borrow().as_ref().is_some_and(|(h, _)| h == positions) {
-            return Ok(());
-        }
-        let old = inputs.rope_positions.borrow_mut().take().map(|(_, d)| d);
-        let dev = self.refill(old, positions)?;
-        *inputs.rope_positions.borrow_mut() = Some((positions.to_vec(), dev));
-        Ok(())
+        self.upload_unless_there(&self.inputs().rope_positions, positions)
     }
 
     /// Uploads the step's LoRA slot per row unless they are already there.
     pub(super) fn upload_lora_slots(&self, slots: &[i32]) -> DevResult<()> {
-        let inputs = self.inputs();
-        if self.capturing() || inputs.lora_slots.borrow().as_ref().is_some_and(|(h, _)| h == slots) {
+        self.upload_unless_there(&self.inputs().lora_slots, slots)
+    }
+
+    /// Copies `v` into the buffer `cached` keeps with its host copy, unless that copy is
+    /// `v` already (every layer of a forward asks for the same values) or a capture is
+    /// recording (the values were staged before it began).
+    fn upload_unless_there<T>(
+        &self,
+        cached: &RefCell<Option<(Vec<T>, CudaSlice<T>)>>,
+        v: &[T],
+    ) -> DevResult<()>
+    where
+        T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + PartialEq + Clone,
+    {
+        if self.capturing() || cached.borrow().as_ref().is_some_and(|(h, _)| h == v) {
             return Ok(());
         }
-        let old = inputs.lora_slots.borrow_mut().take().map(|(_, d)| d);
-        let dev = self.refill(old, slots)?;
-        *inputs.lora_slots.borrow_mut() = Some((slots.to_vec(), dev));
+        let old = cached.borrow_mut().take().map(|(_, d)| d);
+        let dev = self.refill(old, v)?;
+        *cached.borrow_mut() = Some((v.to_vec(), dev));
         Ok(())
     }
 

@@ -84,6 +84,37 @@ __device__ __forceinline__ void softmax_chunk(float (&s)[BC / 8][4], float (&o)[
     }
 }
 
+// A warp's two rows of a finished tile (a and b: rows ra and rb from row0, written when
+// va and vb): the running sums are joined over the quad's lanes and the output, divided
+// by them, stored in f32 and (kind 1 bf16, 2 f16) rounded to 16 bits.
+template <int HD>
+__device__ __forceinline__ void store_rows(float (&o)[HD / 8][4], float la, float lb, float* __restrict__ out,
+                                           void* out16, int kind, int row0, int ra, int rb, bool va, bool vb,
+                                           int heads, int h, int tq) {
+    la += __shfl_xor_sync(0xffffffff, la, 1);
+    la += __shfl_xor_sync(0xffffffff, la, 2);
+    lb += __shfl_xor_sync(0xffffffff, lb, 1);
+    lb += __shfl_xor_sync(0xffffffff, lb, 2);
+    float ia = 1.0f / la, ib = 1.0f / lb;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) {
+        int c = n * 8 + tq * 2;
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            if (va) {
+                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
+                out[at] = o[n][e] * ia;
+                if (kind) store16(out16, at, o[n][e] * ia, kind);
+            }
+            if (vb) {
+                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
+                out[at] = o[n][2 + e] * ib;
+                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
+            }
+        }
+    }
+}
+
 template <int HD, typename T>
 __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
                               const unsigned int* positions, const unsigned int* token_seq,
@@ -180,28 +211,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
             }
         }
     }
-    la += __shfl_xor_sync(0xffffffff, la, 1);
-    la += __shfl_xor_sync(0xffffffff, la, 2);
-    lb += __shfl_xor_sync(0xffffffff, lb, 1);
-    lb += __shfl_xor_sync(0xffffffff, lb, 2);
-    float ia = 1.0f / la, ib = 1.0f / lb;
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++) {
-        int c = n * 8 + tq * 2;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            if (va) {
-                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
-                out[at] = o[n][e] * ia;
-                if (kind) store16(out16, at, o[n][e] * ia, kind);
-            }
-            if (vb) {
-                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
-                out[at] = o[n][2 + e] * ib;
-                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
-            }
-        }
-    }
+    store_rows<HD>(o, la, lb, out, out16, kind, row0, ra, rb, va, vb, heads, h, tq);
 }
 
 #define FLASH_ENTRY(HD, SUF, T)                                                                                 \
@@ -540,28 +550,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
         }
         __syncthreads();  // the buffer is staged again two chunks on
     }
-    la += __shfl_xor_sync(0xffffffff, la, 1);
-    la += __shfl_xor_sync(0xffffffff, la, 2);
-    lb += __shfl_xor_sync(0xffffffff, lb, 1);
-    lb += __shfl_xor_sync(0xffffffff, lb, 2);
-    float ia = 1.0f / la, ib = 1.0f / lb;
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++) {
-        int c = n * 8 + tq * 2;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            if (va) {
-                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
-                out[at] = o[n][e] * ia;
-                if (kind) store16(out16, at, o[n][e] * ia, kind);
-            }
-            if (vb) {
-                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
-                out[at] = o[n][2 + e] * ib;
-                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
-            }
-        }
-    }
+    store_rows<HD>(o, la, lb, out, out16, kind, row0, ra, rb, va, vb, heads, h, tq);
 }
 
 #define FLASH_PIPE_ENTRY(HD, SUF, T)                                                                            \

@@ -1,14 +1,18 @@
 //! GEMMs through cuBLAS: `out = x @ wᵀ` for f32 weights (sgemm) and 16-bit weights
-//! (cublasGemmEx, f32 accumulation and output), and cublasGemmEx on raw operands, plain and
-//! strided-batched, for LoRA's GEMMs (lora.rs).
+//! (cublasGemmEx, f32 accumulation and output; up to 8 rows our own GEMV on tensor cores),
+//! and cublasGemmEx on raw operands, plain and strided-batched, for LoRA's GEMMs (lora.rs).
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::cublas::sys::cudaDataType as DataType;
 use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, DevResult, cuda};
+
+/// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
+/// decode steps of a few sequences, which only stream the weights.
+const GEMV_ROWS: usize = 8;
 
 impl CudaDevice {
     /// `out = x @ wᵀ` via cuBLAS (column-major: outᵀ[n, m] = w[n, k] · xᵀ[k, m]).
@@ -54,10 +58,47 @@ impl CudaDevice {
         let (wp, _w) = w.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
+            if m <= GEMV_ROWS && k % 8 == 0 && self.sm80 {
+                return self.gemv(f16, (wp, xp, op), (m, n, k));
+            }
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
             unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (wp, k), (xp, k), 0.0, (op, n)) }
         })
+    }
+
+    /// `out = x @ wᵀ` for up to [`GEMV_ROWS`] rows of 16-bit x and w (gemv.cu): w `[n, k]`,
+    /// x `[m, k]`, out `[m, n]` f32, as device addresses; k a multiple of 8.
+    fn gemv(
+        &self,
+        f16: bool,
+        (w, x, out): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        (m, n, k): (usize, usize, usize),
+    ) -> DevResult<()> {
+        let name = if f16 { "gemv_f16" } else { "gemv_bf16" };
+        let _t = self.span(name, (n, k), m);
+        let (m, n, k) = (m as i32, n as i32, k as i32);
+        let cfg = LaunchConfig {
+            // 16 rows of w per block of GEMV_WARPS (8) warps.
+            grid_dim: ((n as u32).div_ceil(16), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
+        // k % 8 == 0 keeps the kernel's 16-byte loads aligned and inside each row.
+        unsafe {
+            self.stream
+                .launch_builder(self.f(name))
+                .arg(&w)
+                .arg(&x)
+                .arg(&out)
+                .arg(&m)
+                .arg(&n)
+                .arg(&k)
+                .launch(cfg)
+        }
+        .map_err(cuda("gemv launch"))?;
+        Ok(())
     }
 
     /// Runs `f` with the device address of x's values rounded to 16-bit `kind` (1 bf16,

@@ -6,15 +6,16 @@ use super::DeviceError;
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 pub(super) const COMMON: &str = include_str!("common.cuh");
 
-pub(super) const SOURCES: [(&str, &str); 5] = [
+pub(super) const SOURCES: [(&str, &str); 6] = [
     ("elementwise", include_str!("elementwise.cu")),
     ("attention", include_str!("attention.cu")),
     ("flash", include_str!("flash.cu")),
     ("sampling", include_str!("sampling.cu")),
     ("lora", include_str!("lora.cu")),
+    ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 37] = [
+const KERNELS: [&str; 39] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -52,6 +53,8 @@ const KERNELS: [&str; 37] = [
     "flash_decode_h128_bf16",
     "flash_decode_h64_f16",
     "flash_decode_h128_f16",
+    "gemv_bf16",
+    "gemv_f16",
 ];
 
 /// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'

@@ -66,8 +66,16 @@ pub struct EngineArgs {
     pub enforce_eager: bool,
     /// Plan and send the next step while one runs, so that the host's share of a step
     /// (scheduling, outputs, messages) overlaps the device's; a sequence that stops is given
-    /// one step more, whose token is dropped.
-    #[arg(long)]
+    /// one step more, whose token is dropped. On by default (vLLM's flag is accepted);
+    /// `--async-scheduling=false` runs one step at a time.
+    #[arg(
+        long,
+        default_value_t = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
     pub async_scheduling: bool,
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
@@ -175,7 +183,7 @@ impl Default for EngineArgs {
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
-            async_scheduling: false,
+            async_scheduling: true,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),
@@ -362,6 +370,26 @@ impl EngineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Async scheduling is on unless `--async-scheduling=false` says otherwise; vLLM's bare
+    /// flag still parses, and a bare flag does not swallow the argument after it.
+    #[test]
+    fn async_scheduling_is_on_by_default_and_turned_off_with_false() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let parse = |args: &[&str]| {
+            let argv = std::iter::once("actorllm").chain(args.iter().copied());
+            <Cli as clap::Parser>::try_parse_from(argv).map(|c| c.engine.async_scheduling)
+        };
+        assert!(parse(&[]).unwrap());
+        assert!(parse(&["--async-scheduling"]).unwrap());
+        assert!(parse(&["--async-scheduling", "--enforce-eager"]).unwrap());
+        assert!(!parse(&["--async-scheduling=false"]).unwrap());
+        assert!(parse(&["--async-scheduling", "false"]).is_err(), "a bare flag takes no value");
+    }
 
     #[test]
     fn unset_batch_limits_take_vllms_defaults_for_the_gpu_and_set_ones_stay() {

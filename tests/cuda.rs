@@ -483,7 +483,10 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
     let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
     for (label, args) in [
-        ("gpu, CUDA graphs", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        (
+            "gpu, CUDA graphs, one step at a time",
+            EngineArgs { device: DeviceArg::Cuda, async_scheduling: false, ..common::args(&model) },
+        ),
         ("gpu, eager", EngineArgs { device: DeviceArg::Cuda, enforce_eager: true, ..common::args(&model) }),
         (
             "gpu, small pool",
@@ -496,7 +499,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
         ),
         (
             "gpu, CUDA graphs, async scheduling",
-            EngineArgs { device: DeviceArg::Cuda, async_scheduling: true, ..common::args(&model) },
+            EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) },
         ),
     ] {
         let eager = args.enforce_eager;

@@ -342,7 +342,7 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
 }
 
-/// `--async-scheduling` plans each step while the one before it runs, so a request that
+/// `--async-scheduling` (the default) plans each step while the one before it runs, so a request that
 /// stops has already been given one step more. Every request must still get exactly what
 /// it gets without it: lengths that end at different steps, a stop token and a stop string
 /// (found a step after the next was planned), seeded sampling with n = 2, and preemption in
@@ -353,7 +353,7 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     let model = tiny_model(9);
     let small =
         EngineArgs { num_gpu_blocks_override: Some(12), max_model_len: Some(128), ..common::args(&model) };
-    let sync = Engine::start(small.clone()).await.unwrap();
+    let sync = Engine::start(EngineArgs { async_scheduling: false, ..small.clone() }).await.unwrap();
     let pipelined = Engine::start(EngineArgs { async_scheduling: true, ..small }).await.unwrap();
     let p = prompts();
     // Sequences that end by length are given no step past their last token.

@@ -16,7 +16,7 @@ use crate::actors::model_runner::{
     AllocateCache, BatchSeq, CaptureGraphs, ExecuteBatch, ModelRunner, NewSeq, ReleaseCache, RunnerConfig,
 };
 use crate::actors::scheduler::{
-    Abort, AddRequest, AdmissionLimits, GetStats, SchedulerActor, SchedulerStats,
+    Abort, AddRequest, AdmissionLimits, GetStats, PreloadLoras, SchedulerActor, SchedulerStats,
 };
 use crate::config::{ConfigError, DeviceArg, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
@@ -239,6 +239,18 @@ impl Engine {
                     manager.send(reg).await.map_err(|_| EngineError::Stopped)?.map_err(|e| {
                         EngineError::Lora(format!("--lora-modules {name}={}: {e}", path.display()))
                     })?;
+                }
+                // The first --max-loras of them go to the device now, so that neither the
+                // first request on each nor a step waits for its weights.
+                let mut adapters = Vec::new();
+                for (name, _) in l.modules.iter().take(l.max_loras) {
+                    let resolve = Resolve { name: name.clone() };
+                    adapters.push(manager.send(resolve).await.map_err(|_| EngineError::Stopped)??);
+                }
+                let loaded =
+                    scheduler.send(PreloadLoras(adapters)).await.map_err(|_| EngineError::Stopped)??;
+                if loaded > 0 {
+                    tracing::info!(adapters = loaded, "LoRA adapters placed on the device");
                 }
                 Some(manager)
             }

@@ -70,6 +70,9 @@ async fn adapters_match_peft(tensor_parallel_size: usize) {
     let modules =
         g.adapters.iter().map(|a| (a.spec.name.clone(), write_adapter(&root, &a.spec, false))).collect();
     let engine = Engine::start(EngineArgs { tensor_parallel_size, ..lora_args(modules, 2) }).await.unwrap();
+    // The adapters named at start-up are on the device (every rank) before any request.
+    let (s, _) = engine.stats().await.unwrap();
+    assert_eq!(s.lora_slots_used, g.adapters.len().min(2), "adapters placed at start-up");
     let mut runs = Vec::new();
     let mut want = Vec::new();
     for a in &g.adapters {

@@ -407,6 +407,19 @@ impl<D: Device> ModelRunner<D> {
             }
         }
         if ids.is_empty() {
+            // Nothing to run, but the other ranks place the same adapters (start-up
+            // preloading sends such a batch).
+            if !batch_lora_loads.is_empty() {
+                for (rank, p) in self.peers.iter().enumerate() {
+                    let loads = ShardStep {
+                        ids: Arc::from([]),
+                        meta: Arc::default(),
+                        lora_loads: batch_lora_loads.clone(),
+                    };
+                    futures::executor::block_on(p.send(loads))
+                        .map_err(|_| RunnerError::RankGone(rank + 1))??;
+                }
+            }
             return Ok(StepOutput::default());
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
@@ -478,7 +491,9 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
         for (slot, adapter) in &msg.lora_loads {
             self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
         }
-        self.forward(&msg.ids, &msg.meta)?;
+        if !msg.ids.is_empty() {
+            self.forward(&msg.ids, &msg.meta)?;
+        }
         Ok(())
     }
 }

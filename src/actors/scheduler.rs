@@ -46,6 +46,12 @@ pub struct Abort {
     pub reason: AbortReason,
 }
 
+/// Places adapters in free device slots before any request names them (`--lora-modules`
+/// at start-up), so that no step waits for their weights; returns how many were loaded.
+#[derive(Message)]
+#[rtype(result = "Result<usize, EngineError>")]
+pub struct PreloadLoras(pub Vec<Arc<LoraAdapter>>);
+
 #[derive(Message)]
 #[rtype(result = "SchedulerStats")]
 pub struct GetStats;
@@ -539,6 +545,26 @@ impl Handler<Abort> for SchedulerActor {
         self.maybe_step(ctx);
         self.flush_events();
         found
+    }
+}
+
+impl Handler<PreloadLoras> for SchedulerActor {
+    type Result = ResponseFuture<Result<usize, EngineError>>;
+    fn handle(&mut self, msg: PreloadLoras, _: &mut Context<Self>) -> Self::Result {
+        let lora_loads: Vec<_> =
+            msg.0.into_iter().filter_map(|a| self.core.preload_lora(a.id).map(|slot| (slot, a))).collect();
+        let loaded = lora_loads.len();
+        // A batch of loads only: the runner places them (on every rank) and runs nothing.
+        let batch = ExecuteBatch { seqs: Vec::new(), dropped: Vec::new(), lora_loads, follows: false };
+        let sent = (loaded > 0).then(|| self.runner.send(batch));
+        Box::pin(async move {
+            if let Some(sent) = sent {
+                sent.await
+                    .map_err(|_| EngineError::Stopped)?
+                    .map_err(|e| EngineError::Device(e.to_string()))?;
+            }
+            Ok(loaded)
+        })
     }
 }
 

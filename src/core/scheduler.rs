@@ -202,6 +202,14 @@ impl Scheduler {
         self.running.iter().filter_map(|id| self.seqs[id].lora).collect()
     }
 
+    /// A slot for `adapter` ahead of any request (adapters named at start-up): the slot its
+    /// weights must be loaded into, or None when it holds one already or none is free of
+    /// running sequences' adapters.
+    pub fn preload_lora(&mut self, adapter: u64) -> Option<usize> {
+        let pinned = self.pinned();
+        self.lora_slots.acquire(adapter, &pinned).filter(|a| a.load).map(|a| a.slot)
+    }
+
     /// Makes sure `id`'s adapter has a slot; false when every slot is pinned by others.
     fn claim_lora(&mut self, id: SeqId, plan: &mut StepPlan) -> bool {
         let Some(adapter) = self.seqs[&id].lora else { return true };

@@ -406,20 +406,7 @@ impl<D: Device> ModelRunner<D> {
                 sampled_seqs.push(s.seq);
             }
         }
-        if ids.is_empty() {
-            // Nothing to run, but the other ranks place the same adapters (start-up
-            // preloading sends such a batch).
-            if !batch_lora_loads.is_empty() {
-                for (rank, p) in self.peers.iter().enumerate() {
-                    let loads = ShardStep {
-                        ids: Arc::from([]),
-                        meta: Arc::default(),
-                        lora_loads: batch_lora_loads.clone(),
-                    };
-                    futures::executor::block_on(p.send(loads))
-                        .map_err(|_| RunnerError::RankGone(rank + 1))??;
-                }
-            }
+        if ids.is_empty() && batch_lora_loads.is_empty() {
             return Ok(StepOutput::default());
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
@@ -433,6 +420,11 @@ impl<D: Device> ModelRunner<D> {
                 }));
             }
         }
+        if ids.is_empty() {
+            // A batch of adapter loads only (start-up preloading): every rank placed them.
+            join_peers(peer_steps)?;
+            return Ok(StepOutput::default());
+        }
         let t1 = std::time::Instant::now();
         let idle_ns = self.last_done.filter(|_| batch.follows).map(|d| ns(d, t1));
         // A device error fails the step (its requests get it); the other ranks of a group
@@ -445,9 +437,7 @@ impl<D: Device> ModelRunner<D> {
         };
         let t2 = std::time::Instant::now();
         self.dev.synchronize()?;
-        for (rank, done) in peer_steps.into_iter().enumerate() {
-            futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
-        }
+        join_peers(peer_steps)?;
         let t3 = std::time::Instant::now();
         self.last_done = Some(t3);
         let mut timing = RunnerTiming {
@@ -479,6 +469,16 @@ impl<D: Device> ModelRunner<D> {
         }
         Ok(out)
     }
+}
+
+/// Waits for the other ranks' share of a step (sent as [`ShardStep`]s), rank 1 first.
+fn join_peers(
+    steps: Vec<impl std::future::Future<Output = Result<Result<(), RunnerError>, actix::MailboxError>>>,
+) -> Result<(), RunnerError> {
+    for (rank, done) in steps.into_iter().enumerate() {
+        futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
+    }
+    Ok(())
 }
 
 impl<D: Device> Actor for ModelRunner<D> {

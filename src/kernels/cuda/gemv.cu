@@ -24,29 +24,21 @@
 // Chunks a warp loads before it multiplies: 2 · U weight loads (16 bytes) in flight per lane.
 #define GEMV_UNROLL 4
 
+// mma.m16n8k16 with every row of A (flash.cu's drops rows g + 8), in the weights'
+// 16-bit type TY ("bf16" or "f16").
 template <typename T> struct MmaFull;
-template <> struct MmaFull<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-    }
-};
-template <> struct MmaFull<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-    }
-};
+#define MMA_FULL(T, TY)                                                                                     \
+    template <> struct MmaFull<T> {                                                                         \
+        static __device__ __forceinline__ void run(float (&c)[4], unsigned a0, unsigned a1, unsigned a2,    \
+                                                   unsigned a3, unsigned b0, unsigned b1) {                 \
+            asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "    \
+                "{%8,%9}, {%0,%1,%2,%3};\n"                                                                  \
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                            \
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                    \
+        }                                                                                                   \
+    };
+MMA_FULL(__nv_bfloat16, "bf16")
+MMA_FULL(__half, "f16")
 
 // 16 bytes of weights, read once per step: not kept in L1, and L2 fetches the whole 256-byte
 // line (the block's other warps read the rest of it next). The hint took the 8B model's
@@ -62,8 +54,10 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 // One 32-element chunk: weight rows g (a) and g + 8 (b), token row g (x), two mmas.
 template <typename T>
 __device__ __forceinline__ void gemv_chunk(float (&c)[4], const uint4& a, const uint4& b, const uint4& x) {
+#if __CUDA_ARCH__ >= 800
     MmaFull<T>::run(c, a.x, b.x, a.y, b.y, x.x, x.y);
     MmaFull<T>::run(c, a.z, b.z, a.w, b.w, x.z, x.w);
+#endif
 }
 
 template <typename T>

@@ -165,8 +165,9 @@ impl Scheduler {
 
     /// Sets the token count at which the group's sequences end for certain.
     pub fn set_max_len(&mut self, group: u64, max_len: usize) {
-        for id in self.groups.get(&group).map(|g| g.seqs.clone()).unwrap_or_default() {
-            if let Some(s) = self.seqs.get_mut(&id) {
+        let Some(g) = self.groups.get(&group) else { return };
+        for id in &g.seqs {
+            if let Some(s) = self.seqs.get_mut(id) {
                 s.max_len = max_len;
             }
         }

@@ -64,6 +64,7 @@ impl Profiler {
             0..=1 => 1,
             2..=16 => 16,
             17..=256 => 256,
+            257..=1024 => 1024,
             _ => usize::MAX,
         };
         Some(Span { prof: self, stream, key: (name, nk.0, nk.1, bucket), start: Some(start) })
@@ -94,7 +95,7 @@ impl Profiler {
         out += "      ms      %     calls   µs/call  operation\n";
         for ((name, n, k, bucket), (ms, calls)) in rows {
             let rows = match *bucket {
-                usize::MAX => ">256".to_string(),
+                usize::MAX => ">1024".to_string(),
                 b => format!("≤{b}"),
             };
             let shape = if *n > 0 { format!(" [{n}×{k}]") } else { String::new() };

@@ -471,9 +471,18 @@ impl SchedulerActor {
         });
         ctx.spawn(step.map(move |res, act, ctx| {
             act.in_flight -= 1;
+            let since_last = act.last_step.map(|t| t.elapsed());
             act.last_step = Some(Instant::now());
             match res {
                 Ok((scheduled, out)) => {
+                    tracing::debug!(
+                        target: "actorllm::steps",
+                        seqs = scheduled.len(),
+                        tokens = scheduled.iter().map(|s| s.len).sum::<usize>(),
+                        graph = out.timing.graph,
+                        since_last_us = since_last.map_or(0, |d| d.as_micros() as u64),
+                        "step done"
+                    );
                     let (t, applying) = (out.timing, Instant::now());
                     act.apply(&scheduled, out);
                     let p = &act.metrics.profile;

@@ -509,10 +509,14 @@ impl SchedulerActor {
                 }
                 Err(e) => act.fail_all(e.to_string()),
             }
+            let before = act.in_flight;
             act.chained = true;
             act.maybe_step(ctx);
             act.chained = false;
-            if act.in_flight == 0 {
+            // A step planned here sends these events once the runner has it. With none
+            // (nothing left to run, or every sequence's last token still pending in the
+            // step in flight) they go now, not a step later.
+            if act.in_flight == before {
                 act.flush_events();
             }
         }));

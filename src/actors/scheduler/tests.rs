@@ -74,3 +74,74 @@ async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_bat
     assert!(batches.lock().unwrap().iter().all(|b| b.is_empty()), "the aborted request never ran");
     assert!(matches!(rx.recv().await, Some(TokenEvent::Finished { reason: FinishReason::Abort, .. })));
 }
+
+/// A runner whose steps take 150 ms each, one after another, recording when each ends.
+#[derive(Default)]
+struct SlowRunner {
+    ended: Arc<Mutex<Vec<std::time::Instant>>>,
+    busy_until: Option<actix_rt::time::Instant>,
+}
+impl Actor for SlowRunner {
+    type Context = Context<Self>;
+}
+impl Handler<ExecuteBatch> for SlowRunner {
+    type Result = ResponseActFuture<Self, Result<StepOutput, super::super::model_runner::RunnerError>>;
+    fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
+        let sampled: Vec<Sampled> = b
+            .seqs
+            .iter()
+            .filter(|s| s.sample)
+            .map(|s| Sampled { seq: s.seq, token: 5, logprobs: None })
+            .collect();
+        let now = actix_rt::time::Instant::now();
+        let end = self.busy_until.map_or(now, |t| t.max(now)) + Duration::from_millis(150);
+        self.busy_until = Some(end);
+        let ended = self.ended.clone();
+        Box::pin(actix_rt::time::sleep_until(end).into_actor(self).map(move |_, _, _| {
+            ended.lock().unwrap().push(std::time::Instant::now());
+            Ok(StepOutput { sampled, ..Default::default() })
+        }))
+    }
+}
+
+/// With async scheduling, a request of two tokens has its second step in flight when its
+/// first ends, and no third step to plan: its first token still reaches the client when
+/// the first step ends, not with the second.
+#[actix_rt::test]
+async fn async_scheduling_sends_a_token_when_its_step_ends() {
+    let dir = std::env::temp_dir().join(format!("actorllm-sched-async-{}", std::process::id()));
+    make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
+    let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
+    let cfg = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        block_size: 4,
+        num_blocks: 32,
+        max_loras: 0,
+    };
+    let ended = Arc::new(Mutex::new(Vec::new()));
+    let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
+    let runner = SlowRunner { ended: ended.clone(), busy_until: None }.start();
+    let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
+    let sched =
+        SchedulerActor::new(cfg, blocks.recipient(), runner.recipient(), tokenizer, limits, Arc::default())
+            .with_async_scheduling(true)
+            .start();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let params = Arc::new(SamplingParams { max_tokens: Some(2), ignore_eos: true, ..Default::default() });
+    let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
+    sched.send(add).await.unwrap().unwrap();
+    let first = rx.recv().await;
+    let at = std::time::Instant::now();
+    assert!(matches!(first, Some(TokenEvent::Token { .. })), "{first:?}");
+    let ended_then = ended.lock().unwrap().len();
+    assert_eq!(ended_then, 1, "the first token arrived after {ended_then} steps had ended");
+    while let Some(ev) = rx.recv().await {
+        if matches!(ev, TokenEvent::Done { .. }) {
+            break;
+        }
+    }
+    let ends = ended.lock().unwrap().clone();
+    assert_eq!(ends.len(), 2, "two steps for two tokens");
+    assert!(at < ends[1], "the first token came before the second step ended");
+}

@@ -291,14 +291,23 @@ fn every_kernel_matches_its_cpu_twin() {
     // and 8, the middle one empty), rows on each slot and on none; adapters kept in f32 and
     // in bf16; a few rows (each reads its own slot) and many (GEMMs over every slot), short
     // inputs and long ones (the shrink split over input features).
-    for (rows, fin, bf16) in [13, 300]
-        .into_iter()
-        .flat_map(|r| [72, 1536].into_iter().flat_map(move |f| [false, true].map(|b| (r, f, b))))
-    {
+    // The two modules are allocated as one group (one GEMM shrinks both), or each alone,
+    // the second first (a GEMM each).
+    for (rows, fin, bf16, grouped) in [13, 300].into_iter().flat_map(|r| {
+        [72, 1536].into_iter().flat_map(move |f| {
+            [(false, true), (false, false), (true, true), (true, false)].map(|(b, gr)| (r, f, b, gr))
+        })
+    }) {
         let shape = |out| LoraShape { slots: 3, max_rank: 8, in_features: fin, out_features: out, bf16 };
         let (outs, offs, cols) = ([40, 22], [0, 44], 70);
-        let mut lc: Vec<_> = outs.iter().map(|&o| c.alloc_lora(shape(o)).unwrap()).collect();
-        let mut lg: Vec<_> = outs.iter().map(|&o| g.alloc_lora(shape(o)).unwrap()).collect();
+        let shapes = outs.map(shape);
+        let mut lc = c.alloc_lora(&shapes).unwrap();
+        let mut lg = if grouped {
+            g.alloc_lora(&shapes).unwrap()
+        } else {
+            let second = g.alloc_lora(&shapes[1..]).unwrap();
+            g.alloc_lora(&shapes[..1]).unwrap().into_iter().chain(second).collect()
+        };
         for (m, &out) in outs.iter().enumerate() {
             for (slot, rank) in [(0, 5), (2, 8)] {
                 let seed = 10 + 2 * (m * 3 + slot) as u64;
@@ -320,7 +329,7 @@ fn every_kernel_matches_its_cpu_twin() {
         // On the GPU's GEMM path a bf16 adapter also rounds x and the shrunk values to bf16
         // (as PEFT does in bf16; the CPU keeps them f32): over 1536 inputs that moves deltas
         // of a few units by up to about 0.04. A wrong slot or rank moves them by units.
-        let what = format!("lora ({rows} rows, {fin} inputs, bf16 {bf16})");
+        let what = format!("lora ({rows} rows, {fin} inputs, bf16 {bf16}, grouped {grouped})");
         close(&what, &got, &want, if bf16 { 6e-2 } else { 1e-4 });
         let untouched = |row: usize| got[row * cols..(row + 1) * cols] == y[row * cols..(row + 1) * cols];
         assert!(

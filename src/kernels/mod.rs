@@ -241,7 +241,10 @@ pub trait Device: Send + Unpin + 'static {
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> DevResult<Self::Tensor>;
 
-    fn alloc_lora(&self, shape: LoraShape) -> Result<Self::Lora, DeviceError>;
+    /// Adapter weights for every slot of a group of modules that read the same x (q, k
+    /// and v; gate and up; or one module alone), which [`Device::add_lora`] applies
+    /// together.
+    fn alloc_lora(&self, shapes: &[LoraShape]) -> Result<Vec<Self::Lora>, DeviceError>;
     /// Loads an adapter's weights into `slot` (None clears the slot).
     fn set_lora_slot(
         &self,

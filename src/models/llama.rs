@@ -82,19 +82,22 @@ impl<D: Device> LayerLora<D> {
             (il, h, 0, i_in),
         ];
         let parts = dims.iter().map(|d| d.3.clone()).collect();
-        let modules = dims
-            .iter()
-            .map(|&(fin, fout, off, _)| {
-                let shape = LoraShape {
+        let mut modules = Vec::with_capacity(dims.len());
+        // Each projection's modules (they read the same x) are allocated as one group.
+        for group in [QKV, O, GATE_UP, DOWN] {
+            let shapes: Vec<LoraShape> = dims[group.clone()]
+                .iter()
+                .map(|&(fin, fout, ..)| LoraShape {
                     slots: cap.slots,
                     max_rank: cap.max_rank,
                     in_features: fin,
                     out_features: fout,
                     bf16: cap.bf16,
-                };
-                Ok((dev.alloc_lora(shape)?, off))
-            })
-            .collect::<Result<_, ModelError>>()?;
+                })
+                .collect();
+            let offsets = dims[group].iter().map(|d| d.2);
+            modules.extend(dev.alloc_lora(&shapes)?.into_iter().zip(offsets));
+        }
         Ok(Self { modules, parts })
     }
 

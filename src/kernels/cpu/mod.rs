@@ -355,11 +355,16 @@ impl Device for CpuDevice {
         Ok(attention::attend(q, cache, shape, meta))
     }
 
-    fn alloc_lora(&self, shape: LoraShape) -> Result<lora::CpuLora, DeviceError> {
-        if shape.max_rank > 256 {
-            return Err(DeviceError::Other(format!("max LoRA rank {} exceeds 256", shape.max_rank)));
-        }
-        Ok(lora::CpuLora::new(shape))
+    fn alloc_lora(&self, shapes: &[LoraShape]) -> Result<Vec<lora::CpuLora>, DeviceError> {
+        shapes
+            .iter()
+            .map(|&shape| {
+                if shape.max_rank > 256 {
+                    return Err(DeviceError::Other(format!("max LoRA rank {} exceeds 256", shape.max_rank)));
+                }
+                Ok(lora::CpuLora::new(shape))
+            })
+            .collect()
     }
 
     fn set_lora_slot(

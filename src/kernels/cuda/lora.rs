@@ -8,6 +8,8 @@
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::cublas::sys::cudaDataType as DataType;
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, cuda};
@@ -22,44 +24,121 @@ pub struct CudaLora {
     bt: LoraBuf,
 }
 
-enum LoraBuf {
+enum LoraMem {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
 }
 
-impl LoraBuf {
-    fn ptr(&self, dev: &CudaDevice) -> cudarc::driver::sys::CUdeviceptr {
+impl LoraMem {
+    fn len(&self) -> usize {
         match self {
-            LoraBuf::F32(b) => b.device_ptr(&dev.stream).0,
-            LoraBuf::Bf16(b) => b.device_ptr(&dev.stream).0,
+            LoraMem::F32(b) => b.len(),
+            LoraMem::Bf16(b) => b.len(),
+        }
+    }
+}
+
+/// A module's A or Bᵀ: `len` values from `start` in a chunk of the device's LoRA arena.
+struct LoraBuf {
+    mem: Arc<LoraMem>,
+    start: usize,
+    len: usize,
+}
+
+impl LoraBuf {
+    fn elem(&self) -> usize {
+        match *self.mem {
+            LoraMem::F32(_) => 4,
+            LoraMem::Bf16(_) => 2,
         }
     }
 
-    /// Writes `values` at element `start`.
-    fn write(&mut self, dev: &CudaDevice, start: usize, values: &[f32]) -> DevResult<()> {
+    fn ptr(&self, dev: &CudaDevice) -> cudarc::driver::sys::CUdeviceptr {
+        let base = match &*self.mem {
+            LoraMem::F32(b) => b.device_ptr(&dev.stream).0,
+            LoraMem::Bf16(b) => b.device_ptr(&dev.stream).0,
+        };
+        base + (self.start * self.elem()) as u64
+    }
+
+    /// Whether this buffer starts where `prev` ends, in the same chunk.
+    fn follows(&self, prev: &LoraBuf) -> bool {
+        Arc::ptr_eq(&self.mem, &prev.mem) && self.start == prev.start + prev.len
+    }
+
+    /// Writes `values` at element `at` of this buffer.
+    fn write(&self, dev: &CudaDevice, at: usize, values: &[f32]) -> DevResult<()> {
+        assert!(at + values.len() <= self.len, "LoRA write past its buffer");
+        let dst = self.ptr(dev) + (at * self.elem()) as u64;
         let copy = cuda("host to device copy");
-        match self {
-            LoraBuf::F32(b) => dev.stream.memcpy_htod(values, &mut b.slice_mut(start..start + values.len())),
-            LoraBuf::Bf16(b) => {
+        // SAFETY: dst..dst + the values' bytes lies inside this buffer (asserted above) of a
+        // live chunk; a copy from pageable memory has read `values` when it returns.
+        match *self.mem {
+            LoraMem::F32(_) => unsafe {
+                cudarc::driver::result::memcpy_htod_async(dst, values, dev.stream.cu_stream())
+            },
+            LoraMem::Bf16(_) => {
                 let bits: Vec<u16> = values.iter().map(|v| half::bf16::from_f32(*v).to_bits()).collect();
-                dev.stream.memcpy_htod(&bits, &mut b.slice_mut(start..start + values.len()))
+                unsafe { cudarc::driver::result::memcpy_htod_async(dst, &bits, dev.stream.cu_stream()) }
             }
         }
         .map_err(copy)
     }
 }
 
+/// Where adapter weights come from: chunks carved in allocation order, A matrices from one
+/// and Bᵀ matrices from another. The modules a model allocates one after another (q, k, v;
+/// gate, up) then have their A matrices back to back, and one GEMM shrinks a whole group.
+#[derive(Default)]
+pub(super) struct LoraArena {
+    a: Option<(Arc<LoraMem>, usize)>,
+    bt: Option<(Arc<LoraMem>, usize)>,
+}
+
+/// Values per arena chunk (more for a single larger matrix).
+const ARENA_CHUNK: usize = 32 << 20;
+
 impl CudaDevice {
-    pub(super) fn lora_alloc(&self, shape: LoraShape) -> DevResult<CudaLora> {
-        let per = shape.slots * shape.max_rank;
-        let buf = |n: usize| -> DevResult<LoraBuf> {
-            Ok(if shape.bf16 {
-                LoraBuf::Bf16(self.zeros(n.max(1))?)
-            } else {
-                LoraBuf::F32(self.zeros(n.max(1))?)
+    /// `n` zeroed values of the arena's A (`bt` false) or Bᵀ side.
+    fn lora_carve(&self, bt: bool, n: usize, bf16: bool) -> DevResult<LoraBuf> {
+        let mut arena = self.lora_arena.borrow_mut();
+        let side = if bt { &mut arena.bt } else { &mut arena.a };
+        let fits = side
+            .as_ref()
+            .is_some_and(|(mem, used)| matches!(**mem, LoraMem::Bf16(_)) == bf16 && used + n <= mem.len());
+        if !fits {
+            let len = n.max(ARENA_CHUNK);
+            let mem = if bf16 { LoraMem::Bf16(self.zeros(len)?) } else { LoraMem::F32(self.zeros(len)?) };
+            *side = Some((Arc::new(mem), 0));
+        }
+        let (mem, used) = side.as_mut().expect("a chunk with room");
+        let buf = LoraBuf { mem: mem.clone(), start: *used, len: n };
+        *used += n;
+        Ok(buf)
+    }
+
+    /// The modules of one group (they read the same x), their A matrices back to back.
+    pub(super) fn lora_alloc(&self, shapes: &[LoraShape]) -> DevResult<Vec<CudaLora>> {
+        let sizes: Vec<(usize, usize)> = shapes
+            .iter()
+            .map(|s| (s.slots * s.max_rank * s.in_features, s.slots * s.max_rank * s.out_features))
+            .collect();
+        let total: usize = sizes.iter().map(|&(a, _)| a).sum();
+        let Some(first) = shapes.first() else { return Ok(Vec::new()) };
+        if shapes.iter().any(|s| s.bf16 != first.bf16) {
+            return Err(crate::kernels::DeviceError::Other("a LoRA group mixes f32 and bf16 modules".into()));
+        }
+        let a = self.lora_carve(false, total.max(1), first.bf16)?;
+        let mut start = a.start;
+        shapes
+            .iter()
+            .zip(sizes)
+            .map(|(&shape, (na, nb))| {
+                let module_a = LoraBuf { mem: a.mem.clone(), start, len: na.max(1) };
+                start += na.max(1);
+                Ok(CudaLora { shape, a: module_a, bt: self.lora_carve(true, nb.max(1), shape.bf16)? })
             })
-        };
-        Ok(CudaLora { shape, a: buf(per * shape.in_features)?, bt: buf(per * shape.out_features)? })
+            .collect()
     }
 
     pub(super) fn lora_set(
@@ -165,28 +244,35 @@ impl CudaDevice {
         let width = per * modules.len();
         let ty = if bf16 { DataType::CUDA_R_16BF } else { DataType::CUDA_R_32F };
         let fin = first.shape.in_features;
-        let parts = split_k(fin);
+        // Modules whose A matrices lie back to back (allocated one after another) shrink
+        // as one GEMM of all their columns.
+        let stacked = modules.windows(2).all(|w| w[1].0.a.follows(&w[0].0.a));
+        let gemms: Vec<(usize, usize)> =
+            if stacked { vec![(0, modules.len())] } else { (0..modules.len()).map(|m| (m, 1)).collect() };
+        let parts = gemm_split_k(fin, rows, gemms[0].1 * per);
         let mut v = self.tensor(rows * parts, width)?;
         // Raw addresses: the stream orders every use (one stream, no event tracking needed).
         let vp = v.buf.device_ptr(&self.stream).0;
-        // Shrink: part p of v[:, m·per..(m+1)·per] = x · A_mᵀ over input features
-        // p·kc..(p+1)·kc, every slot of module m. The parts are the GEMMs of one batched
-        // call, so that the few output tiles of a long K still fill the GPU.
+        // Shrink: part p of v[:, m·per..(m+n)·per] = x · [A_m; …; A_(m+n−1)]ᵀ over input
+        // features p·kc..(p+1)·kc, every slot of modules m.. m + n − 1. The parts are the
+        // GEMMs of one batched call, so that the few output tiles of a long K still fill
+        // the GPU.
         let kc = fin / parts;
         let shrink = |xp, ldx| -> DevResult<()> {
-            for (m, (l, _)) in modules.iter().enumerate() {
-                let _t = self.span("lora shrink", (per, fin), rows);
+            for &(m, n) in &gemms {
+                let _t = self.span("lora shrink", (n * per, fin), rows);
                 let out = vp + (m * per * 4) as u64;
-                // SAFETY: A is [per, fin] row-major (fin × per column-major, transposed),
-                // x is [rows, fin] (fin × rows); part p reads both from column p·kc and
-                // writes its [rows, width] block (the module's columns from m·per) p·rows·width
-                // values into v, which holds `parts` such blocks.
+                // SAFETY: the n modules' A are [n·per, fin] row-major (fin × n·per
+                // column-major, transposed; back to back when n > 1), x is [rows, fin]
+                // (fin × rows); part p reads both from column p·kc and writes its [rows,
+                // width] block (the modules' columns from m·per) p·rows·width values into
+                // v, which holds `parts` such blocks.
                 unsafe {
                     self.gemm_raw_batched(
                         ty,
                         Op::CUBLAS_OP_T,
-                        (per, rows, kc),
-                        (l.a.ptr(self), fin, kc),
+                        (n * per, rows, kc),
+                        (modules[m].0.a.ptr(self), fin, kc),
                         (xp, ldx, kc),
                         0.0,
                         (out, width, rows * width),
@@ -267,7 +353,20 @@ fn not_uploaded() -> crate::kernels::DeviceError {
 /// How many parts the shrink's input features split into: chunks of about 512 (a multiple
 /// of 8, so that each part's operands stay 16-byte aligned), one part for short inputs.
 fn split_k(fin: usize) -> usize {
-    let mut parts = (fin / 512).max(1);
+    split_k_at_most(fin, fin / 512)
+}
+
+/// [`split_k`] for a GEMM whose output is `rows` × `cols`: only as many parts as it takes
+/// for its 128 × 128 output tiles to fill about two waves of the GPU's SMs (one for many
+/// rows).
+fn gemm_split_k(fin: usize, rows: usize, cols: usize) -> usize {
+    let tiles = rows.div_ceil(128) * cols.div_ceil(128);
+    split_k_at_most(fin, (fin / 512).min(264 / tiles))
+}
+
+/// The most parts, up to `most`, that cut `fin` into equal chunks of a multiple of 8.
+fn split_k_at_most(fin: usize, most: usize) -> usize {
+    let mut parts = most.max(1);
     while parts > 1 && !(fin.is_multiple_of(parts) && (fin / parts).is_multiple_of(8)) {
         parts -= 1;
     }
@@ -280,6 +379,16 @@ mod tests {
     fn split_k_divides_evenly_into_aligned_chunks() {
         for (fin, parts) in [(64, 1), (576, 1), (1536, 3), (4096, 8), (14336, 28), (3584, 7), (4100, 1)] {
             assert_eq!(super::split_k(fin), parts, "in_features {fin}");
+        }
+    }
+
+    #[test]
+    fn split_k_stops_once_the_output_tiles_fill_the_gpu() {
+        // (rows, cols, parts) for 14336 input features: 28 parts of 512 at most.
+        for (rows, cols, parts) in
+            [(32, 128, 28), (256, 384, 28), (1024, 384, 8), (4096, 128, 8), (16384, 384, 1)]
+        {
+            assert_eq!(super::gemm_split_k(14336, rows, cols), parts, "{rows} × {cols}");
         }
     }
 }

@@ -171,6 +171,8 @@ pub struct CudaDevice {
     decode_on_tensor_cores: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
+    /// Where adapter weights are carved from (lora.rs).
+    lora_arena: std::cell::RefCell<lora::LoraArena>,
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -279,6 +281,7 @@ impl CudaDevice {
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
+            lora_arena: std::cell::RefCell::default(),
         })
     }
 

@@ -334,8 +334,8 @@ impl Device for CudaDevice {
         Ok(out)
     }
 
-    fn alloc_lora(&self, shape: LoraShape) -> Result<CudaLora, DeviceError> {
-        self.lora_alloc(shape)
+    fn alloc_lora(&self, shapes: &[LoraShape]) -> Result<Vec<CudaLora>, DeviceError> {
+        self.lora_alloc(shapes)
     }
 
     fn set_lora_slot(&self, l: &mut CudaLora, slot: usize, w: Option<LoraSlotWeights>) -> DevResult<()> {

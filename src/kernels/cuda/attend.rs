@@ -214,12 +214,17 @@ pub(super) fn split_index(s: AttnShape) -> usize {
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
 const SPLIT_CHUNK: usize = 32;
 
-/// Warps per (row, KV head) for flash_decode: as many as keep the grid near 8192 warps
-/// (about five waves of the H200's resident warps), no more than the bound has chunks of 16
-/// keys, at most 64; a power of two.
+/// Warps per (row, KV head) for flash_decode, a power of two up to 64: as many as keep the
+/// grid near 8192 warps (about one wave of the H200's resident warps), each with at least
+/// 64 keys of the bound, since a warp's partial result (written, then read by the
+/// reduction) costs about half the traffic of a chunk of 16 keys. While the grid would
+/// hold fewer than 1024 warps, a few short rows, warps take chunks down to 16 keys so that
+/// they still spread over the GPU.
 fn decode_warps(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
-    let want = 8192 / (rows * s.num_kv_heads).max(1);
-    let n = want.min(ctx_max.div_ceil(16)).clamp(1, 64);
+    let per_part = (rows * s.num_kv_heads).max(1);
+    let spread = (8192 / per_part).min(ctx_max.div_ceil(64));
+    let floor = (1024 / per_part).min(ctx_max.div_ceil(16));
+    let n = spread.max(floor).clamp(1, 64);
     1 << n.ilog2()
 }
 

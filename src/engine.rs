@@ -188,9 +188,9 @@ impl Engine {
             .map_err(|e| EngineError::Device(e.to_string()))?;
         let peers: Vec<_> = runners.split_off(1).into_iter().map(start_runner).collect();
         let runner_addr = start_runner(runners.remove(0).with_peers(peers.clone()));
-        // Decode steps replay CUDA graphs: one per batch size (powers of two up to
-        // --max-num-seqs) and context bound (powers of two from 512 up to --max-model-len).
-        let graphs = (!args.enforce_eager).then(|| graph_shapes(&config));
+        // Decode steps replay CUDA graphs: one per batch size (see `graph_shapes`) and
+        // context bound (powers of two from 512 up to --max-model-len).
+        let graphs = (!args.enforce_eager).then(|| graph_shapes(config.max_num_seqs, config.max_model_len));
         if profile {
             let all: Vec<_> = std::iter::once(runner_addr.clone()).chain(peers).collect();
             let kv = KvSizing { model: &model_config, elem_bytes, utilization: args.gpu_memory_utilization };
@@ -385,19 +385,26 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
     )
 }
 
-/// The decode steps recorded as graphs: batch sizes by powers of two up to
-/// `max_num_seqs`, context bounds by powers of two from 512 up to `max_model_len`.
-fn graph_shapes(config: &EngineConfig) -> CaptureGraphs {
-    let steps = |from: usize, to: usize| {
-        let mut v: Vec<usize> =
-            std::iter::successors(Some(from), |&x| Some(x * 2)).take_while(|&x| x < to).collect();
-        v.push(to);
-        v
-    };
-    CaptureGraphs {
-        sizes: steps(1, config.max_num_seqs),
-        bounds: steps(512.min(config.max_model_len), config.max_model_len),
-    }
+/// The decode steps recorded as graphs. Batch sizes: powers of two up to 32, multiples of
+/// 32 up to 256, then of 64, up to `max_seqs` (a step is padded to the next size, and
+/// from a few dozen rows on a padded row costs about as much as a real one). Context
+/// bounds: powers of two from 512 up to `max_len`.
+fn graph_shapes(max_seqs: usize, max_len: usize) -> CaptureGraphs {
+    let mut sizes: Vec<usize> = std::iter::successors(Some(1), |&x| {
+        Some(match x {
+            ..32 => x * 2,
+            32..256 => x + 32,
+            _ => x + 64,
+        })
+    })
+    .take_while(|&x| x < max_seqs)
+    .collect();
+    sizes.push(max_seqs);
+    let mut bounds: Vec<usize> = std::iter::successors(Some(512.min(max_len)), |&x| Some(x * 2))
+        .take_while(|&x| x < max_len)
+        .collect();
+    bounds.push(max_len);
+    CaptureGraphs { sizes, bounds }
 }
 
 /// What the KV cache is sized from.
@@ -502,5 +509,22 @@ impl Drop for RequestStream {
         if !self.ended {
             self.scheduler.do_send(Abort { id: self.id.clone(), reason: AbortReason::ClientGone });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A decode step is padded to the next graph: by at most 31 rows up to 256 and 63
+    /// beyond, never past --max-num-seqs; bounds double from 512 to --max-model-len.
+    #[test]
+    fn graph_sizes_pad_a_step_by_little() {
+        let g = super::graph_shapes(1024, 8192);
+        assert_eq!(&g.sizes[..8], &[1, 2, 4, 8, 16, 32, 64, 96]);
+        assert_eq!(g.sizes.last(), Some(&1024));
+        assert!(g.sizes.windows(2).all(|w| w[1] - w[0] <= if w[1] <= 256 { 32 } else { 64 }));
+        assert_eq!(g.bounds, [512, 1024, 2048, 4096, 8192]);
+        let small = super::graph_shapes(100, 300);
+        assert_eq!(small.sizes, [1, 2, 4, 8, 16, 32, 64, 96, 100]);
+        assert_eq!(small.bounds, [300]);
     }
 }

@@ -6,10 +6,10 @@
 //! spent on other slots' columns (slots · R of them) is small beside the projection itself.
 //! Either way a mixed batch is one pass with fixed shapes, which CUDA graphs replay.
 
-use cudarc::cublas::sys::cublasOperation_t as Op;
-use cudarc::cublas::sys::cudaDataType as DataType;
 use std::sync::Arc;
 
+use cudarc::cublas::sys::cublasOperation_t as Op;
+use cudarc::cublas::sys::cudaDataType as DataType;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, cuda};
@@ -86,9 +86,9 @@ impl LoraBuf {
     }
 }
 
-/// Where adapter weights come from: chunks carved in allocation order, A matrices from one
-/// and Bᵀ matrices from another. The modules a model allocates one after another (q, k, v;
-/// gate, up) then have their A matrices back to back, and one GEMM shrinks a whole group.
+/// Where adapter weights come from: large chunks carved in allocation order, A matrices
+/// from one and Bᵀ matrices from another. A group's A matrices (q, k and v; gate and up)
+/// are carved in one piece, back to back, so that one GEMM shrinks the whole group.
 #[derive(Default)]
 pub(super) struct LoraArena {
     a: Option<(Arc<LoraMem>, usize)>,
@@ -357,8 +357,8 @@ fn split_k(fin: usize) -> usize {
 }
 
 /// [`split_k`] for a GEMM whose output is `rows` × `cols`: only as many parts as it takes
-/// for its 128 × 128 output tiles to fill about two waves of the GPU's SMs (one for many
-/// rows).
+/// for its 128 × 128 output tiles to make about 264 blocks (two waves of the H200's 132
+/// SMs); one part for many rows.
 fn gemm_split_k(fin: usize, rows: usize, cols: usize) -> usize {
     let tiles = rows.div_ceil(128) * cols.div_ceil(128);
     split_k_at_most(fin, (fin / 512).min(264 / tiles))

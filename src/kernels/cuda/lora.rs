@@ -68,10 +68,16 @@ impl LoraBuf {
 
     /// Writes `values` at element `at` of this buffer.
     fn write(&self, dev: &CudaDevice, at: usize, values: &[f32]) -> DevResult<()> {
-        assert!(at + values.len() <= self.len, "LoRA write past its buffer");
+        if at + values.len() > self.len {
+            return Err(crate::kernels::DeviceError::Other(format!(
+                "LoRA weights of {} values at {at} do not fit a buffer of {}",
+                values.len(),
+                self.len
+            )));
+        }
         let dst = self.ptr(dev) + (at * self.elem()) as u64;
         let copy = cuda("host to device copy");
-        // SAFETY: dst..dst + the values' bytes lies inside this buffer (asserted above) of a
+        // SAFETY: dst..dst + the values' bytes lies inside this buffer (checked above) of a
         // live chunk; a copy from pageable memory has read `values` when it returns.
         match *self.mem {
             LoraMem::F32(_) => unsafe {
@@ -103,17 +109,18 @@ impl CudaDevice {
     fn lora_carve(&self, bt: bool, n: usize, bf16: bool) -> DevResult<LoraBuf> {
         let mut arena = self.lora_arena.borrow_mut();
         let side = if bt { &mut arena.bt } else { &mut arena.a };
-        let fits = side
-            .as_ref()
-            .is_some_and(|(mem, used)| matches!(**mem, LoraMem::Bf16(_)) == bf16 && used + n <= mem.len());
-        if !fits {
-            let len = n.max(ARENA_CHUNK);
-            let mem = if bf16 { LoraMem::Bf16(self.zeros(len)?) } else { LoraMem::F32(self.zeros(len)?) };
-            *side = Some((Arc::new(mem), 0));
-        }
-        let (mem, used) = side.as_mut().expect("a chunk with room");
-        let buf = LoraBuf { mem: mem.clone(), start: *used, len: n };
-        *used += n;
+        let (mem, used) = match side.take() {
+            Some((mem, used)) if matches!(*mem, LoraMem::Bf16(_)) == bf16 && used + n <= mem.len() => {
+                (mem, used)
+            }
+            _ => {
+                let len = n.max(ARENA_CHUNK);
+                let mem = if bf16 { LoraMem::Bf16(self.zeros(len)?) } else { LoraMem::F32(self.zeros(len)?) };
+                (Arc::new(mem), 0)
+            }
+        };
+        let buf = LoraBuf { mem: mem.clone(), start: used, len: n };
+        *side = Some((mem, used + n));
         Ok(buf)
     }
 

@@ -108,6 +108,7 @@ pub struct StepProfile {
     /// share of a decode step; the sampling kernel's own time is in it). Only steps not
     /// planned while another ran count: the time of those includes the other's.
     pub graph_host_ns: AtomicU64,
+    /// The steps `graph_host_ns` counts.
     pub graph_host_steps: AtomicU64,
     /// Of those steps, the ones that followed another without a pause in the work, and
     /// the device's idle time before their forwards (see `RunnerTiming::idle_ns`).

@@ -471,8 +471,9 @@ impl SchedulerActor {
         });
         ctx.spawn(step.map(move |res, act, ctx| {
             act.in_flight -= 1;
-            let since_last = act.last_step.map(|t| t.elapsed());
-            act.last_step = Some(Instant::now());
+            let now = Instant::now();
+            let since_last = act.last_step.map(|t| now - t);
+            act.last_step = Some(now);
             match res {
                 Ok((scheduled, out)) => {
                     tracing::debug!(

@@ -37,15 +37,24 @@ impl Handler<ExecuteBatch> for Recorder {
     type Result = Result<StepOutput, super::super::model_runner::RunnerError>;
     fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
         self.0.lock().unwrap().push(b.seqs.iter().map(|s| s.seq).collect());
-        let sampled =
-            b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None });
-        Ok(StepOutput { sampled: sampled.collect(), ..Default::default() })
+        Ok(StepOutput { sampled: token_fives(&b), ..Default::default() })
     }
 }
 
-#[actix_rt::test]
-async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_batch() {
-    let dir = std::env::temp_dir().join(format!("actorllm-sched-actor-{}", std::process::id()));
+/// Token 5 for every sequence of the batch that samples.
+fn token_fives(b: &ExecuteBatch) -> Vec<Sampled> {
+    b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None }).collect()
+}
+
+/// A scheduler over the tiny random model's tokenizer (written to a temp dir named
+/// `name`): 8 sequences, 64 tokens a step, 32 blocks of 4.
+fn start_scheduler(
+    name: &str,
+    blocks: Recipient<Reserve>,
+    runner: Recipient<ExecuteBatch>,
+    async_scheduling: bool,
+) -> Addr<SchedulerActor> {
+    let dir = std::env::temp_dir().join(format!("actorllm-sched-{name}-{}", std::process::id()));
     make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
     let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
     let cfg = SchedulerConfig {
@@ -55,13 +64,18 @@ async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_bat
         num_blocks: 32,
         max_loras: 0,
     };
+    let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
+    SchedulerActor::new(cfg, blocks, runner, tokenizer, limits, Arc::default())
+        .with_async_scheduling(async_scheduling)
+        .start()
+}
+
+#[actix_rt::test]
+async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_batch() {
     let batches = Arc::new(Mutex::new(Vec::new()));
     let blocks = SlowBlocks(BlockPool::new(32, 4)).start();
     let runner = Recorder(batches.clone()).start();
-    let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
-    let sched =
-        SchedulerActor::new(cfg, blocks.recipient(), runner.recipient(), tokenizer, limits, Arc::default())
-            .start();
+    let sched = start_scheduler("abort", blocks.recipient(), runner.recipient(), false);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let params = Arc::new(SamplingParams { max_tokens: Some(20), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
@@ -87,12 +101,7 @@ impl Actor for SlowRunner {
 impl Handler<ExecuteBatch> for SlowRunner {
     type Result = ResponseActFuture<Self, Result<StepOutput, super::super::model_runner::RunnerError>>;
     fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
-        let sampled: Vec<Sampled> = b
-            .seqs
-            .iter()
-            .filter(|s| s.sample)
-            .map(|s| Sampled { seq: s.seq, token: 5, logprobs: None })
-            .collect();
+        let sampled = token_fives(&b);
         let now = actix_rt::time::Instant::now();
         let end = self.busy_until.map_or(now, |t| t.max(now)) + Duration::from_millis(150);
         self.busy_until = Some(end);
@@ -109,24 +118,10 @@ impl Handler<ExecuteBatch> for SlowRunner {
 /// the first step ends, not with the second.
 #[actix_rt::test]
 async fn async_scheduling_sends_a_token_when_its_step_ends() {
-    let dir = std::env::temp_dir().join(format!("actorllm-sched-async-{}", std::process::id()));
-    make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
-    let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
-    let cfg = SchedulerConfig {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 64,
-        block_size: 4,
-        num_blocks: 32,
-        max_loras: 0,
-    };
     let ended = Arc::new(Mutex::new(Vec::new()));
     let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
     let runner = SlowRunner { ended: ended.clone(), busy_until: None }.start();
-    let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320 };
-    let sched =
-        SchedulerActor::new(cfg, blocks.recipient(), runner.recipient(), tokenizer, limits, Arc::default())
-            .with_async_scheduling(true)
-            .start();
+    let sched = start_scheduler("async", blocks.recipient(), runner.recipient(), true);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let params = Arc::new(SamplingParams { max_tokens: Some(2), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };

@@ -345,17 +345,20 @@ fn every_kernel_matches_its_cpu_twin() {
 /// 1,100-token prefill in one step, then a decode batch of three sequences of different
 /// lengths whose block tables interleave. Then again, within 16-bit rounding, with
 /// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
-/// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache).
+/// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
+/// also over cache blocks of 8 and 32 keys; last, a decode batch of short contexts.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };
     let c = CpuDevice::default();
-    let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32));
-    let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32));
-    let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32)].map(|s| (s, true, DType::BF16));
-    let f16 = [(32, 8, 128), (9, 3, 64)].map(|s| (s, true, DType::F16));
-    let shapes = f32_cache.into_iter().chain(tensor_cores).chain(bf16).chain(f16);
-    for ((heads, kv_heads, head_dim), flash, act) in shapes {
+    let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32, 16));
+    let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32, 16));
+    let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32)].map(|s| (s, true, DType::BF16, 16));
+    let f16 = [(32, 8, 128), (9, 3, 64)].map(|s| (s, true, DType::F16, 16));
+    // Cache blocks smaller and larger than flash_decode's chunk of 16 keys.
+    let block_sizes = [8, 32].map(|bs| ((32, 8, 128), true, DType::BF16, bs));
+    let shapes = f32_cache.into_iter().chain(tensor_cores).chain(bf16).chain(f16).chain(block_sizes);
+    for ((heads, kv_heads, head_dim), flash, act, bs) in shapes {
         g.set_tensor_core_attention(flash);
         g.set_activation_dtype(act);
         let tol = if flash || act != DType::F32 { 1e-2 } else { 1e-4 };
@@ -365,11 +368,12 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        let bs = 16;
-        let shape = CacheShape { num_blocks: 240, block_size: bs, num_kv_heads: kv_heads, head_dim };
+        let per_seq = 1280 / bs as u32;
+        let shape =
+            CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
         let (mut cc, mut cg) = (c.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
         // Three sequences; their blocks interleave: sequence i owns blocks i, i+3, i+6, ...
-        let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..80).map(|b| b * 3 + i).collect()).collect();
+        let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
         let mut step = |seq_pos: &[(u32, std::ops::Range<u32>)], seed: u64| {
             let mut meta = AttnMetadata { block_tables: tables.clone(), ..Default::default() };
             for (seq, range) in seq_pos {
@@ -412,6 +416,9 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         step(&[(0, 0..1100)], 40);
         step(&[(1, 0..300), (2, 0..37)], 41);
         step(&[(0, 1100..1101), (1, 300..301), (2, 37..38)], 42);
+        // Contexts of at most 16 keys: flash_decode gives each row one warp, which writes
+        // the output without the reduction.
+        step(&[(0, 5..6), (1, 12..13), (2, 15..16)], 43);
     }
 }
 

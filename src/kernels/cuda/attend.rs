@@ -108,7 +108,12 @@ impl CudaDevice {
             launch.arg(&*q.buf);
             kc.push(&mut launch);
             vc.push(&mut launch);
-            launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf).arg(&b.rows);
+            launch.arg(&mut *part_out.buf).arg(&mut *part_max.buf).arg(&mut *part_sum.buf);
+            if tc {
+                launch.arg(&mut *out.buf);
+                push_half(&mut launch, &mut half, q, &kind);
+            }
+            launch.arg(&b.rows);
             push_tables(&mut launch, b);
             dims.push(&mut launch);
             if !tc {
@@ -116,9 +121,15 @@ impl CudaDevice {
             }
             launch.arg(&parts_i);
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
-            // rows·heads·parts_max entries (of head_dim values for part_out).
+            // rows·heads·parts_max entries (of head_dim values for part_out); out (and half)
+            // are [rows, heads·head_dim].
             unsafe { launch.launch(cfg) }.map_err(cuda("decode attention launch"))?;
             drop(t);
+            if tc && parts_max == 1 {
+                // One warp took each row's whole context and wrote the output itself.
+                out.half = half;
+                return Ok(out);
+            }
             let _t = self.span("attention_reduce", (0, 0), b.num_rows);
             let cfg = LaunchConfig {
                 grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),

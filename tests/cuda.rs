@@ -337,6 +337,24 @@ fn every_kernel_matches_its_cpu_twin() {
             "{what}: rows without an adapter are unchanged"
         );
         assert!(!untouched(0), "{what}: an adapter changes its rows");
+        // The projection with these adapters as its modules at 0 and 40 of a 62-wide
+        // output, covering every column: past BGMV's rows the GPU writes the deltas first
+        // and the projection's GEMM (weights in the adapters' type, plus a bias) adds
+        // itself to them.
+        let (wv, bv) = (rand(62 * fin, 14), rand(62, 15));
+        let dt = if bf16 { DType::BF16 } else { DType::F32 };
+        let mut bytes = Vec::new();
+        dt.convert_from(DType::F32, bytemuck::cast_slice(&wv), &mut bytes);
+        let t = || HostTensor { dtype: dt, shape: vec![62, fin], data: bytes.clone().into() };
+        let (wc, wg) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
+        let (bc, bg) = (c.upload(host(&bv, &[62])).unwrap(), g.upload(host(&bv, &[62])).unwrap());
+        let (pc, pg): (Vec<_>, Vec<_>) = (lc.iter().zip([0, 40]).collect(), lg.iter().zip([0, 40]).collect());
+        close(
+            &format!("{what} with its projection"),
+            &g.to_host(&g.linear_lora(&xg, &wg, Some(&bg), &pg, &slots).unwrap()).unwrap(),
+            &c.to_host(&c.linear_lora(&xc, &wc, Some(&bc), &pc, &slots).unwrap()).unwrap(),
+            if bf16 { 6e-2 } else { 1e-4 },
+        );
     }
 }
 

@@ -130,7 +130,7 @@ fn column_then_row_parallel_layers_equal_the_unsplit_ones() {
                         assert_eq!(dev.shape(&h), (2, 6 / world));
                         (
                             dev.to_host(&gathered.forward(&dev, &x).unwrap()).unwrap(),
-                            dev.to_host(&row.forward(&dev, &h).unwrap()).unwrap(),
+                            dev.to_host(&row.forward(&dev, &h, None).unwrap()).unwrap(),
                         )
                     })
                 })

@@ -264,4 +264,19 @@ pub trait Device: Send + Unpin + 'static {
         modules: &[(&Self::Lora, usize)],
         slots: &[i32],
     ) -> DevResult<()>;
+    /// [`Device::linear`] with the LoRA deltas of `modules` added as [`Device::add_lora`]
+    /// adds them; a device may compute the deltas first and let the projection add itself
+    /// to them.
+    fn linear_lora(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        modules: &[(&Self::Lora, usize)],
+        slots: &[i32],
+    ) -> DevResult<Self::Tensor> {
+        let mut y = self.linear(x, w, bias)?;
+        self.add_lora(&mut y, x, modules, slots)?;
+        Ok(y)
+    }
 }

@@ -8,8 +8,8 @@ use super::config::ModelConfig;
 use std::borrow::Cow;
 
 use super::layers::{
-    MergedColumnParallelLinear, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-    RowParallelLinear, VocabParallelEmbedding, qkv_heads, shard,
+    MergedColumnParallelLinear, PagedAttention, ParallelLMHead, ProjLora, QKVParallelLinear, RMSNorm,
+    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, qkv_heads, shard,
 };
 use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LORA_MODULES, LoraAdapter};
@@ -101,21 +101,20 @@ impl<D: Device> LayerLora<D> {
         Ok(Self { modules, parts })
     }
 
-    /// Adds the LoRA deltas of modules `range` (into one projection's output) for the batch.
-    fn apply(
-        &self,
-        dev: &D,
-        y: &mut D::Tensor,
-        x: &D::Tensor,
-        range: std::ops::Range<usize>,
-        meta: &AttnMetadata,
-    ) -> DevResult<()> {
-        if meta.lora_slots.is_empty() {
-            return Ok(());
+    /// Modules `range` (one projection's), with their column offsets in its output, when
+    /// the batch has adapter slots.
+    fn modules(&self, range: std::ops::Range<usize>, meta: &AttnMetadata) -> Vec<(&D::Lora, usize)> {
+        match meta.lora_slots.is_empty() {
+            true => Vec::new(),
+            false => self.modules[range].iter().map(|(l, off)| (l, *off)).collect(),
         }
-        let modules: Vec<(&D::Lora, usize)> = self.modules[range].iter().map(|(l, off)| (l, *off)).collect();
-        dev.add_lora(y, x, &modules, &meta.lora_slots)
     }
+}
+
+/// The projection's LoRA for [`layers`]' forwards: `modules` (from
+/// [`LayerLora::modules`]) and the batch's slots, or none.
+fn proj_lora<'a, D: Device>(modules: &'a [(&'a D::Lora, usize)], meta: &'a AttnMetadata) -> ProjLora<'a, D> {
+    (!modules.is_empty()).then_some((modules, &meta.lora_slots[..]))
 }
 
 /// Module index ranges per projection (see [`LORA_MODULES`]).
@@ -144,15 +143,11 @@ impl<D: Device> LlamaMlp<D> {
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        let mut gate_up = self.gate_up_proj.forward(dev, x)?; // [n, 2·intermediate]
-        if let Some(l) = lora {
-            l.apply(dev, &mut gate_up, x, GATE_UP, meta)?;
-        }
+        let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
+        let (gate_up_lora, down_lora) = (modules(GATE_UP), modules(DOWN));
+        let gate_up = self.gate_up_proj.forward(dev, x, proj_lora::<D>(&gate_up_lora, meta))?; // [n, 2·intermediate]
         let act = dev.silu_mul(&gate_up)?; // [n, intermediate]
-        self.down_proj.forward_with(dev, &act, |out| match lora {
-            Some(l) => l.apply(dev, out, &act, DOWN, meta),
-            None => Ok(()),
-        }) // [n, hidden]
+        self.down_proj.forward(dev, &act, proj_lora::<D>(&down_lora, meta)) // [n, hidden]
     }
 }
 
@@ -184,15 +179,11 @@ impl<D: Device> LlamaAttention<D> {
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        let mut qkv = self.qkv_proj.forward(dev, x)?; // [n, (heads + 2·kv_heads)·head_dim]
-        if let Some(l) = lora {
-            l.apply(dev, &mut qkv, x, QKV, meta)?;
-        }
+        let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
+        let (qkv_lora, o_lora) = (modules(QKV), modules(O));
+        let qkv = self.qkv_proj.forward(dev, x, proj_lora::<D>(&qkv_lora, meta))?; // [n, (heads + 2·kv_heads)·head_dim]
         let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, heads·head_dim]
-        self.o_proj.forward_with(dev, &attn, |out| match lora {
-            Some(l) => l.apply(dev, out, &attn, O, meta),
-            None => Ok(()),
-        }) // [n, hidden]
+        self.o_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta)) // [n, hidden]
     }
 }
 

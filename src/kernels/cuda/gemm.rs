@@ -8,20 +8,57 @@ use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{CudaDevice, CudaTensor, DevResult, cuda};
+use super::{CudaDevice, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
 /// decode steps of a few sequences, which only stream the weights.
 const GEMV_ROWS: usize = 8;
 
 impl CudaDevice {
-    /// `out = x @ wᵀ` via cuBLAS (column-major: outᵀ[n, m] = w[n, k] · xᵀ[k, m]).
+    /// `out = x @ wᵀ (+ bias) + beta · out` for `[n, k]` weights w.
+    pub(super) fn linear_into(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        out: &mut CudaTensor,
+        beta: f32,
+    ) -> DevResult<()> {
+        let (n, k) = (w.shape[0], w.shape[1]);
+        assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
+        assert_eq!((out.rows, out.cols), (x.rows, n), "linear: output shape");
+        match &w.buf {
+            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf, beta)?,
+            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false, beta)?,
+            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true, beta)?,
+        }
+        if let Some(b) = bias {
+            let _t = self.span("add_bias", (0, 0), x.rows);
+            let total = (x.rows * n) as i64;
+            let cols = n as i32;
+            // SAFETY: out is [rows, n] and b holds n values.
+            unsafe {
+                self.stream
+                    .launch_builder(self.f("add_bias_f32"))
+                    .arg(&mut *out.buf)
+                    .arg(b.f32())
+                    .arg(&cols)
+                    .arg(&total)
+                    .launch(Self::grid(total as usize))
+            }
+            .map_err(cuda("bias launch"))?;
+        }
+        Ok(())
+    }
+
+    /// `out = x @ wᵀ + beta · out` via cuBLAS (column-major: outᵀ[n, m] = w[n, k] · xᵀ[k, m]).
     pub(super) fn gemm(
         &self,
         x: &CudaTensor,
         w: &CudaSlice<f32>,
         n: usize,
         out: &mut CudaSlice<f32>,
+        beta: f32,
     ) -> DevResult<()> {
         let (m, k) = (x.rows as i32, x.cols as i32);
         let cfg = GemmConfig {
@@ -33,7 +70,7 @@ impl CudaDevice {
             alpha: 1.0f32,
             lda: k,
             ldb: k,
-            beta: 0.0f32,
+            beta,
             ldc: n as i32,
         };
         let _t = self.span("gemm_f32", (n, k as usize), m as usize);
@@ -42,8 +79,8 @@ impl CudaDevice {
         unsafe { self.blas.gemm(cfg, w, &*x.buf, out) }.map_err(cuda("cuBLAS sgemm"))
     }
 
-    /// `out = x @ wᵀ` for 16-bit weights: x is rounded to the weight's type, cuBLAS
-    /// accumulates in f32 and writes f32.
+    /// `out = x @ wᵀ + beta · out` for 16-bit weights: x is rounded to the weight's type,
+    /// cuBLAS accumulates in f32 and writes f32 (the GEMV only overwrites, beta 0).
     pub(super) fn gemm_16(
         &self,
         x: &CudaTensor,
@@ -51,6 +88,7 @@ impl CudaDevice {
         n: usize,
         out: &mut CudaSlice<f32>,
         f16: bool,
+        beta: f32,
     ) -> DevResult<()> {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         let (m, k) = (x.rows, x.cols);
@@ -58,12 +96,12 @@ impl CudaDevice {
         let (wp, _w) = w.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
-            if m <= GEMV_ROWS && k % 8 == 0 && self.sm80 {
+            if m <= GEMV_ROWS && k % 8 == 0 && self.sm80 && beta == 0.0 {
                 return self.gemv(f16, (wp, xp, op), (m, n, k));
             }
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
-            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (wp, k), (xp, k), 0.0, (op, n)) }
+            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (wp, k), (xp, k), beta, (op, n)) }
         })
     }
 

@@ -177,11 +177,17 @@ impl CudaDevice {
         x: &CudaTensor,
         modules: &[(&CudaLora, usize)],
     ) -> DevResult<()> {
-        if y.rows <= BGMV_ROWS && modules.len() <= 3 {
-            self.lora_bgmv(y, x, modules)
+        if Self::lora_by_gemms(y.rows, modules.len()) {
+            self.lora_gemms(y, x, modules, 1.0)
         } else {
-            self.lora_gemms(y, x, modules)
+            self.lora_bgmv(y, x, modules)
         }
+    }
+
+    /// Whether a LoRA pass over `rows` rows and `modules` modules runs as GEMMs over every
+    /// slot rather than as BGMV.
+    pub(super) fn lora_by_gemms(rows: usize, modules: usize) -> bool {
+        rows > BGMV_ROWS || modules > 3
     }
 
     /// [`Self::lora_add`] for a few rows: each reads its own slot's weights only.
@@ -238,12 +244,15 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// [`Self::lora_add`] as GEMMs over every slot, masked to each row's own.
-    fn lora_gemms(
+    /// [`Self::lora_add`] as GEMMs over every slot, masked to each row's own: `y[:, off..off +
+    /// out] = delta + beta · y[:, off..off + out]` for each module (beta 1 adds the deltas,
+    /// 0 writes them over y's columns).
+    pub(super) fn lora_gemms(
         &self,
         y: &mut CudaTensor,
         x: &CudaTensor,
         modules: &[(&CudaLora, usize)],
+        beta: f32,
     ) -> DevResult<()> {
         let Some((first, _)) = modules.first() else { return Ok(()) };
         let LoraShape { slots, max_rank, bf16, .. } = first.shape;
@@ -322,7 +331,7 @@ impl CudaDevice {
             unsafe { b.launch(Self::grid(total as usize)) }.map_err(cuda("LoRA mask launch"))?;
         }
         let mp = v16.as_ref().unwrap_or(&v).buf.device_ptr(&self.stream).0;
-        // Expand: y[:, off..off + out] += v_m · Bᵀ_m over every slot.
+        // Expand: y[:, off..off + out] = v_m · Bᵀ_m over every slot + beta · y.
         let yp = y.buf.device_ptr(&self.stream).0;
         let elem = if bf16 { 2 } else { 4 };
         for (m, (l, off)) in modules.iter().enumerate() {
@@ -340,7 +349,7 @@ impl CudaDevice {
                     (fout, rows, per),
                     (l.bt.ptr(self), fout),
                     (vin, width),
-                    1.0,
+                    beta,
                     (out, y.cols),
                 )
             }?;

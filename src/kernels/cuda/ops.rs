@@ -152,30 +152,35 @@ impl Device for CudaDevice {
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> DevResult<CudaTensor> {
-        let (n, k) = (w.shape[0], w.shape[1]);
-        assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
+        let mut out = self.tensor(x.rows, w.shape[0])?;
+        self.linear_into(x, w, bias, &mut out, 0.0)?;
+        Ok(out)
+    }
+
+    /// For a batch past BGMV's rows whose adapters cover every output column (q, k and v of
+    /// the qkv projection; gate and up; o; down), the deltas come first, written over the
+    /// output rather than added to it, and the projection's GEMM adds itself to them: the
+    /// output's f32 values cross memory once less.
+    fn linear_lora(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        modules: &[(&CudaLora, usize)],
+        slots: &[i32],
+    ) -> DevResult<CudaTensor> {
+        let n = w.shape[0];
+        let covered =
+            modules.iter().try_fold(0, |at, (l, off)| (*off == at).then_some(at + l.shape.out_features));
+        self.upload_lora_slots(slots)?;
+        if !Self::lora_by_gemms(x.rows, modules.len()) || covered != Some(n) {
+            let mut y = self.linear(x, w, bias)?;
+            self.lora_add(&mut y, x, modules)?;
+            return Ok(y);
+        }
         let mut out = self.tensor(x.rows, n)?;
-        match &w.buf {
-            WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf)?,
-            WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false)?,
-            WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true)?,
-        }
-        if let Some(b) = bias {
-            let _t = self.span("add_bias", (0, 0), x.rows);
-            let total = (x.rows * n) as i64;
-            let cols = n as i32;
-            // SAFETY: out is [rows, n] and b holds n values.
-            unsafe {
-                self.stream
-                    .launch_builder(self.f("add_bias_f32"))
-                    .arg(&mut *out.buf)
-                    .arg(b.f32())
-                    .arg(&cols)
-                    .arg(&total)
-                    .launch(Self::grid(total as usize))
-            }
-            .map_err(cuda("bias launch"))?;
-        }
+        self.lora_gemms(&mut out, x, modules, 0.0)?;
+        self.linear_into(x, w, bias, &mut out, 1.0)?;
         Ok(out)
     }
 

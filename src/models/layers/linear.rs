@@ -28,6 +28,24 @@ pub fn qkv_heads(heads: usize, kv_heads: usize, tp: TpRank) -> (Range<usize>, Ra
     (shard(heads, tp), kv)
 }
 
+/// A projection's LoRA adapters for the step: its modules (adapter weights for every slot,
+/// and their first column in the projection's output) and each row's slot.
+pub type ProjLora<'a, D> = Option<(&'a [(&'a <D as Device>::Lora, usize)], &'a [i32])>;
+
+/// `x @ wᵀ (+ bias)`, plus the adapters' deltas when there are any.
+fn project<D: Device>(
+    dev: &D,
+    x: &D::Tensor,
+    w: &D::Weight,
+    bias: Option<&D::Weight>,
+    lora: ProjLora<D>,
+) -> DevResult<D::Tensor> {
+    match lora {
+        Some((modules, slots)) => dev.linear_lora(x, w, bias, modules, slots),
+        None => dev.linear(x, w, bias),
+    }
+}
+
 /// A linear layer split by output features: each rank computes its share of the outputs
 /// (for a following row-parallel layer), or, with `gather_output`, every rank ends with all
 /// of them. The fused layers below are its stacked forms.
@@ -102,8 +120,9 @@ impl<D: Device> QKVParallelLinear<D> {
         };
         Ok(Self { weight, bias, num_heads: q.len(), num_kv_heads: kv.len() })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
-        dev.linear(x, &self.weight, self.bias.as_ref())
+    /// With `lora`, its q, k and v modules' deltas added.
+    pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
+        project(dev, x, &self.weight, self.bias.as_ref(), lora)
     }
 }
 
@@ -126,8 +145,9 @@ impl<D: Device> MergedColumnParallelLinear<D> {
         )?;
         Ok(Self { weight: dev.upload(t)? })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
-        dev.linear(x, &self.weight, None)
+    /// With `lora`, its gate and up modules' deltas added.
+    pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
+        project(dev, x, &self.weight, None, lora)
     }
 }
 
@@ -143,20 +163,10 @@ impl<D: Device> RowParallelLinear<D> {
         let part = if tp.world == 1 { Part::Whole } else { Part::Cols(shard(input, tp)) };
         Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)? })
     }
-    /// `x @ wᵀ` summed over the ranks.
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
-        self.forward_with(dev, x, |_| Ok(()))
-    }
-    /// As [`Self::forward`], with `delta` (a LoRA's, from this rank's share of the input)
-    /// added to the partial product before the sum over the ranks.
-    pub fn forward_with(
-        &self,
-        dev: &D,
-        x: &D::Tensor,
-        delta: impl FnOnce(&mut D::Tensor) -> DevResult<()>,
-    ) -> DevResult<D::Tensor> {
-        let mut out = dev.linear(x, &self.weight, None)?;
-        delta(&mut out)?;
+    /// `x @ wᵀ` summed over the ranks; with `lora`, its delta (from this rank's share of the
+    /// input) joins the partial product before the sum.
+    pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
+        let mut out = project(dev, x, &self.weight, None, lora)?;
         dev.all_reduce(&mut out)?;
         Ok(out)
     }

@@ -6,7 +6,8 @@ mod linear;
 
 pub use attention::{PagedAttention, RotaryEmbedding};
 pub use linear::{
-    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, qkv_heads, shard,
+    ColumnParallelLinear, MergedColumnParallelLinear, ProjLora, QKVParallelLinear, RowParallelLinear,
+    qkv_heads, shard,
 };
 
 use super::ModelError;

@@ -516,6 +516,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(40) };
     let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
     let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
+    drop(cpu);
     for (label, args) in [
         (
             "gpu, CUDA graphs, one step at a time",
@@ -537,6 +538,12 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
         ),
     ] {
         let eager = args.enforce_eager;
+        // The engine before this one releases its device first: a KV cache still held
+        // would leave this one's profiling little memory.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let gpu = Engine::start(args).await.unwrap();
         let got =
             futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;

@@ -236,8 +236,14 @@ impl Drop for LiveRunner {
     }
 }
 
+/// ModelRunners in this process that have not yet dropped their device.
+pub fn live_runners() -> usize {
+    LIVE_RUNNERS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 /// Waits (at most `limit`) until every ModelRunner has dropped its device: their threads
-/// end once the actors that send to them are gone.
+/// end once the actors that send to them are gone (which needs their system running: from
+/// inside it, poll [`live_runners`] between awaits instead).
 pub fn wait_for_runners(limit: std::time::Duration) {
     let start = std::time::Instant::now();
     while LIVE_RUNNERS.load(std::sync::atomic::Ordering::SeqCst) > 0 && start.elapsed() < limit {

@@ -111,8 +111,8 @@ impl<D: Device> LayerLora<D> {
     }
 }
 
-/// The projection's LoRA for [`layers`]' forwards: `modules` (from
-/// [`LayerLora::modules`]) and the batch's slots, or none.
+/// A projection's LoRA as the linear layers take it: `modules` (from
+/// [`LayerLora::modules`]) and the batch's slots, or none without modules.
 fn proj_lora<'a, D: Device>(modules: &'a [(&'a D::Lora, usize)], meta: &'a AttnMetadata) -> ProjLora<'a, D> {
     (!modules.is_empty()).then_some((modules, &meta.lora_slots[..]))
 }

@@ -75,11 +75,23 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-// −ln(−ln u) for token i, u uniform in (0, 1) (sampling::gumbel).
-__device__ __forceinline__ double gumbel(unsigned long long base, unsigned int i) {
+// u uniform in (0, 1) for token i (sampling::gumbel's).
+__device__ __forceinline__ double uniform(unsigned long long base, unsigned int i) {
     unsigned long long h = splitmix64(base ^ (unsigned long long)i);
-    double u = ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
-    return -log(-log(u));
+    return ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
+}
+
+// −ln(−ln u): Gumbel noise, in double as the host takes it.
+__device__ __forceinline__ double gumbel(double u) { return -log(-log(u)); }
+
+// The same in float, within GUMBEL_F_ERR of gumbel(u): −ln u from u rounded to float (its
+// log's error relative, so absolute in the result) or, above 1/2, from u − 1 (exact in
+// double, then rounded) through log1pf, so that u near 1 keeps its small −ln u; each float
+// step adds a relative error of a few 2⁻²⁴, under 1e-5 in all for |noise| ≤ 40.
+#define GUMBEL_F_ERR 1e-3
+__device__ __forceinline__ float gumbel_f(double u) {
+    float e = u < 0.5 ? -logf((float)u) : -log1pf((float)(u - 1.0));
+    return -logf(e);
 }
 
 // Floats as unsigned integers in the same order, and back.
@@ -191,6 +203,9 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
             double target = (double)top_p * block_sum(z, r);
             floor = search(row, cols, floor, max, true, target, floor, max, t, r);
         }
+        // Each thread keeps its best key in double; a token whose key, with the noise taken
+        // in float, falls more than GUMBEL_F_ERR short of it cannot win, and skips the double
+        // logarithms (most do: a thread's best is soon among its highest).
         k = (double)NEG_INF;
         token = 0x7fffffff;
         for (int c = threadIdx.x; c < cols; c += SAMPLE_THREADS) {
@@ -198,7 +213,9 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
             if (l == NEG_INF || l < floor) continue;
             float key = scaled(l, max, t);
             if (min_p > 0.0f && expf(key) < min_p) continue;
-            better(k, token, (double)key + gumbel(base, (unsigned int)c), c);
+            double u = uniform(base, (unsigned int)c);
+            if ((double)key + (double)gumbel_f(u) + GUMBEL_F_ERR < k) continue;
+            better(k, token, (double)key + gumbel(u), c);
         }
         block_argmax(k, token, r);
     }

@@ -355,6 +355,7 @@ fn every_kernel_matches_its_cpu_twin() {
             &c.to_host(&c.linear_lora(&xc, &wc, Some(&bc), &pc, &slots).unwrap()).unwrap(),
             if bf16 { 6e-2 } else { 1e-4 },
         );
+        assert_eq!(g.lora_deltas_first(), rows > 32, "{what}: deltas first past BGMV's 32 rows");
     }
 }
 

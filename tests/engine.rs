@@ -342,12 +342,12 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
 }
 
-/// `--async-scheduling` (the default) plans each step while the one before it runs, so a request that
-/// stops has already been given one step more. Every request must still get exactly what
-/// it gets without it: lengths that end at different steps, a stop token and a stop string
-/// (found a step after the next was planned), seeded sampling with n = 2, and preemption in
-/// a pool too small for everyone; and every block must come back. A request that ends by
-/// length is given no step past its last token.
+/// `--async-scheduling` (the default) plans each step while the one before it runs, so a
+/// request that stops has already been given one step more. Every request must still get
+/// exactly what it gets without it: lengths that end at different steps, a stop token and
+/// a stop string (found a step after the next was planned), seeded sampling with n = 2, and
+/// preemption in a pool too small for everyone; and every block must come back. A request
+/// that ends by length is given no step past its last token.
 #[actix_rt::test]
 async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     let model = tiny_model(9);

@@ -169,6 +169,8 @@ pub struct CudaDevice {
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
     decode_on_tensor_cores: std::cell::Cell<bool>,
+    /// Whether the last `linear_lora` wrote the adapters' deltas before the projection.
+    lora_deltas_first: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
@@ -280,6 +282,7 @@ impl CudaDevice {
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
+            lora_deltas_first: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
         })
@@ -321,6 +324,12 @@ impl CudaDevice {
     /// Whether the last attention's decode rows ran on tensor cores (flash_decode).
     pub fn tensor_core_decode(&self) -> bool {
         self.decode_on_tensor_cores.get()
+    }
+
+    /// Whether the last projection with adapters wrote their deltas first and let its GEMM
+    /// add itself to them (`Device::linear_lora`), rather than adding them after.
+    pub fn lora_deltas_first(&self) -> bool {
+        self.lora_deltas_first.get()
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.

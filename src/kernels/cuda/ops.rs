@@ -173,7 +173,9 @@ impl Device for CudaDevice {
         let covered =
             modules.iter().try_fold(0, |at, (l, off)| (*off == at).then_some(at + l.shape.out_features));
         self.upload_lora_slots(slots)?;
-        if !Self::lora_by_gemms(x.rows, modules.len()) || covered != Some(n) {
+        let first = Self::lora_by_gemms(x.rows, modules.len()) && covered == Some(n);
+        self.lora_deltas_first.set(first);
+        if !first {
             let mut y = self.linear(x, w, bias)?;
             self.lora_add(&mut y, x, modules)?;
             return Ok(y);

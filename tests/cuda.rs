@@ -51,6 +51,22 @@ fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
     }
 }
 
+/// `gpu` against silu(gate) · up of a `[rows, gate | up]` projection computed on the CPU,
+/// where the projection's values may each be off by `tol · (1 + |value|)`: that error
+/// carried through silu·mul (silu's slope is at most 1.1).
+fn close_silu_mul(what: &str, gpu: &[f32], proj: &[f32], inter: usize, tol: f32) {
+    assert_eq!(2 * gpu.len(), proj.len(), "{what}: length");
+    for (i, a) in gpu.iter().enumerate() {
+        let (row, j) = (i / inter, i % inter);
+        let (g, u) = (proj[row * 2 * inter + j], proj[row * 2 * inter + inter + j]);
+        let want = g / (1.0 + (-g).exp()) * u;
+        // |Δ(silu(g)·u)| ≤ |silu(g)|·Δu + 1.1·|u|·Δg, with |silu(g)| ≤ |g| and each Δ at most
+        // tol · (1 + |value|).
+        let bound = tol * (g.abs() * (1.0 + u.abs()) + 1.1 * u.abs() * (1.0 + g.abs()) + 1e-3);
+        assert!((a - want).abs() <= bound, "{what}[{i}]: gpu {a} vs cpu {want} (gate {g}, up {u})");
+    }
+}
+
 /// The GPU sampler against the host's on a vocabulary-sized batch: every rule (greedy with
 /// planted ties, temperature, top-k, top-p, min-p, penalties, min_tokens masking, logprobs)
 /// and many seeds pick the same tokens.
@@ -356,6 +372,31 @@ fn every_kernel_matches_its_cpu_twin() {
             if bf16 { 6e-2 } else { 1e-4 },
         );
         assert_eq!(g.lora_deltas_first(), rows > 32, "{what}: deltas first past BGMV's 32 rows");
+        // The same projection as a fused gate/up one (gate its first 31 outputs, up the
+        // last 31) under silu·mul, with these adapters and without: past the GEMV's 8 rows
+        // the GPU writes a bf16 projection in bf16 (rounded as transformers rounds it),
+        // with adapters only where their deltas come first.
+        // Checked against silu·mul of the CPU's projection, within the projection's own
+        // tolerance carried through silu·mul.
+        let tol = if bf16 { 6e-2 } else { 1e-4 };
+        let proj = c.to_host(&c.linear_lora(&xc, &wc, None, &pc, &slots).unwrap()).unwrap();
+        close_silu_mul(
+            &format!("{what}: silu_mul of its projection"),
+            &g.to_host(&g.gate_up_silu(&xg, &wg, Some((&pg, &slots))).unwrap()).unwrap(),
+            &proj,
+            31,
+            tol,
+        );
+        assert_eq!(g.gate_up_in_16_bits(), bf16 && rows > 32, "{what}: silu_mul of a 16-bit projection");
+        let proj = c.to_host(&c.linear(&xc, &wc, None).unwrap()).unwrap();
+        close_silu_mul(
+            &format!("{what}: silu_mul of its projection without adapters"),
+            &g.to_host(&g.gate_up_silu(&xg, &wg, None).unwrap()).unwrap(),
+            &proj,
+            31,
+            tol,
+        );
+        assert_eq!(g.gate_up_in_16_bits(), bf16, "{what}: silu_mul of a 16-bit projection, no adapters");
     }
 }
 

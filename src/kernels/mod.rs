@@ -279,4 +279,25 @@ pub trait Device: Send + Unpin + 'static {
         self.add_lora(&mut y, x, modules, slots)?;
         Ok(y)
     }
+    /// `silu(gate) · up` of a fused gate/up projection (`[gate | up]` rows of w), with
+    /// `lora`'s deltas (modules and each row's slot) added to the projection first:
+    /// [`Device::silu_mul`] of [`Device::linear`] or [`Device::linear_lora`]. A device may
+    /// keep the projection in the weights' 16-bit type in between, as a 16-bit model (and
+    /// transformers) computes it.
+    fn gate_up_silu(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        lora: LoraRows<Self::Lora>,
+    ) -> DevResult<Self::Tensor> {
+        let gate_up = match lora {
+            Some((modules, slots)) => self.linear_lora(x, w, None, modules, slots)?,
+            None => self.linear(x, w, None)?,
+        };
+        self.silu_mul(&gate_up)
+    }
 }
+
+/// A projection's LoRA adapters for a step: its modules (adapter weights for every slot,
+/// and their first column in the projection's output) and each row's slot.
+pub type LoraRows<'a, L> = Option<(&'a [(&'a L, usize)], &'a [i32])>;

@@ -145,8 +145,7 @@ impl<D: Device> LlamaMlp<D> {
     ) -> DevResult<D::Tensor> {
         let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
         let (gate_up_lora, down_lora) = (modules(GATE_UP), modules(DOWN));
-        let gate_up = self.gate_up_proj.forward(dev, x, proj_lora::<D>(&gate_up_lora, meta))?; // [n, 2·intermediate]
-        let act = dev.silu_mul(&gate_up)?; // [n, intermediate]
+        let act = self.gate_up_proj.forward_silu_mul(dev, x, proj_lora::<D>(&gate_up_lora, meta))?; // [n, intermediate]
         self.down_proj.forward(dev, &act, proj_lora::<D>(&down_lora, meta)) // [n, hidden]
     }
 }

@@ -79,25 +79,27 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
     }
 }
 
-// silu(gate) · up of gate_up = [rows, 2·inter] (gate then up). One thread per 4 columns
-// (float4 where inter allows), grid (column blocks, up to 65535 row blocks striding over
+// silu(gate) · up of gate_up = [rows, 2·inter] (gate then up), read as T: f32, or the
+// 16-bit type in which a GEMM of 16-bit weights wrote it. One thread per 4 columns (four
+// at once where inter allows), grid (column blocks, up to 65535 row blocks striding over
 // the rows): no division per element.
-extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
-                                        int inter, int rows) {
+template <typename T>
+__device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
+                                         int inter, int rows) {
     int c = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
     if (c >= inter) return;
     for (size_t row = blockIdx.y; row < (size_t)rows; row += gridDim.y) {
-        const float* g = gate_up + row * 2 * inter + c;
-        const float* u = g + inter;
+        const T* g = gate_up + row * 2 * inter + c;
+        const T* u = g + inter;
         size_t o = row * inter + c;
         float gv[4], uv[4];
         int n = min(4, inter - c);
         if (n == 4 && (inter & 3) == 0) {
-            float4 a = *(const float4*)g, b = *(const float4*)u;
+            float4 a = ld4(g), b = ld4(u);
             gv[0] = a.x; gv[1] = a.y; gv[2] = a.z; gv[3] = a.w;
             uv[0] = b.x; uv[1] = b.y; uv[2] = b.z; uv[3] = b.w;
         } else {
-            for (int j = 0; j < n; j++) gv[j] = g[j], uv[j] = u[j];
+            for (int j = 0; j < n; j++) gv[j] = ld(g + j), uv[j] = ld(u + j);
         }
         float r[4];
     #pragma unroll
@@ -112,6 +114,15 @@ extern "C" __global__ void silu_mul_f32(const float* __restrict__ gate_up, float
         }
     }
 }
+
+#define SILU_MUL_ENTRY(SUF, T)                                                                                    \
+    extern "C" __global__ void silu_mul_##SUF(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, \
+                                              int kind, int inter, int rows) {                                    \
+        silu_mul(gate_up, out, out16, kind, inter, rows);                                                         \
+    }
+SILU_MUL_ENTRY(f32, float)
+SILU_MUL_ENTRY(bf16, __nv_bfloat16)
+SILU_MUL_ENTRY(f16, __half)
 
 extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

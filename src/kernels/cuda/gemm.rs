@@ -8,11 +8,13 @@ use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{CudaDevice, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
+use super::lora::GemmOut;
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
+use crate::kernels::LoraRows;
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
 /// decode steps of a few sequences, which only stream the weights.
-const GEMV_ROWS: usize = 8;
+pub(super) const GEMV_ROWS: usize = 8;
 
 impl CudaDevice {
     /// `out = x @ wᵀ (+ bias) + beta · out` for `[n, k]` weights w.
@@ -101,8 +103,101 @@ impl CudaDevice {
             }
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
-            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (wp, k), (xp, k), beta, (op, n)) }
+            unsafe {
+                self.gemm_raw(
+                    ty,
+                    Op::CUBLAS_OP_T,
+                    (n, m, k),
+                    (wp, k),
+                    (xp, k),
+                    beta,
+                    (op, n, DataType::CUDA_R_32F),
+                )
+            }
         })
+    }
+
+    /// `Device::gate_up_silu` for 16-bit weights past [`GEMV_ROWS`] rows, with no adapters or
+    /// with bf16 adapters whose deltas come first (`CudaDevice::lora_first`): the deltas and
+    /// then the projection are written in the weights' 16-bit type, and silu_mul reads
+    /// that, so the projection's values cross memory in half the bytes each way. None
+    /// where this does not apply.
+    pub(super) fn gate_up_silu_16(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        lora: LoraRows<CudaLora>,
+    ) -> DevResult<Option<CudaTensor>> {
+        use cudarc::driver::DevicePtr;
+        let (n, k) = (w.shape[0], w.shape[1]);
+        self.gate_up_16.set(false);
+        let (wb, kind) = match &w.buf {
+            WeightBuf::Bf16(b) => (b, 1),
+            WeightBuf::F16(b) => (b, 2),
+            WeightBuf::F32(_) => return Ok(None),
+        };
+        let rows = x.rows;
+        let adapters_fit = lora.is_none_or(|(modules, _)| {
+            kind == 1 && modules.iter().all(|(l, _)| l.shape.bf16) && Self::lora_first(rows, modules, n)
+        });
+        if rows <= GEMV_ROWS || x.cols != k || !adapters_fit {
+            return Ok(None);
+        }
+        self.gate_up_16.set(true);
+        let ty = if kind == 2 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
+        // rows · n 16-bit values.
+        let gate_up = self.tensor((rows * n).div_ceil(2), 1)?;
+        let gp = gate_up.buf.device_ptr(&self.stream).0;
+        let mut beta = 0.0;
+        if let Some((modules, slots)) = lora {
+            self.upload_lora_slots(slots)?;
+            self.lora_deltas_first.set(true);
+            self.lora_gemms(GemmOut { ptr: gp, rows, cols: n, ty }, x, modules, 0.0)?;
+            beta = 1.0;
+        }
+        let (wp, _w) = wb.device_ptr(&self.stream);
+        self.with_x16(x, kind, |xp| {
+            let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), rows);
+            // SAFETY: w is [n, k] and x [rows, k] of type ty; gate_up holds rows · n values
+            // of it.
+            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, rows, k), (wp, k), (xp, k), beta, (gp, n, ty)) }
+        })?;
+        // SAFETY: gate_up holds rows · n values of the weights' type.
+        unsafe { self.silu_mul_at(gp, kind, rows, n / 2) }.map(Some)
+    }
+
+    /// `silu(gate) · up` of `[rows, 2 · inter]` values at `src`, of f32 (`kind` 0) or of
+    /// bf16 (1) or f16 (2); the result in f32, with the 16-bit copy the next GEMM reads.
+    ///
+    /// # Safety
+    /// `src` must hold rows · 2 · inter values of its kind until the stream has run the call.
+    pub(super) unsafe fn silu_mul_at(
+        &self,
+        src: CUdeviceptr,
+        kind: i32,
+        rows: usize,
+        inter: usize,
+    ) -> DevResult<CudaTensor> {
+        let mut out = self.tensor(rows, inter)?;
+        let (mut half, half_kind) = self.half(rows, inter)?;
+        let (i, r) = (inter as i32, rows as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (inter.div_ceil(4 * 256) as u32, rows.clamp(1, 65535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let _t = self.span("silu_mul", (0, 0), rows);
+        let name = ["silu_mul_f32", "silu_mul_bf16", "silu_mul_f16"][kind as usize];
+        let mut launch = self.stream.launch_builder(self.f(name));
+        launch.arg(&src).arg(&mut *out.buf);
+        match &mut half {
+            Some(h) => launch.arg(&mut *h.buf),
+            None => launch.arg(&src), // not written with kind 0
+        };
+        // SAFETY: the caller's src; out is [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
+        unsafe { launch.arg(&half_kind).arg(&i).arg(&r).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
+        out.half = half;
+        Ok(out)
     }
 
     /// `out = x @ wᵀ` for up to [`GEMV_ROWS`] rows of 16-bit x and w (gemv.cu): w `[n, k]`,
@@ -230,8 +325,9 @@ impl CudaDevice {
     }
 
     /// cublasGemmEx in cuBLAS's column-major terms: `C[m, n] = op(A)[m, k] · B[k, n] +
-    /// beta · C`, A and B of type `ty`, C f32, f32 accumulation. Each operand is a device
-    /// address with its leading dimension; `op(A)` is A (`CUBLAS_OP_N`, `m × k` with `lda ≥ m`)
+    /// beta · C`, A and B of type `ty`, C of type `c_ty` (f32, or `ty` when that is 16-bit:
+    /// the sums rounded to it), f32 accumulation. Each operand is a device address with its
+    /// leading dimension; `op(A)` is A (`CUBLAS_OP_N`, `m × k` with `lda ≥ m`)
     /// or Aᵀ (`CUBLAS_OP_T`, A `k × m` with `lda ≥ k`). A row-major `[r, c]` matrix is a
     /// column-major `c × r` one.
     ///
@@ -247,7 +343,7 @@ impl CudaDevice {
         (a, lda): (CUdeviceptr, usize),
         (b, ldb): (CUdeviceptr, usize),
         beta: f32,
-        (c, ldc): (CUdeviceptr, usize),
+        (c, ldc, c_ty): (CUdeviceptr, usize, DataType),
     ) -> DevResult<()> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t};
         let alpha = 1.0f32;
@@ -269,7 +365,7 @@ impl CudaDevice {
                 ldb as i32,
                 (&beta as *const f32).cast(),
                 c as *mut _,
-                DataType::CUDA_R_32F,
+                c_ty,
                 ldc as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
 use cudarc::cublas::sys::cudaDataType as DataType;
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, CudaTensor, cuda};
 use crate::kernels::{DevResult, LoraShape, LoraSlotWeights};
@@ -178,10 +179,19 @@ impl CudaDevice {
         modules: &[(&CudaLora, usize)],
     ) -> DevResult<()> {
         if Self::lora_by_gemms(y.rows, modules.len()) {
-            self.lora_gemms(y, x, modules, 1.0)
+            self.lora_gemms(GemmOut::f32(self, y), x, modules, 1.0)
         } else {
             self.lora_bgmv(y, x, modules)
         }
+    }
+
+    /// Whether `linear_lora` writes the deltas of `modules` first and lets the projection
+    /// of `n` outputs add itself to them: for GEMMs over every slot, when the modules cover
+    /// every output column in order (q, k and v; gate and up; o; down).
+    pub(super) fn lora_first(rows: usize, modules: &[(&CudaLora, usize)], n: usize) -> bool {
+        let covered =
+            modules.iter().try_fold(0, |at, (l, off)| (*off == at).then_some(at + l.shape.out_features));
+        Self::lora_by_gemms(rows, modules.len()) && covered == Some(n)
     }
 
     /// Whether a LoRA pass over `rows` rows and `modules` modules runs as GEMMs over every
@@ -249,7 +259,7 @@ impl CudaDevice {
     /// 0 writes them over y's columns).
     pub(super) fn lora_gemms(
         &self,
-        y: &mut CudaTensor,
+        y: GemmOut,
         x: &CudaTensor,
         modules: &[(&CudaLora, usize)],
         beta: f32,
@@ -332,13 +342,12 @@ impl CudaDevice {
         }
         let mp = v16.as_ref().unwrap_or(&v).buf.device_ptr(&self.stream).0;
         // Expand: y[:, off..off + out] = v_m · Bᵀ_m over every slot + beta · y.
-        let yp = y.buf.device_ptr(&self.stream).0;
         let elem = if bf16 { 2 } else { 4 };
         for (m, (l, off)) in modules.iter().enumerate() {
             let fout = l.shape.out_features;
             let _t = self.span("lora expand", (fout, per), rows);
             let vin = mp + (m * per * elem) as u64;
-            let out = yp + (off * 4) as u64;
+            let out = y.ptr + (off * y.elem()) as u64;
             // SAFETY: Bᵀ is [per, fout] row-major (fout × per column-major), the module's
             // v block [rows, per] within rows of `width`, y's columns off..off + fout within
             // rows of y.cols.
@@ -350,11 +359,33 @@ impl CudaDevice {
                     (l.bt.ptr(self), fout),
                     (vin, width),
                     beta,
-                    (out, y.cols),
+                    (out, y.cols, y.ty),
                 )
             }?;
         }
         Ok(())
+    }
+}
+
+/// Where GEMMs write: a row-major `[rows, cols]` matrix at a device address, of f32 or of
+/// the weights' 16-bit type.
+#[derive(Clone, Copy)]
+pub(super) struct GemmOut {
+    pub ptr: CUdeviceptr,
+    pub rows: usize,
+    pub cols: usize,
+    pub ty: DataType,
+}
+
+impl GemmOut {
+    /// A tensor's f32 values.
+    pub fn f32(dev: &CudaDevice, y: &mut CudaTensor) -> Self {
+        let ptr = y.buf.device_ptr_mut(&dev.stream).0;
+        Self { ptr, rows: y.rows, cols: y.cols, ty: DataType::CUDA_R_32F }
+    }
+
+    fn elem(&self) -> usize {
+        if self.ty == DataType::CUDA_R_32F { 4 } else { 2 }
     }
 }
 

@@ -171,6 +171,8 @@ pub struct CudaDevice {
     decode_on_tensor_cores: std::cell::Cell<bool>,
     /// Whether the last `linear_lora` wrote the adapters' deltas before the projection.
     lora_deltas_first: std::cell::Cell<bool>,
+    /// Whether the last `gate_up_silu` kept the projection in 16 bits.
+    gate_up_16: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
@@ -283,6 +285,7 @@ impl CudaDevice {
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
             lora_deltas_first: std::cell::Cell::new(false),
+            gate_up_16: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
         })
@@ -330,6 +333,12 @@ impl CudaDevice {
     /// add itself to them (`Device::linear_lora`), rather than adding them after.
     pub fn lora_deltas_first(&self) -> bool {
         self.lora_deltas_first.get()
+    }
+
+    /// Whether the last `Device::gate_up_silu` wrote the projection in the weights' 16-bit
+    /// type for silu_mul to read, rather than in f32.
+    pub fn gate_up_in_16_bits(&self) -> bool {
+        self.gate_up_16.get()
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 39] = [
+const KERNELS: [&str; 41] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -23,6 +23,8 @@ const KERNELS: [&str; 39] = [
     "f32_to_f16",
     "rms_norm_f32",
     "silu_mul_f32",
+    "silu_mul_bf16",
+    "silu_mul_f16",
     "add_f32",
     "add_bias_f32",
     "gather_rows_f32",

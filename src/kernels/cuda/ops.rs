@@ -1,12 +1,13 @@
 //! The [`Device`] operations of the CUDA device: one launch (or cuBLAS call) each, with
 //! shapes checked by the model and indices bounded by the scheduler's metadata.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::lora::GemmOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
-    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights,
-    RopeSpec, Sampled, TpRank,
+    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraRows, LoraShape,
+    LoraSlotWeights, RopeSpec, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -170,10 +171,8 @@ impl Device for CudaDevice {
         slots: &[i32],
     ) -> DevResult<CudaTensor> {
         let n = w.shape[0];
-        let covered =
-            modules.iter().try_fold(0, |at, (l, off)| (*off == at).then_some(at + l.shape.out_features));
         self.upload_lora_slots(slots)?;
-        let first = Self::lora_by_gemms(x.rows, modules.len()) && covered == Some(n);
+        let first = Self::lora_first(x.rows, modules, n);
         self.lora_deltas_first.set(first);
         if !first {
             let mut y = self.linear(x, w, bias)?;
@@ -181,7 +180,7 @@ impl Device for CudaDevice {
             return Ok(y);
         }
         let mut out = self.tensor(x.rows, n)?;
-        self.lora_gemms(&mut out, x, modules, 0.0)?;
+        self.lora_gemms(GemmOut::f32(self, &mut out), x, modules, 0.0)?;
         self.linear_into(x, w, bias, &mut out, 1.0)?;
         Ok(out)
     }
@@ -217,26 +216,27 @@ impl Device for CudaDevice {
     }
 
     fn silu_mul(&self, gate_up: &CudaTensor) -> DevResult<CudaTensor> {
-        let inter = gate_up.cols / 2;
-        let mut out = self.tensor(gate_up.rows, inter)?;
-        let (mut half, kind) = self.half(gate_up.rows, inter)?;
-        let (i, rows) = (inter as i32, gate_up.rows as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (inter.div_ceil(4 * 256) as u32, gate_up.rows.clamp(1, 65535) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+        let src = gate_up.buf.device_ptr(&self.stream).0;
+        // SAFETY: gate_up holds rows · cols floats.
+        unsafe { self.silu_mul_at(src, 0, gate_up.rows, gate_up.cols / 2) }
+    }
+
+    /// With 16-bit weights past the GEMV's rows, the projection is written in their type
+    /// (`CudaDevice::gate_up_silu_16`).
+    fn gate_up_silu(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        lora: LoraRows<CudaLora>,
+    ) -> DevResult<CudaTensor> {
+        if let Some(act) = self.gate_up_silu_16(x, w, lora)? {
+            return Ok(act);
+        }
+        let gate_up = match lora {
+            Some((modules, slots)) => self.linear_lora(x, w, None, modules, slots)?,
+            None => self.linear(x, w, None)?,
         };
-        let _t = self.span("silu_mul", (0, 0), gate_up.rows);
-        let mut launch = self.stream.launch_builder(self.f("silu_mul_f32"));
-        launch.arg(&*gate_up.buf).arg(&mut *out.buf);
-        match &mut half {
-            Some(h) => launch.arg(&mut *h.buf),
-            None => launch.arg(&*gate_up.buf), // not written with kind 0
-        };
-        // SAFETY: gate_up is [rows, 2·inter], out [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
-        unsafe { launch.arg(&kind).arg(&i).arg(&rows).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
-        out.half = half;
-        Ok(out)
+        self.silu_mul(&gate_up)
     }
 
     fn split_qkv_rope(

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::kernels::{DevResult, Device, TpRank};
+use crate::kernels::{DevResult, Device, LoraRows, TpRank};
 use crate::models::ModelError;
 use crate::models::loader::{ParamView, Part};
 
@@ -28,9 +28,8 @@ pub fn qkv_heads(heads: usize, kv_heads: usize, tp: TpRank) -> (Range<usize>, Ra
     (shard(heads, tp), kv)
 }
 
-/// A projection's LoRA adapters for the step: its modules (adapter weights for every slot,
-/// and their first column in the projection's output) and each row's slot.
-pub type ProjLora<'a, D> = Option<(&'a [(&'a <D as Device>::Lora, usize)], &'a [i32])>;
+/// A projection's LoRA adapters for the step (see [`LoraRows`]).
+pub type ProjLora<'a, D> = LoraRows<'a, <D as Device>::Lora>;
 
 /// `x @ wᵀ (+ bias)`, plus the adapters' deltas when there are any.
 fn project<D: Device>(
@@ -145,9 +144,10 @@ impl<D: Device> MergedColumnParallelLinear<D> {
         )?;
         Ok(Self { weight: dev.upload(t)? })
     }
-    /// With `lora`, its gate and up modules' deltas added.
-    pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
-        project(dev, x, &self.weight, None, lora)
+    /// `silu(gate) · up` of the projection, with `lora`'s gate and up deltas added to it
+    /// first: `[n, hidden]` → `[n, intermediate / ranks]`.
+    pub fn forward_silu_mul(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
+        dev.gate_up_silu(x, &self.weight, lora)
     }
 }
 

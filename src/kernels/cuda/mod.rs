@@ -3,7 +3,8 @@
 //! device's architecture and cached on disk (keyed by source hash and architecture);
 //! GEMMs go through cuBLAS. Activations are f32; 2-D weights stay in their dtype (f32, or
 //! bf16/f16 multiplied by cublasGemmEx with f32 accumulation, the kernels that feed a GEMM
-//! also writing their output in the weights' type), 1-D weights (norms, biases) are f32.
+//! also writing their output in the weights' type, and a 16-bit MLP's gate/up projection
+//! kept in that type for silu_mul), 1-D weights (norms, biases) are f32.
 //! The KV cache is f32 for an f32 model and the weights' type for a 16-bit one; prefill
 //! attention of 16-bit models runs on tensor cores (flash.cu). Sampling runs here too
 //! (sample.rs, sampling.cu), and so do batched LoRA adapters (lora.rs, lora.cu); decode

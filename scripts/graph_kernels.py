@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Kernel times of a GPU run's forward steps, from an Nsight Systems trace.
+
+    nsys profile --cuda-graph-trace=node -t cuda -o run actorllm bench latency ...
+    nsys stats --report cuda_gpu_trace --format csv -o run run.nsys-rep
+    scripts/graph_kernels.py run_cuda_gpu_trace.csv
+
+`--cuda-graph-trace=node` makes each kernel of a replayed CUDA graph a row of its own;
+the eager profile (ACTORLLM_PROFILE_KERNELS) cannot show them, and its per-operation
+figures include the host's launch time. Steps are cut at each embedding kernel (the first
+kernel of a forward) and grouped by their sequence of kernel names, which differs with the
+batch size (cuBLAS picks its kernels by shape). Printed: one line per group, then for the
+group with the most steps (or the one chosen), averaged over its steps: the span from the
+first kernel's start to the last kernel's end, the time kernels ran, the gaps between
+them, and per kernel name its calls, time per call and per step, and the mean gap before.
+"""
+
+import argparse
+import collections
+import csv
+import statistics
+
+
+def read_kernels(path):
+    """(start ns, duration ns, name) of every row of the trace, in start order."""
+    with open(path, newline="") as f:
+        rows = csv.reader(f)
+        header = next(r for r in rows if r and r[0].startswith("Start"))
+        start, duration, name = header.index("Start (ns)"), header.index("Duration (ns)"), header.index("Name")
+        kernels = [
+            (int(float(r[start])), int(float(r[duration])), r[name])
+            for r in rows
+            if len(r) > name and r[start].replace(".", "", 1).isdigit()
+        ]
+    return sorted(kernels)
+
+
+def split_steps(kernels):
+    """Runs of kernels, each starting at an embedding kernel."""
+    steps = []
+    for k in kernels:
+        if k[2].startswith("embedding") or not steps:
+            steps.append([])
+        steps[-1].append(k)
+    return steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="CSV of `nsys stats --report cuda_gpu_trace --format csv`")
+    parser.add_argument("--group", type=int, help="the group to detail, by its number in the list")
+    parser.add_argument("--top", type=int, default=25, help="kernel names to list (default 25)")
+    args = parser.parse_args()
+
+    steps = [s for s in split_steps(read_kernels(args.trace)) if s[0][2].startswith("embedding")]
+    if not steps:
+        raise SystemExit("no embedding kernel in the trace: not a forward of this engine?")
+    groups = collections.defaultdict(list)
+    for s in steps:
+        groups[tuple(name for _, _, name in s)].append(s)
+    listed = sorted(groups.values(), key=len, reverse=True)
+    for i, g in enumerate(listed):
+        span = statistics.mean(s[-1][0] + s[-1][1] - s[0][0] for s in g)
+        print(f"group {i}: {len(g)} steps of {len(g[0])} kernels, span {span / 1e3:.1f} µs")
+    pick = args.group if args.group is not None else 0
+    if pick >= len(listed):
+        raise SystemExit(f"no group {pick}")
+    chosen = listed[pick]
+    count = len(chosen[0])
+
+    spans, busies, per_name = [], [], collections.defaultdict(lambda: [0, 0, 0])
+    for s in chosen:
+        spans.append(s[-1][0] + s[-1][1] - s[0][0])
+        busies.append(sum(d for _, d, _ in s))
+        for i, (start, duration, name) in enumerate(s):
+            gap = start - (s[i - 1][0] + s[i - 1][1]) if i else 0
+            entry = per_name[name[:70]]
+            entry[0] += 1
+            entry[1] += duration
+            entry[2] += gap
+    n = len(chosen)
+    span, busy = statistics.mean(spans), statistics.mean(busies)
+    print(f"group {pick}: {n} steps of {count} kernels (of {len(steps)} steps)")
+    print(f"per step: span {span / 1e3:.1f} µs, kernels {busy / 1e3:.1f} µs, gaps {(span - busy) / 1e3:.1f} µs")
+    print(f"{'µs/step':>9} {'calls':>6} {'µs/call':>8} {'gap µs':>7}  kernel")
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    for name, (calls, total, gaps) in ranked[: args.top]:
+        print(f"{total / n / 1e3:9.1f} {calls / n:6.1f} {total / calls / 1e3:8.2f} {gaps / calls / 1e3:7.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

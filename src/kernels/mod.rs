@@ -279,22 +279,31 @@ pub trait Device: Send + Unpin + 'static {
         self.add_lora(&mut y, x, modules, slots)?;
         Ok(y)
     }
+    /// [`Device::linear`], or [`Device::linear_lora`] when `lora` holds the projection's
+    /// adapters for the batch.
+    fn project(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        lora: LoraRows<Self::Lora>,
+    ) -> DevResult<Self::Tensor> {
+        match lora {
+            Some((modules, slots)) => self.linear_lora(x, w, bias, modules, slots),
+            None => self.linear(x, w, bias),
+        }
+    }
     /// `silu(gate) · up` of a fused gate/up projection (`[gate | up]` rows of w), with
     /// `lora`'s deltas (modules and each row's slot) added to the projection first:
-    /// [`Device::silu_mul`] of [`Device::linear`] or [`Device::linear_lora`]. A device may
-    /// keep the projection in the weights' 16-bit type in between, as a 16-bit model (and
-    /// transformers) computes it.
+    /// [`Device::silu_mul`] of [`Device::project`]. A device may keep the projection in the
+    /// weights' 16-bit type in between, as a 16-bit model (and transformers) computes it.
     fn gate_up_silu(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         lora: LoraRows<Self::Lora>,
     ) -> DevResult<Self::Tensor> {
-        let gate_up = match lora {
-            Some((modules, slots)) => self.linear_lora(x, w, None, modules, slots)?,
-            None => self.linear(x, w, None)?,
-        };
-        self.silu_mul(&gate_up)
+        self.silu_mul(&self.project(x, w, None, lora)?)
     }
 }
 

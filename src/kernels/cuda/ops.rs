@@ -229,14 +229,10 @@ impl Device for CudaDevice {
         w: &CudaWeight,
         lora: LoraRows<CudaLora>,
     ) -> DevResult<CudaTensor> {
-        if let Some(act) = self.gate_up_silu_16(x, w, lora)? {
-            return Ok(act);
+        match self.gate_up_silu_16(x, w, lora)? {
+            Some(act) => Ok(act),
+            None => self.silu_mul(&self.project(x, w, None, lora)?),
         }
-        let gate_up = match lora {
-            Some((modules, slots)) => self.linear_lora(x, w, None, modules, slots)?,
-            None => self.linear(x, w, None)?,
-        };
-        self.silu_mul(&gate_up)
     }
 
     fn split_qkv_rope(

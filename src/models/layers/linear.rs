@@ -31,20 +31,6 @@ pub fn qkv_heads(heads: usize, kv_heads: usize, tp: TpRank) -> (Range<usize>, Ra
 /// A projection's LoRA adapters for the step (see [`LoraRows`]).
 pub type ProjLora<'a, D> = LoraRows<'a, <D as Device>::Lora>;
 
-/// `x @ wᵀ (+ bias)`, plus the adapters' deltas when there are any.
-fn project<D: Device>(
-    dev: &D,
-    x: &D::Tensor,
-    w: &D::Weight,
-    bias: Option<&D::Weight>,
-    lora: ProjLora<D>,
-) -> DevResult<D::Tensor> {
-    match lora {
-        Some((modules, slots)) => dev.linear_lora(x, w, bias, modules, slots),
-        None => dev.linear(x, w, bias),
-    }
-}
-
 /// A linear layer split by output features: each rank computes its share of the outputs
 /// (for a following row-parallel layer), or, with `gather_output`, every rank ends with all
 /// of them. The fused layers below are its stacked forms.
@@ -121,7 +107,7 @@ impl<D: Device> QKVParallelLinear<D> {
     }
     /// With `lora`, its q, k and v modules' deltas added.
     pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
-        project(dev, x, &self.weight, self.bias.as_ref(), lora)
+        dev.project(x, &self.weight, self.bias.as_ref(), lora)
     }
 }
 
@@ -166,7 +152,7 @@ impl<D: Device> RowParallelLinear<D> {
     /// `x @ wᵀ` summed over the ranks; with `lora`, its delta (from this rank's share of the
     /// input) joins the partial product before the sum.
     pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
-        let mut out = project(dev, x, &self.weight, None, lora)?;
+        let mut out = dev.project(x, &self.weight, None, lora)?;
         dev.all_reduce(&mut out)?;
         Ok(out)
     }

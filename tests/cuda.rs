@@ -406,7 +406,8 @@ fn every_kernel_matches_its_cpu_twin() {
 /// lengths whose block tables interleave. Then again, within 16-bit rounding, with
 /// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
 /// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
-/// also over cache blocks of 8 and 32 keys; last, a decode batch of short contexts.
+/// also over cache blocks of 8 and 32 keys; then a decode batch of 537 rows, and last, one
+/// of short contexts.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };
@@ -476,6 +477,14 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         step(&[(0, 0..1100)], 40);
         step(&[(1, 0..300), (2, 0..37)], 41);
         step(&[(0, 1100..1101), (1, 300..301), (2, 37..38)], 42);
+        // 537 decode rows at scattered positions (none consecutive, so none is a prefill
+        // run): one warp per row and KV head for the widest groups, and partitions joined
+        // by the reduction's warp-per-head kernel for the narrower ones.
+        let many: Vec<(u32, std::ops::Range<u32>)> = [(0, 1..1101, 3), (1, 0..301, 2), (2, 0..38, 2)]
+            .into_iter()
+            .flat_map(|(seq, r, by)| r.step_by(by).map(move |p| (seq, p..p + 1)))
+            .collect();
+        step(&many, 44);
         // Contexts of at most 16 keys: flash_decode gives each row one warp, which writes
         // the output without the reduction.
         step(&[(0, 5..6), (1, 12..13), (2, 15..16)], 43);

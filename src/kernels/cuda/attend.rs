@@ -21,6 +21,7 @@ impl CudaDevice {
         meta: &AttnMetadata,
     ) -> DevResult<CudaTensor> {
         let width = (s.num_kv_heads * s.head_dim) as i32;
+        self.attn_shape.set(Some(s));
         self.step_bufs(meta, self.flash_for(s))?;
         let guard = self.inputs().step.borrow();
         let b = guard.as_ref().expect("uploaded above");
@@ -29,6 +30,7 @@ impl CudaDevice {
         let ctx_max = self.graph.get().ctx_bound().unwrap_or(b.ctx_max);
         let t = self.span("write_kv", (0, 0), k.rows);
         let kk = &cache.kernels;
+        let half_cache = cache.k.is_half();
         let (kc, vc) = (cache.k.arg(), cache.v.arg());
         let mut launch = self.stream.launch_builder(&kk.write_kv);
         launch.arg(&*k.buf).arg(&*v.buf);
@@ -72,13 +74,13 @@ impl CudaDevice {
             out.half = half;
             return Ok(out);
         }
-        // Decode rows of a 16-bit model with a GQA group of up to 8 go to tensor cores.
-        let tc = self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8;
+        let tc = self.decode_on_flash(s);
         self.decode_on_tensor_cores.set(tc);
-        // flash_decode shares each row's own context among `parts_max` warps (part 0 tells
-        // the reduction so); the split kernel cuts the bound into partitions of `part`.
+        // flash_decode gives each row partitions of its own length (`row_meta`; part 0 tells
+        // the reduction so), at most `parts_max`; the split kernel cuts the bound into
+        // partitions of `part`.
         let parts = match tc {
-            true => Some((0, decode_warps(b.num_rows, s, ctx_max))),
+            true => Some((0, b.parts_max)),
             false => split_partition(b.num_rows, s, ctx_max).map(|part| (part, ctx_max.div_ceil(part))),
         };
         if let Some((part, parts_max)) = parts {
@@ -88,10 +90,12 @@ impl CudaDevice {
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             let (name, kernel, cfg) = if tc {
                 let warps = parts_max.min(4);
+                // A 16-bit cache is staged through two chunk buffers of shared memory a warp.
+                let smem = if half_cache { warps * decode_smem_per_warp(s.head_dim) } else { 0 };
                 let cfg = LaunchConfig {
                     grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, (parts_max / warps) as u32),
                     block_dim: (32 * warps as u32, 1, 1),
-                    shared_mem_bytes: 0,
+                    shared_mem_bytes: smem as u32,
                 };
                 ("attention_decode_tc", &kk.decode[usize::from(s.head_dim == 128)], cfg)
             } else {
@@ -114,7 +118,11 @@ impl CudaDevice {
                 push_half(&mut launch, &mut half, q, &kind);
             }
             launch.arg(&b.rows);
-            push_tables(&mut launch, b);
+            if tc {
+                launch.arg(&b.row_meta).arg(&b.tables);
+            } else {
+                push_tables(&mut launch, b);
+            }
             dims.push(&mut launch);
             if !tc {
                 launch.arg(&part_i);
@@ -131,22 +139,32 @@ impl CudaDevice {
                 return Ok(out);
             }
             let _t = self.span("attention_reduce", (0, 0), b.num_rows);
+            // A block per (row, head) while they are few, else a warp each, four to a block.
+            let heads_rows = b.num_rows * s.num_heads;
+            let by_warp = heads_rows >= REDUCE_BY_WARP;
             let cfg = LaunchConfig {
-                grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
+                grid_dim: (if by_warp { heads_rows.div_ceil(4) } else { heads_rows } as u32, 1, 1),
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut launch = self.stream.launch_builder(self.f("paged_attention_reduce_f32"));
+            let name = if by_warp { "paged_attention_reduce_warp_f32" } else { "paged_attention_reduce_f32" };
+            let mut launch = self.stream.launch_builder(self.f(name));
             launch.arg(&*part_out.buf).arg(&*part_max.buf).arg(&*part_sum.buf).arg(&mut *out.buf);
             push_half(&mut launch, &mut half, q, &kind);
             launch
                 .arg(&b.rows)
-                .arg(&b.positions)
+                .arg(&b.row_meta)
                 .arg(&dims.heads)
                 .arg(&dims.head_dim)
                 .arg(&part_i)
                 .arg(&parts_i);
-            // SAFETY: as above; out (and half) are [rows, heads·head_dim].
+            let n = heads_rows as i32;
+            if by_warp {
+                launch.arg(&n);
+            }
+            // SAFETY: as above; out (and half) are [rows, heads·head_dim]; the warp kernel
+            // covers n = rows · heads slots, each of a head_dim that is a multiple of 32 up
+            // to 256 (the only shapes that leave partitions).
             unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention_reduce launch"))?;
             out.half = half;
             return Ok(out);
@@ -222,22 +240,18 @@ pub(super) fn split_index(s: AttnShape) -> usize {
     g.trailing_zeros() as usize * 3 + d.trailing_zeros() as usize - 1
 }
 
+/// Shared memory flash_decode takes a warp over a 16-bit cache: two chunks of 16 keys' K and
+/// V rows of `head_dim` 16-bit values.
+pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
+    2 * 2 * 16 * head_dim * 2
+}
+
+/// From how many (row, head) pairs the partitions are joined by a warp each rather than a
+/// block each: many rows fill the GPU with warps, few need blocks to spread.
+const REDUCE_BY_WARP: usize = 4096;
+
 /// K/V rows the split kernel stages in shared memory at a time (CHUNK in attention.cu).
 const SPLIT_CHUNK: usize = 32;
-
-/// Warps per (row, KV head) for flash_decode, a power of two up to 64: as many as keep the
-/// grid near 8192 warps (about one wave of the H200's resident warps), each with at least
-/// 64 keys of the bound, since a warp's partial result (written, then read by the
-/// reduction) costs about half the traffic of a chunk of 16 keys. While the grid would
-/// hold fewer than 1024 warps, a few short rows, warps take chunks down to 16 keys so that
-/// they still spread over the GPU.
-fn decode_warps(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
-    let per_part = (rows * s.num_kv_heads).max(1);
-    let spread = (8192 / per_part).min(ctx_max.div_ceil(64));
-    let floor = (1024 / per_part).min(ctx_max.div_ceil(16));
-    let n = spread.max(floor).clamp(1, 64);
-    1 << n.ilog2()
-}
 
 /// Positions per partition for the split attention kernel, or None where it does not apply
 /// (GQA groups over 8 heads, head sizes not a multiple of 32 or over 256, or a batch whose

@@ -24,6 +24,12 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *(unsigned*)&v;
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    int size = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(size));
+}
+
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile(
@@ -228,13 +234,14 @@ FLASH_ENTRY(64, f32, float)
 FLASH_ENTRY(128, f32, float)
 
 // Decode attention on tensor cores (split over partitions of the context, as
-// paged_attention_split, whose reduce kernel joins the partitions). `parts_max` warps per
-// (query row, KV head) share the row's own context in chunks of 16 keys (warps past its end
-// have nothing to do), up to four warps per block, no shared memory: the
-// warp's query heads (the GQA group, up to 8) are the rows of the m16n8k16 A fragment, so
-// each key of the KV head is read once for the whole group. Keys go 16 at a time: each
-// lane loads its K and V pieces straight into registers with 16-byte loads (several in
-// flight per lane), scores and output accumulate in f32, and the softmax is online.
+// paged_attention_split, whose reduce kernel joins the partitions). Up to `parts_max` warps
+// per (query row, KV head), up to four per block, take the row's context in partitions of
+// the length the host chose for the row (row_meta; whole chunks of 16 keys, warps past the
+// end have nothing to do): the warp's query heads (the GQA group, up to 8) are the rows of
+// the m16n8k16 A fragment, so each key of the KV head is read once for the whole group.
+// Keys go 16 at a time, scores and output accumulate in f32, and the softmax is online. A
+// 16-bit cache is staged through shared memory (flash_decode_pipe), an f32 one loaded into
+// registers (flash_decode_regs).
 //
 // The mma's k and n indices may stand for any dims as long as both operands agree, so they
 // are chosen to make every lane's loads contiguous:
@@ -287,56 +294,149 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
     return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
 
-template <int HD, typename T, bool WHOLE>
-__device__ __forceinline__ void flash_decode(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
-                             float* __restrict__ part_out, float* __restrict__ part_max,
-                             float* __restrict__ part_sum, float* __restrict__ out, void* __restrict__ out16, int kind,
-                             const unsigned int* rows, const unsigned int* positions,
-                             const unsigned int* token_seq, const unsigned int* tables,
-                             const unsigned int* table_off, int heads, int kv_heads, int block_size, float scale,
-                             int parts_max) {
+// The warp's query heads as A fragments, pre-scaled: piece i of a lane covers dims
+// i·32 + tq·8 .. + 8, as the K pieces below (rows past the group are zero).
+template <int HD, typename T>
+__device__ __forceinline__ void decode_query(unsigned (&qa)[HD / 16][2], const float* __restrict__ q, size_t qrow,
+                                             bool live, int tq, float scale) {
     typedef Frag16<T> F;
-    constexpr int NC = HD / 32;  // 8-dim pieces of a key row per lane (scores)
-    constexpr int NT = HD / 8;   // output tiles; also dims per lane of a V row
+    const float* qr = q + qrow * HD;
+#pragma unroll
+    for (int i = 0; i < HD / 32; i++) {
+        float4 a = live ? *(const float4*)(qr + i * 32 + tq * 8) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 b = live ? *(const float4*)(qr + i * 32 + tq * 8 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        qa[2 * i][0] = F::pack(a.x * scale, a.y * scale);
+        qa[2 * i][1] = F::pack(a.z * scale, a.w * scale);
+        qa[2 * i + 1][0] = F::pack(b.x * scale, b.y * scale);
+        qa[2 * i + 1][1] = F::pack(b.z * scale, b.w * scale);
+    }
+}
+
+// One chunk of 16 keys, c0 .. c0 + 15 (those from `end` on masked): the group's scores from
+// the lane's K pieces kf[j][i] (key j·8 + g, dims i·32 + tq·8 ..), the online softmax, and
+// the output from its V pieces vf[r][i] (key 2tq + (r & 1) + (r >> 1)·8, dims g·HD/8 + i·8 ..;
+// zero past `end`, where a stale row could hold NaNs).
+template <int HD, typename T>
+__device__ __forceinline__ void decode_chunk(const unsigned (&qa)[HD / 16][2], const uint4 (&kf)[2][HD / 32],
+                                             const uint4 (&vf)[4][HD / 64], float (&o)[HD / 8][2], float& m,
+                                             float& l, int c0, int end, int tq) {
+    typedef Frag16<T> F;
+    constexpr int NC = HD / 32, NT = HD / 8;
     const float NEG = __int_as_float(0xff800000);  // -inf
+    float s[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        s[j][0] = s[j][1] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            F::mma(s[j][0], s[j][1], qa[2 * i][0], qa[2 * i][1], kf[j][i].x, kf[j][i].y);
+            F::mma(s[j][0], s[j][1], qa[2 * i + 1][0], qa[2 * i + 1][1], kf[j][i].z, kf[j][i].w);
+        }
+    }
+    float mx = m;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            if (c0 + j * 8 + 2 * tq + e >= end) s[j][e] = NEG;
+            mx = fmaxf(mx, s[j][e]);
+        }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    // The chunk's first key is inside the partition: mx is finite.
+    float f = expf(m - mx);
+    float p[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) p[j][e] = expf(s[j][e] - mx);
+    l = l * f + p[0][0] + p[0][1] + p[1][0] + p[1][1];
+    m = mx;
+    unsigned pa0 = F::pack(p[0][0], p[0][1]), pa2 = F::pack(p[1][0], p[1][1]);
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        // Dim g·NT + n of keys (2q, 2q+1) and of keys (2q+8, 2q+9), paired.
+        int w = (n % 8) / 2, i = n / 8;
+        unsigned sel = n % 2 ? 0x7632 : 0x5410;
+        unsigned b0 = __byte_perm(word(vf[0][i], w), word(vf[1][i], w), sel);
+        unsigned b1 = __byte_perm(word(vf[2][i], w), word(vf[3][i], w), sel);
+        o[n][0] *= f;
+        o[n][1] *= f;
+        F::mma(o[n][0], o[n][1], pa0, pa2, b0, b1);
+    }
+}
+
+// The warp's result: where it is its row's only part, the output as the reduction would
+// write it (the reduction leaves such rows alone); else the part's unnormalized output,
+// maximum and sum at its slot (by place in `rows`).
+template <int HD>
+__device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float m, float l, bool live,
+                                              float* __restrict__ part_out, float* __restrict__ part_max,
+                                              float* __restrict__ part_sum, float* __restrict__ out,
+                                              void* __restrict__ out16, int kind, int t, int h, int heads,
+                                              int pi, int parts_max, bool alone, int tq) {
+    constexpr int NT = HD / 8;
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    if (!live) return;
+    if (alone) {
+        float inv = 1.0f / l;
+        size_t at = ((size_t)t * heads + h) * HD;
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                size_t d = at + (2 * tq + e) * NT + n;
+                out[d] = o[n][e] * inv;
+                if (kind) store16(out16, d, o[n][e] * inv, kind);
+            }
+        return;
+    }
+    size_t at = ((size_t)blockIdx.x * heads + h) * parts_max + pi;
+    if (tq == 0) {
+        part_max[at] = m;
+        part_sum[at] = l;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) part_out[at * HD + (2 * tq + e) * NT + n] = o[n][e];
+}
+
+// An f32 cache: each lane loads its K and V pieces of a chunk straight into registers
+// (rounded to bf16), every load of the chunk issued before the first use.
+template <int HD, typename T, bool WHOLE>
+__device__ __forceinline__ void flash_decode_regs(const float* __restrict__ q, const T* __restrict__ kc,
+                                                  const T* __restrict__ vc, float* __restrict__ part_out,
+                                                  float* __restrict__ part_max, float* __restrict__ part_sum,
+                                                  float* __restrict__ out, void* __restrict__ out16, int kind,
+                                                  const unsigned int* rows, const unsigned int* row_meta,
+                                                  const unsigned int* tables, int heads, int kv_heads,
+                                                  int block_size, float scale, int parts_max) {
+    constexpr int NC = HD / 32, NT = HD / 8;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z * (blockDim.x >> 5) + warp;
     if (pi >= parts_max) return;
-    int ctx = positions[t] + 1;
+    const unsigned int* meta = row_meta + 3 * blockIdx.x;
+    int ctx = meta[0], part = meta[2];
     int group = heads / kv_heads, width = kv_heads * HD;
     bool live = g < group;
     int h = kvh * group + g;
-    // The row's context is shared out among its parts_max warps in whole chunks of 16.
-    int part = (ctx + 16 * parts_max - 1) / (16 * parts_max) * 16;
     int start = pi * part;
     if (start >= ctx) return;  // nothing left for this warp (the reduction counts alike)
     int end = min(ctx, start + part);
-    const unsigned int* table = tables + table_off[token_seq[t]];
-
-    unsigned qa[2 * NC][2];
-    {
-        const float* qr = q + ((size_t)t * heads + h) * HD;
-#pragma unroll
-        for (int i = 0; i < NC; i++) {
-            float4 a = live ? *(const float4*)(qr + i * 32 + tq * 8) : make_float4(0.f, 0.f, 0.f, 0.f);
-            float4 b = live ? *(const float4*)(qr + i * 32 + tq * 8 + 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-            qa[2 * i][0] = F::pack(a.x * scale, a.y * scale);
-            qa[2 * i][1] = F::pack(a.z * scale, a.w * scale);
-            qa[2 * i + 1][0] = F::pack(b.x * scale, b.y * scale);
-            qa[2 * i + 1][1] = F::pack(b.z * scale, b.w * scale);
-        }
-    }
+    const unsigned int* table = tables + meta[1];
+    unsigned qa[HD / 16][2];
+    decode_query<HD, T>(qa, q, (size_t)t * heads + h, live, tq, scale);
     float o[NT][2];
 #pragma unroll
     for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
-    float m = NEG, l = 0.0f;
-    // Where key p's row of this KV head starts. A chunk starts at a multiple of 16, so with
-    // cache blocks of 16 keys or more (WHOLE) it lies in one block, `blk`, looked up while
-    // the chunk before it is loaded (on the H200 this took decode attention at 256 rows
-    // from 50.7 to 44.0 µs a call); keys past the partition lie in that same allocated
-    // block and are read too, their scores masked and their V rows zeroed below. Smaller
-    // blocks are looked up key by key, and keys past the partition are not read (row 0).
-    // Block sizes are powers of two.
+    float m = __int_as_float(0xff800000), l = 0.0f;
+    // With cache blocks of 16 keys or more (WHOLE) a chunk lies in one block, `blk`, looked
+    // up while the chunk before it is loaded; keys past the partition lie in that same
+    // allocated block and are read too, their scores masked and their V rows zeroed.
+    // Smaller blocks are looked up key by key, and keys past the partition are not read
+    // (row 0). Block sizes are powers of two.
     const int shift = __ffs(block_size) - 1, in_block = block_size - 1;
     unsigned blk = WHOLE ? table[start >> shift] : 0u;
     auto row_at = [&](int p) -> size_t {
@@ -345,9 +445,7 @@ __device__ __forceinline__ void flash_decode(const float* __restrict__ q, const 
         return ((size_t)b * block_size + (p & in_block)) * width + kvh * HD;
     };
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-
     for (int c0 = start; c0 < end; c0 += 16) {
-        // Every load of the chunk is issued before the first use.
         uint4 kf[2][NC];
 #pragma unroll
         for (int j = 0; j < 2; j++) {
@@ -363,106 +461,144 @@ __device__ __forceinline__ void flash_decode(const float* __restrict__ q, const 
             size_t at = row_at(p);
 #pragma unroll
             for (int i = 0; i < NT / 8; i++) {
-                if (WHOLE) {
-                    uint4 v = ld8(vc + at + g * NT + i * 8);
-                    vf[r][i] = p < end ? v : zero;  // a stale row could hold NaNs
-                } else {
-                    vf[r][i] = p < end ? ld8(vc + at + g * NT + i * 8) : zero;
-                }
+                uint4 v = WHOLE || p < end ? ld8(vc + at + g * NT + i * 8) : zero;
+                vf[r][i] = p < end ? v : zero;
             }
         }
         if (WHOLE && c0 + 16 < end) blk = table[(c0 + 16) >> shift];
-        float s[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            s[j][0] = s[j][1] = 0.0f;
-#pragma unroll
-            for (int i = 0; i < NC; i++) {
-                F::mma(s[j][0], s[j][1], qa[2 * i][0], qa[2 * i][1], kf[j][i].x, kf[j][i].y);
-                F::mma(s[j][0], s[j][1], qa[2 * i + 1][0], qa[2 * i + 1][1], kf[j][i].z, kf[j][i].w);
-            }
-        }
-        float mx = m;
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                if (c0 + j * 8 + 2 * tq + e >= end) s[j][e] = NEG;
-                mx = fmaxf(mx, s[j][e]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        // The chunk's first key is inside the partition: mx is finite.
-        float f = expf(m - mx);
-        float p[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) p[j][e] = expf(s[j][e] - mx);
-        l = l * f + p[0][0] + p[0][1] + p[1][0] + p[1][1];
-        m = mx;
-        unsigned pa0 = F::pack(p[0][0], p[0][1]), pa2 = F::pack(p[1][0], p[1][1]);
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            // Dim g·NT + n of keys (2q, 2q+1) and of keys (2q+8, 2q+9), paired.
-            int w = (n % 8) / 2, i = n / 8;
-            unsigned sel = n % 2 ? 0x7632 : 0x5410;
-            unsigned b0 = __byte_perm(word(vf[0][i], w), word(vf[1][i], w), sel);
-            unsigned b1 = __byte_perm(word(vf[2][i], w), word(vf[3][i], w), sel);
-            o[n][0] *= f;
-            o[n][1] *= f;
-            F::mma(o[n][0], o[n][1], pa0, pa2, b0, b1);
-        }
+        decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
     }
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    if (!live) return;
-    if (parts_max == 1) {
-        // The row's whole context in one warp: its output as the reduction would write it.
-        float inv = 1.0f / l;
-        size_t at = ((size_t)t * heads + h) * HD;
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                size_t d = at + (2 * tq + e) * NT + n;
-                out[d] = o[n][e] * inv;
-                if (kind) store16(out16, d, o[n][e] * inv, kind);
-            }
-        return;
-    }
-    size_t at = ((size_t)blockIdx.x * heads + h) * parts_max + pi;  // by place in `rows`
-    if (tq == 0) {
-        part_max[at] = m;
-        part_sum[at] = l;
-    }
-#pragma unroll
-    for (int n = 0; n < NT; n++)
-#pragma unroll
-        for (int e = 0; e < 2; e++) part_out[at * HD + (2 * tq + e) * NT + n] = o[n][e];
+    decode_finish<HD>(o, m, l, live, part_out, part_max, part_sum, out, out16, kind, t, h, heads, pi, parts_max,
+                      part >= ctx, tq);
 }
 
-#define DECODE_ENTRY(HD, SUF, T)                                                                                \
-    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(                                 \
-        const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
-        float* out, void* out16, int kind, const unsigned int* rows, const unsigned int* positions,            \
-        const unsigned int* token_seq, const unsigned int* tables, const unsigned int* table_off, int heads,   \
-        int kv_heads, int head_dim, int block_size, float scale, int parts_max) {                               \
-        if (block_size >= 16)                                                                                   \
-            flash_decode<HD, T, true>(q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, positions, \
-                                      token_seq, tables, table_off, heads, kv_heads, block_size, scale, parts_max); \
-        else                                                                                                    \
-            flash_decode<HD, T, false>(q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows,          \
-                                       positions, token_seq, tables, table_off, heads, kv_heads, block_size,     \
-                                       scale, parts_max);                                                        \
+// Where 16-byte piece `seg` of key row r of a chunk lies in shared memory: pieces are
+// permuted within the row so that the K reads (rows g and g ^ 1 of a quarter-warp, pieces
+// tq) and the V reads (rows 2tq + c, pieces by g) of each quarter-warp hit eight distinct
+// groups of four banks. Rows are HD·2 bytes, a multiple of the 128 bytes of all banks.
+template <int HD> __device__ __forceinline__ int decode_swizzle(int r, int seg) {
+    int f = ((r & 1) << 2) ^ (((r >> 2) & 1) << 2) ^ (((r >> 1) & 1) << (HD == 64 ? 1 : 0));
+    return r * (HD / 8) + (seg ^ f);
+}
+
+// A 16-bit cache: each warp copies its chunks into its own two buffers of shared memory
+// with cp.async, one chunk ahead of the one it computes (dynamic shared memory: 2 · 2 · 16
+// rows · HD · 2 bytes a warp), so that a chunk's loads overlap the chunk before it. The
+// block table entries of the partition are read 32 at a time, one per lane, and handed
+// out by shuffles (the next 32 read while these are used); keys past the partition are
+// zero-filled, not read.
+template <int HD, typename T>
+__device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, const T* __restrict__ kc,
+                                                  const T* __restrict__ vc, float* __restrict__ part_out,
+                                                  float* __restrict__ part_max, float* __restrict__ part_sum,
+                                                  float* __restrict__ out, void* __restrict__ out16, int kind,
+                                                  const unsigned int* rows, const unsigned int* row_meta,
+                                                  const unsigned int* tables, int heads, int kv_heads,
+                                                  int block_size, float scale, int parts_max) {
+    constexpr int NC = HD / 32, NT = HD / 8, SEGS = HD / 8, CHUNK = 16 * SEGS;  // uint4s of K (or V) a chunk
+    extern __shared__ uint4 decode_smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int kvh = blockIdx.y, pi = blockIdx.z * (blockDim.x >> 5) + warp;
+    if (pi >= parts_max) return;
+    const unsigned int* meta = row_meta + 3 * blockIdx.x;
+    int t = rows[blockIdx.x], ctx = meta[0], part = meta[2];
+    int group = heads / kv_heads, width = kv_heads * HD;
+    bool live = g < group;
+    int h = kvh * group + g;
+    int start = pi * part;
+    if (start >= ctx) return;
+    int end = min(ctx, start + part);
+    const unsigned int* table = tables + meta[1];
+    const int shift = __ffs(block_size) - 1, in_block = block_size - 1;
+    // Entries wbase + lane (cur) and wbase + 32 + lane (next) of the table, up to the last
+    // one the partition reads.
+    const int last = (end - 1) >> shift;
+    int wbase = start >> shift;
+    unsigned cur = wbase + lane <= last ? table[wbase + lane] : 0u;
+    unsigned next = wbase + 32 + lane <= last ? table[wbase + 32 + lane] : 0u;
+    uint4* buf = decode_smem + (size_t)warp * 4 * CHUNK;  // [stage][K, V][CHUNK]
+
+    // Issues the copies of chunk c0 into stage `st`: lane i of each pass copies piece
+    // i % SEGS of row i / SEGS (two rows a pass for HD 128, four for HD 64).
+    auto stage = [&](int c0, int st) {
+        if ((c0 >> shift) - wbase >= 32) {  // a chunk never straddles two windows
+            wbase += 32;
+            cur = next;
+            next = wbase + 32 + lane <= last ? table[wbase + 32 + lane] : 0u;
+        }
+        uint4* ks = buf + st * 2 * CHUNK;
+#pragma unroll
+        for (int k = 0; k < CHUNK / 32; k++) {
+            int i = lane + 32 * k, r = i / SEGS, seg = i % SEGS;
+            int p = c0 + r;
+            bool ok = p < end;
+            unsigned b = __shfl_sync(0xffffffff, cur, ((p >> shift) - wbase) & 31);
+            size_t at = ok ? ((size_t)b * block_size + (p & in_block)) * width + kvh * HD + seg * 8 : 0;
+            int d = decode_swizzle<HD>(r, seg);
+            cp_async16(ks + d, kc + at, ok);
+            cp_async16(ks + CHUNK + d, vc + at, ok);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    unsigned qa[HD / 16][2];
+    stage(start, 0);
+    decode_query<HD, T>(qa, q, (size_t)t * heads + h, live, tq, scale);
+    float o[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
+    float m = __int_as_float(0xff800000), l = 0.0f;
+    for (int c0 = start, st = 0; c0 < end; c0 += 16, st ^= 1) {
+        if (c0 + 16 < end) {
+            stage(c0 + 16, st ^ 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncwarp();
+        const uint4* ks = buf + st * 2 * CHUNK;
+        uint4 kf[2][NC];
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int i = 0; i < NC; i++) kf[j][i] = ks[decode_swizzle<HD>(j * 8 + g, i * 4 + tq)];
+        uint4 vf[4][NT / 8];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int i = 0; i < NT / 8; i++)
+                vf[r][i] = ks[CHUNK + decode_swizzle<HD>(2 * tq + (r & 1) + (r >> 1) * 8, g * (NT / 8) + i)];
+        decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
+        __syncwarp();  // this stage is copied into again two chunks on
+    }
+    decode_finish<HD>(o, m, l, live, part_out, part_max, part_sum, out, out16, kind, t, h, heads, pi, parts_max,
+                      part >= ctx, tq);
+}
+
+#define DECODE_ARGS(T)                                                                                          \
+    const float *q, const T *kc, const T *vc, float *part_out, float *part_max, float *part_sum, float *out,   \
+        void *out16, int kind, const unsigned int *rows, const unsigned int *row_meta,                         \
+        const unsigned int *tables, int heads, int kv_heads, int head_dim, int block_size, float scale,         \
+        int parts_max
+#define DECODE_CALL                                                                                             \
+    (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
+     block_size, scale, parts_max)
+#define DECODE_ENTRY_F32(HD)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_f32(DECODE_ARGS(float)) {         \
+        if (block_size >= 16) flash_decode_regs<HD, float, true> DECODE_CALL;                                   \
+        else flash_decode_regs<HD, float, false> DECODE_CALL;                                                   \
+    }
+#define DECODE_ENTRY_16(HD, SUF, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(DECODE_ARGS(T)) {           \
+        flash_decode_pipe<HD, T> DECODE_CALL;                                                                   \
     }
 
-DECODE_ENTRY(64, f32, float)
-DECODE_ENTRY(128, f32, float)
-DECODE_ENTRY(64, bf16, __nv_bfloat16)
-DECODE_ENTRY(128, bf16, __nv_bfloat16)
-DECODE_ENTRY(64, f16, __half)
-DECODE_ENTRY(128, f16, __half)
+DECODE_ENTRY_F32(64)
+DECODE_ENTRY_F32(128)
+DECODE_ENTRY_16(64, bf16, __nv_bfloat16)
+DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
+DECODE_ENTRY_16(64, f16, __half)
+DECODE_ENTRY_16(128, f16, __half)
 
 // Prefill attention over a 16-bit cache, pipelined: the same tiles, warps and online
 // softmax as flash_prefill, with each chunk's K and V rows copied into shared memory as
@@ -481,12 +617,6 @@ template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsign
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    int size = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(size));
 }
 
 template <int HD, typename T>

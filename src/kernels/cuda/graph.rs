@@ -44,6 +44,8 @@ impl GraphMode {
 /// A recorded forward of one batch size and context bound.
 pub struct CudaGraphStep {
     graph: cudarc::driver::CudaGraph,
+    /// The context bound its attention was shaped for.
+    ctx_bound: usize,
     /// The hidden states the graph writes, `[rows, hidden]`.
     hidden: CudaTensor,
 }
@@ -85,7 +87,7 @@ impl CudaDevice {
         self.pool.replace(shared);
         let (graph, hidden) = result?;
         self.graph_inputs_fixed.set(true);
-        Ok(CudaGraphStep { graph, hidden })
+        Ok(CudaGraphStep { graph, ctx_bound, hidden })
     }
 
     fn record(
@@ -122,7 +124,7 @@ impl CudaDevice {
         ids: &[u32],
         meta: &AttnMetadata,
     ) -> DevResult<&'g CudaTensor> {
-        self.graph.set(GraphMode::Staging { ctx_bound: 0 });
+        self.graph.set(GraphMode::Staging { ctx_bound: g.ctx_bound });
         let staged = self.stage_inputs(ids, meta);
         self.graph.set(GraphMode::Off);
         staged?;

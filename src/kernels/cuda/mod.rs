@@ -124,6 +124,10 @@ enum KvBuf {
 }
 
 impl KvBuf {
+    fn is_half(&self) -> bool {
+        matches!(self, KvBuf::Half(_))
+    }
+
     fn arg(&mut self) -> &mut dyn WeightArg {
         match self {
             KvBuf::F32(b) => b,
@@ -170,6 +174,9 @@ pub struct CudaDevice {
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
     decode_on_tensor_cores: std::cell::Cell<bool>,
+    /// The model's attention shape, from its first attention call: step inputs staged for
+    /// a graph replay are shaped by it without an attention call.
+    attn_shape: std::cell::Cell<Option<AttnShape>>,
     /// Whether the last `linear_lora` wrote the adapters' deltas before the projection.
     lora_deltas_first: std::cell::Cell<bool>,
     /// Whether the last `gate_up_silu` kept the projection in 16 bits.
@@ -263,6 +270,19 @@ impl CudaDevice {
                 }
             }
         }
+        // flash_decode over a 16-bit cache takes more than the 48 KiB of shared memory a
+        // block gets without asking: up to four warps of chunk buffers.
+        for (name, f) in &funcs {
+            if name.starts_with("flash_decode_") && !name.ends_with("_f32") {
+                let hd = if name.contains("_h64_") { 64 } else { 128 };
+                let bytes = 4 * attend::decode_smem_per_warp(hd);
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(cuda("flash_decode shared memory"))?;
+            }
+        }
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,
@@ -285,6 +305,7 @@ impl CudaDevice {
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
+            attn_shape: std::cell::Cell::new(None),
             lora_deltas_first: std::cell::Cell::new(false),
             gate_up_16: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
@@ -317,6 +338,12 @@ impl CudaDevice {
     fn flash_for(&self, s: AttnShape) -> bool {
         let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
         on && self.sm80 && matches!(s.head_dim, 64 | 128)
+    }
+
+    /// Whether decode rows go to flash_decode: tensor-core attention with a GQA group of up
+    /// to 8 query heads.
+    fn decode_on_flash(&self, s: AttnShape) -> bool {
+        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8
     }
 
     /// How many flash_prefill tiles the current step's attention launched (tests check that

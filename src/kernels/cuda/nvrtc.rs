@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 41] = [
+const KERNELS: [&str; 42] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -38,6 +38,7 @@ const KERNELS: [&str; 41] = [
     "paged_attention_bf16",
     "paged_attention_f16",
     "paged_attention_reduce_f32",
+    "paged_attention_reduce_warp_f32",
     "lora_mask_f32",
     "lora_shrink_f32",
     "lora_shrink_bf16",

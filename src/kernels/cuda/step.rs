@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use cudarc::driver::CudaSlice;
 
 use super::{CudaDevice, DevResult, DeviceError, GraphMode, cuda};
+use crate::kernels::AttnShape;
 use crate::models::attn::AttnMetadata;
 
 /// One set of a step's inputs on the device, kept from step to step.
@@ -33,6 +34,13 @@ pub(super) struct StepBufs {
     /// Query rows for the split (or one-block-per-head) kernel, and how many.
     pub(super) rows: CudaSlice<u32>,
     pub(super) num_rows: usize,
+    /// Per entry i of `rows`: its context length at 3i, its sequence's block table offset
+    /// in `tables` at 3i + 1 (so that decode attention starts from one load) and the keys
+    /// of each of its flash_decode partitions at 3i + 2.
+    pub(super) row_meta: CudaSlice<u32>,
+    /// flash_decode's warps per (row, KV head), the grid's bound on the rows' partitions;
+    /// 0 where the decode rows do not go to flash_decode.
+    pub(super) parts_max: usize,
     /// (first row, rows) of each flash_prefill tile, and how many tiles.
     pub(super) tiles: CudaSlice<u32>,
     pub(super) num_tiles: usize,
@@ -42,6 +50,8 @@ pub(super) struct StepBufs {
     pub(super) tables: CudaSlice<u32>,
     pub(super) table_offsets: CudaSlice<u32>,
     pub(super) ctx_max: usize,
+    /// The graph context bound the buffers were shaped for (None outside graphs).
+    pub(super) bound: Option<usize>,
 }
 
 impl CudaDevice {
@@ -58,6 +68,7 @@ impl CudaDevice {
                 && b.host.slot_mapping == meta.slot_mapping
                 && b.host.token_seq == meta.token_seq
                 && b.host.block_tables == meta.block_tables
+                && b.bound == self.graph.get().ctx_bound()
         });
         if fresh {
             return Ok(());
@@ -70,6 +81,21 @@ impl CudaDevice {
         }
         let slots = if meta.slot_mapping.is_empty() { vec![-1] } else { meta.slot_mapping.clone() };
         let (rows, tiles) = split_rows(meta, flash);
+        let ctxs: Vec<u32> = rows.iter().map(|&t| meta.positions[t as usize] + 1).collect();
+        let ctx_max = meta.positions.iter().copied().max().unwrap_or(0) as usize + 1;
+        let bound = self.graph.get().ctx_bound();
+        let (parts_max, parts) = match self.attn_shape.get().filter(|&s| self.decode_on_flash(s)) {
+            Some(s) => {
+                let parts_max = decode_warps(rows.len(), s, bound.unwrap_or(ctx_max));
+                (parts_max, partitions(&ctxs, s.num_kv_heads, parts_max))
+            }
+            None => (0, vec![0; rows.len()]),
+        };
+        let row_meta: Vec<u32> = rows
+            .iter()
+            .zip(ctxs.iter().zip(&parts))
+            .flat_map(|(&t, (&ctx, &part))| [ctx, offs[meta.token_seq[t as usize] as usize], part])
+            .collect();
         // Last step's buffers take this step's metadata when it fits.
         let old = inputs.step.borrow_mut().take();
         let (
@@ -79,6 +105,7 @@ impl CudaDevice {
             mut tables,
             mut table_offsets,
             mut rows_buf,
+            mut row_meta_buf,
             mut tiles_buf,
         ) = match old {
             Some(b) => (
@@ -88,14 +115,16 @@ impl CudaDevice {
                 Some(b.tables),
                 Some(b.table_offsets),
                 Some(b.rows),
+                Some(b.row_meta),
                 Some(b.tiles),
             ),
-            None => (None, None, None, None, None, None, None),
+            None => (None, None, None, None, None, None, None, None),
         };
         let bufs = StepBufs {
             flash,
             rows: self.refill(rows_buf.take(), &rows)?,
             num_rows: rows.len(),
+            row_meta: self.refill(row_meta_buf.take(), &row_meta)?,
             tiles: self.refill(tiles_buf.take(), &tiles)?,
             num_tiles: tiles.len() / 2,
             positions: self.refill(positions.take(), &meta.positions)?,
@@ -103,7 +132,9 @@ impl CudaDevice {
             token_seq: self.refill(token_seq.take(), &meta.token_seq)?,
             tables: self.refill(tables.take(), &flat)?,
             table_offsets: self.refill(table_offsets.take(), &offs)?,
-            ctx_max: meta.positions.iter().copied().max().unwrap_or(0) as usize + 1,
+            ctx_max,
+            parts_max,
+            bound,
             host: AttnMetadata { last_token_rows: Vec::new(), lora_slots: Vec::new(), ..meta.clone() },
         };
         *inputs.step.borrow_mut() = Some(bufs);
@@ -191,6 +222,37 @@ impl CudaDevice {
     }
 }
 
+/// Warps per (row, KV head) for flash_decode, a power of two up to 64: as many as keep the
+/// grid near 8192 warps (about one wave of the H200's resident warps), each with at least
+/// 64 keys of the bound, since a warp's partial result (written, then read by the
+/// reduction) costs about half the traffic of a chunk of 16 keys. While the grid would
+/// hold fewer than 1024 warps, a few short rows, warps take chunks down to 16 keys so that
+/// they still spread over the GPU.
+pub(super) fn decode_warps(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
+    let per_part = (rows * s.num_kv_heads).max(1);
+    let spread = (8192 / per_part).min(ctx_max.div_ceil(64));
+    let floor = (1024 / per_part).min(ctx_max.div_ceil(16));
+    let n = spread.max(floor).clamp(1, 64);
+    1 << n.ilog2()
+}
+
+/// Keys per flash_decode partition for decode rows of contexts `ctxs`: about the same for
+/// every warp, so that the rows' keys spread evenly over about `DECODE_WARPS` warps (a
+/// long row gets more partitions, a short one fewer or one), but no fewer than
+/// `MIN_CHUNKS` chunks of 16 keys (a warp's start-up costs about as much as a chunk) and
+/// no more partitions than the grid's `parts_max`.
+fn partitions(ctxs: &[u32], kv_heads: usize, parts_max: usize) -> Vec<u32> {
+    let chunks = |c: u32| (c as usize).div_ceil(16);
+    let all: usize = ctxs.iter().map(|&c| chunks(c)).sum::<usize>() * kv_heads;
+    let per_warp = all.div_ceil(DECODE_WARPS).max(MIN_CHUNKS);
+    ctxs.iter().map(|&c| (per_warp.max(chunks(c).div_ceil(parts_max)) * 16) as u32).collect()
+}
+
+/// See [`partitions`]: about two waves of the H200's 132 SMs at 12 flash_decode warps each
+/// (on the H200, 1,536 and 6,144 gave the same throughput within the machine's noise).
+const DECODE_WARPS: usize = 3072;
+const MIN_CHUNKS: usize = 2;
+
 /// Splits a step's query rows between the attention kernels: with `flash`, runs of two or
 /// more rows of one sequence at consecutive positions (prefill chunks) become flash_prefill
 /// tiles of up to 64 rows, `[first row, rows]` pairs; every other row (decodes) goes to the
@@ -199,7 +261,9 @@ fn split_rows(meta: &AttnMetadata, flash: bool) -> (Vec<u32>, Vec<u32>) {
     const TILE: usize = 64;
     let n = meta.positions.len();
     if !flash {
-        return ((0..n as u32).collect(), Vec::new());
+        let mut rows: Vec<u32> = (0..n as u32).collect();
+        longest_first(&mut rows, meta);
+        return (rows, Vec::new());
     }
     let (mut rows, mut tiles) = (Vec::new(), Vec::new());
     let mut i = 0;
@@ -220,7 +284,14 @@ fn split_rows(meta: &AttnMetadata, flash: bool) -> (Vec<u32>, Vec<u32>) {
         }
         i = j;
     }
+    longest_first(&mut rows, meta);
     (rows, tiles)
+}
+
+/// Orders rows by context, longest first (ties in row order): the attention kernels take
+/// them in that order, so the longest start first and the short ones fill the last wave.
+fn longest_first(rows: &mut [u32], meta: &AttnMetadata) {
+    rows.sort_by_key(|&t| std::cmp::Reverse(meta.positions[t as usize]));
 }
 
 #[cfg(test)]
@@ -240,11 +311,38 @@ mod tests {
         push(0, 17..18);
         push(1, 5..135);
         push(2, 40..41);
+        // Decode rows come longest context first (row 131 at position 40, then row 0).
         let (rows, tiles) = split_rows(&meta, true);
-        assert_eq!(rows, vec![0, 131]);
+        assert_eq!(rows, vec![131, 0]);
         assert_eq!(tiles, vec![1, 64, 65, 64, 129, 2]);
         let (rows, tiles) = split_rows(&meta, false);
-        assert_eq!(rows, (0..132).collect::<Vec<u32>>());
+        let mut want: Vec<u32> = (0..132).collect();
+        want.sort_by_key(|&t| std::cmp::Reverse(meta.positions[t as usize]));
+        assert_eq!(rows.len(), 132);
+        assert_eq!(rows, want);
+        assert_eq!(rows[..3], [130, 129, 128]);
         assert!(tiles.is_empty());
+    }
+
+    #[test]
+    fn decode_partitions_even_out_the_warps_within_the_grid() {
+        // 16 rows of 1,000 keys and 16 of 40 over 8 KV heads: about (16 · 63 + 16 · 3) · 8
+        // = 8,448 chunks for DECODE_WARPS warps, 3 chunks (48 keys) each; the short rows
+        // take one partition.
+        let ctxs: Vec<u32> = [1000; 16].into_iter().chain([40; 16]).collect();
+        let parts = partitions(&ctxs, 8, 32);
+        assert_eq!(parts[0], 48);
+        assert_eq!(parts[16], 48);
+        // A grid of 8 partitions a row makes the long rows' partitions longer instead.
+        let parts = partitions(&ctxs, 8, 8);
+        assert_eq!(parts[0], 128);
+        assert_eq!(parts[16], 48);
+        // One row: it still spreads, but no warp takes fewer than MIN_CHUNKS chunks.
+        assert_eq!(partitions(&[1000], 8, 64), vec![MIN_CHUNKS as u32 * 16]);
+        for (ctxs, parts_max) in [(vec![1u32, 17, 4000, 300], 4), (vec![5000; 3], 64)] {
+            for (c, p) in ctxs.iter().zip(partitions(&ctxs, 8, parts_max)) {
+                assert!(p % 16 == 0 && c.div_ceil(p) as usize <= parts_max, "{c} keys in parts of {p}");
+            }
+        }
     }
 }

@@ -240,6 +240,18 @@ fn every_kernel_matches_its_cpu_twin() {
     let og = g.add_rms_norm(&xg, &mut rg, &ng, 1e-5).unwrap();
     close("add_rms_norm", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-5);
     close("add_rms_norm residual", &g.to_host(&rg).unwrap(), &c.to_host(&rc).unwrap(), 1e-6);
+    // For a projection's GEMM as a bf16 model runs: the norm (and the residual sum) kept
+    // in bf16 alone, read back as the f32 norm rounded.
+    g.set_activation_dtype(DType::BF16);
+    let (mut r1, mut r2) = (g.from_host(&r, n, hidden).unwrap(), g.from_host(&r, n, hidden).unwrap());
+    let alone = g.rms_norm_for_gemm(&xg, Some(&mut r1), &ng, 1e-5).unwrap();
+    let full = g.add_rms_norm(&xg, &mut r2, &ng, 1e-5).unwrap();
+    assert!(alone.in_16_bits_only() && !full.in_16_bits_only(), "rms_norm_for_gemm keeps bf16 only");
+    let rounded: Vec<f32> =
+        g.to_host(&full).unwrap().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    assert_eq!(g.to_host(&alone).unwrap(), rounded, "rms_norm_for_gemm read back");
+    assert_eq!(g.to_host(&r1).unwrap(), g.to_host(&r2).unwrap(), "rms_norm_for_gemm residual");
+    g.set_activation_dtype(DType::F32);
     let gu = rand(n * 2 * 50, 7);
     let (guc, gug) = both(&gu, n, 100);
     close(
@@ -382,7 +394,7 @@ fn every_kernel_matches_its_cpu_twin() {
         let proj = c.to_host(&c.linear_lora(&xc, &wc, None, &pc, &slots).unwrap()).unwrap();
         close_silu_mul(
             &format!("{what}: silu_mul of its projection"),
-            &g.to_host(&g.gate_up_silu(&xg, &wg, Some((&pg, &slots))).unwrap()).unwrap(),
+            &g.to_host(&g.gate_up_silu(&xg, &wg, Some((&pg, &slots)), false).unwrap()).unwrap(),
             &proj,
             31,
             tol,
@@ -391,12 +403,35 @@ fn every_kernel_matches_its_cpu_twin() {
         let proj = c.to_host(&c.linear(&xc, &wc, None).unwrap()).unwrap();
         close_silu_mul(
             &format!("{what}: silu_mul of its projection without adapters"),
-            &g.to_host(&g.gate_up_silu(&xg, &wg, None).unwrap()).unwrap(),
+            &g.to_host(&g.gate_up_silu(&xg, &wg, None, true).unwrap()).unwrap(),
             &proj,
             31,
             tol,
         );
         assert_eq!(g.gate_up_in_16_bits(), bf16, "{what}: silu_mul of a 16-bit projection, no adapters");
+        if bf16 {
+            // As a bf16 model runs (activations for GEMMs rounded to bf16): where the down
+            // projection applies no adapters, the result is kept in bf16 only; read back,
+            // it is the f32 result rounded, and a GEMM over it gives exactly what it gives
+            // over the result kept in both.
+            g.set_activation_dtype(DType::BF16);
+            let alone = g.gate_up_silu(&xg, &wg, None, true).unwrap();
+            let both_kept = g.gate_up_silu(&xg, &wg, None, false).unwrap();
+            assert!(alone.in_16_bits_only() && !both_kept.in_16_bits_only(), "{what}: kept in bf16 only");
+            let (got, full) = (g.to_host(&alone).unwrap(), g.to_host(&both_kept).unwrap());
+            let rounded: Vec<f32> = full.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            assert_eq!(got, rounded, "{what}: the bf16-only result read back");
+            let wd = rand(24 * 31, 16);
+            let mut wbytes = Vec::new();
+            DType::BF16.convert_from(DType::F32, bytemuck::cast_slice(&wd), &mut wbytes);
+            let down = g
+                .upload(HostTensor { dtype: DType::BF16, shape: vec![24, 31], data: wbytes.into() })
+                .unwrap();
+            let (y_alone, y_both) =
+                (g.linear(&alone, &down, None).unwrap(), g.linear(&both_kept, &down, None).unwrap());
+            assert_eq!(g.to_host(&y_alone).unwrap(), g.to_host(&y_both).unwrap(), "{what}: down projection");
+            g.set_activation_dtype(DType::F32);
+        }
     }
 }
 

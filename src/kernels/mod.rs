@@ -194,6 +194,21 @@ pub trait Device: Send + Unpin + 'static {
         w: &Self::Weight,
         eps: f32,
     ) -> DevResult<Self::Tensor>;
+    /// [`Device::add_rms_norm`] (with `residual`) or [`Device::rms_norm`] for a result that
+    /// only the GEMM of a projection without adapters reads: a device may keep it only in
+    /// the form that GEMM reads.
+    fn rms_norm_for_gemm(
+        &self,
+        x: &Self::Tensor,
+        residual: Option<&mut Self::Tensor>,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> DevResult<Self::Tensor> {
+        match residual {
+            Some(r) => self.add_rms_norm(x, r, w, eps),
+            None => self.rms_norm(x, w, eps),
+        }
+    }
     fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> DevResult<()>;
     /// `[n, 2·i]` holding gate then up → `silu(gate) · up` of shape `[n, i]`.
     fn silu_mul(&self, gate_up: &Self::Tensor) -> DevResult<Self::Tensor>;
@@ -296,13 +311,17 @@ pub trait Device: Send + Unpin + 'static {
     /// `silu(gate) · up` of a fused gate/up projection (`[gate | up]` rows of w), with
     /// `lora`'s deltas (modules and each row's slot) added to the projection first:
     /// [`Device::silu_mul`] of [`Device::project`]. A device may keep the projection in the
-    /// weights' 16-bit type in between, as a 16-bit model (and transformers) computes it.
+    /// weights' 16-bit type in between, as a 16-bit model (and transformers) computes it;
+    /// and, with `gemm_only` (only the GEMM of a projection without adapters reads the
+    /// result), keep the result only in the form that GEMM reads.
     fn gate_up_silu(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         lora: LoraRows<Self::Lora>,
+        gemm_only: bool,
     ) -> DevResult<Self::Tensor> {
+        let _ = gemm_only;
         self.silu_mul(&self.project(x, w, None, lora)?)
     }
 }

@@ -145,8 +145,14 @@ impl<D: Device> LlamaMlp<D> {
     ) -> DevResult<D::Tensor> {
         let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
         let (gate_up_lora, down_lora) = (modules(GATE_UP), modules(DOWN));
-        let act = self.gate_up_proj.forward_silu_mul(dev, x, proj_lora::<D>(&gate_up_lora, meta))?; // [n, intermediate]
-        self.down_proj.forward(dev, &act, proj_lora::<D>(&down_lora, meta)) // [n, hidden]
+        let down = proj_lora::<D>(&down_lora, meta);
+        let act = self.gate_up_proj.forward_silu_mul(
+            dev,
+            x,
+            proj_lora::<D>(&gate_up_lora, meta),
+            down.is_none(),
+        )?; // [n, intermediate]
+        self.down_proj.forward(dev, &act, down) // [n, hidden]
     }
 }
 
@@ -258,15 +264,26 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
+        // Whether a projection of `lora` applies no adapters this step: then only its GEMM
+        // reads the norm before it.
+        let plain =
+            |lora: Option<&LayerLora<D>>, range| lora.is_none_or(|l| l.modules(range, meta).is_empty());
         let mut residual = self.embed_tokens.forward(dev, input_ids)?; // [n, hidden]
-        let mut x = self.layers[0].input_layernorm.forward(dev, &residual)?;
+        let first = &self.layers[0];
+        let mut x =
+            first.input_layernorm.forward_to_proj(dev, &residual, None, plain(first.lora.as_ref(), QKV))?;
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
-            if i > 0 {
-                x = layer.input_layernorm.forward_residual(dev, &x, &mut residual)?;
-            }
             let lora = layer.lora.as_ref();
+            if i > 0 {
+                x = layer.input_layernorm.forward_to_proj(dev, &x, Some(&mut residual), plain(lora, QKV))?;
+            }
             let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, lora, meta)?;
-            let h = layer.post_attention_layernorm.forward_residual(dev, &attn, &mut residual)?;
+            let h = layer.post_attention_layernorm.forward_to_proj(
+                dev,
+                &attn,
+                Some(&mut residual),
+                plain(lora, GATE_UP),
+            )?;
             x = layer.mlp.forward(dev, &h, lora, meta)?;
         }
         self.norm.forward_residual(dev, &x, &mut residual)

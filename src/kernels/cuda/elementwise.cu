@@ -28,8 +28,8 @@ __device__ float block_sum(float v) {
 
 // HF LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)). With `residual`, first residual += x
 // and the norm is taken of the sum (written back to residual). With `kind` 1 (bf16) or 2
-// (f16) the output is also written rounded to 16 bits at `out16`, for the next GEMM.
-// float4 loads where the row allows them; blockDim.x up to 1024.
+// (f16) the output is also written rounded to 16 bits at `out16`, for the next GEMM; with
+// `out` null, only there. float4 loads where the row allows them; blockDim.x up to 1024.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __restrict__ residual, int use_residual,
                                         const float* __restrict__ w, float* __restrict__ out, void* out16, int kind,
                                         int cols, float eps) {
@@ -67,13 +67,13 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
         for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
             float4 v = s4[i], g = w4[i];
             float4 o = make_float4(g.x * (v.x * r), g.y * (v.y * r), g.z * (v.z * r), g.w * (v.w * r));
-            o4[i] = o;
+            if (out) o4[i] = o;
             if (kind) store16x4(out16, base + 4 * i, o.x, o.y, o.z, o.w, kind);
         }
     } else {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
             float o = w[i] * (src[i] * r);
-            out[base + i] = o;
+            if (out) out[base + i] = o;
             if (kind) store16(out16, base + i, o, kind);
         }
     }
@@ -82,7 +82,8 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
 // silu(gate) · up of gate_up = [rows, 2·inter] (gate then up), read as T: f32, or the
 // 16-bit type in which a GEMM of 16-bit weights wrote it. One thread per 4 columns (four
 // at once where inter allows), grid (column blocks, up to 65535 row blocks striding over
-// the rows): no division per element.
+// the rows): no division per element. The f32 result is not written where `out` is null
+// (the 16-bit copy is all the next GEMM reads).
 template <typename T>
 __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
                                          int inter, int rows) {
@@ -105,10 +106,11 @@ __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* _
     #pragma unroll
         for (int j = 0; j < 4; j++) r[j] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
         if (n == 4 && (inter & 3) == 0) {
-            *(float4*)(out + o) = make_float4(r[0], r[1], r[2], r[3]);
+            if (out) *(float4*)(out + o) = make_float4(r[0], r[1], r[2], r[3]);
             if (kind) store16x4(out16, o, r[0], r[1], r[2], r[3], kind);
         } else {
-            for (int j = 0; j < n; j++) out[o + j] = r[j];
+            if (out)
+                for (int j = 0; j < n; j++) out[o + j] = r[j];
             if (kind)
                 for (int j = 0; j < n; j++) store16(out16, o + j, r[j], kind);
         }

@@ -9,7 +9,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, DeviceError, WeightBuf, cuda};
 use crate::kernels::LoraRows;
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
@@ -120,13 +120,15 @@ impl CudaDevice {
     /// `Device::gate_up_silu` for 16-bit weights past [`GEMV_ROWS`] rows, with no adapters or
     /// with bf16 adapters whose deltas come first (`CudaDevice::lora_first`): the deltas and
     /// then the projection are written in the weights' 16-bit type, and silu_mul reads
-    /// that, so the projection's values cross memory in half the bytes each way. None
-    /// where this does not apply.
+    /// that, so the projection's values cross memory in half the bytes each way; with
+    /// `half_only`, silu_mul's result too is written in 16 bits only. None where this does
+    /// not apply.
     pub(super) fn gate_up_silu_16(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
         lora: LoraRows<CudaLora>,
+        half_only: bool,
     ) -> DevResult<Option<CudaTensor>> {
         use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
@@ -162,12 +164,15 @@ impl CudaDevice {
             // of it.
             unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, rows, k), (wp, k), (xp, k), beta, (gp, n, ty)) }
         })?;
-        // SAFETY: gate_up holds rows · n values of the weights' type.
-        unsafe { self.silu_mul_at(gp, kind, rows, n / 2) }.map(Some)
+        // SAFETY: gate_up holds rows · n values of the weights' type. With `half_only` (the
+        // down projection applies no adapters) its GEMM reads the 16-bit copy alone, past
+        // the GEMV's rows as here, so no f32 is written.
+        unsafe { self.silu_mul_at(gp, kind, rows, n / 2, !half_only) }.map(Some)
     }
 
     /// `silu(gate) · up` of `[rows, 2 · inter]` values at `src`, of f32 (`kind` 0) or of
-    /// bf16 (1) or f16 (2); the result in f32, with the 16-bit copy the next GEMM reads.
+    /// bf16 (1) or f16 (2); the result in f32, with the 16-bit copy the next GEMM reads,
+    /// or (without `f32`, where there is a 16-bit copy) in that copy only.
     ///
     /// # Safety
     /// `src` must hold rows · 2 · inter values of its kind until the stream has run the call.
@@ -177,9 +182,12 @@ impl CudaDevice {
         kind: i32,
         rows: usize,
         inter: usize,
+        f32: bool,
     ) -> DevResult<CudaTensor> {
         let mut out = self.tensor(rows, inter)?;
         let (mut half, half_kind) = self.half(rows, inter)?;
+        let half_only = !f32 && half.is_some();
+        let null: CUdeviceptr = 0;
         let (i, r) = (inter as i32, rows as i32);
         let cfg = LaunchConfig {
             grid_dim: (inter.div_ceil(4 * 256) as u32, rows.clamp(1, 65535) as u32, 1),
@@ -189,14 +197,20 @@ impl CudaDevice {
         let _t = self.span("silu_mul", (0, 0), rows);
         let name = ["silu_mul_f32", "silu_mul_bf16", "silu_mul_f16"][kind as usize];
         let mut launch = self.stream.launch_builder(self.f(name));
-        launch.arg(&src).arg(&mut *out.buf);
+        launch.arg(&src);
+        match half_only {
+            true => launch.arg(&null),
+            false => launch.arg(&mut *out.buf),
+        };
         match &mut half {
             Some(h) => launch.arg(&mut *h.buf),
             None => launch.arg(&src), // not written with kind 0
         };
-        // SAFETY: the caller's src; out is [rows, inter], half (kind ≠ 0) rows·inter 16-bit.
+        // SAFETY: the caller's src; out (unless null) is [rows, inter], half (kind ≠ 0)
+        // rows·inter 16-bit.
         unsafe { launch.arg(&half_kind).arg(&i).arg(&r).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
         out.half = half;
+        out.half_only = half_only;
         Ok(out)
     }
 
@@ -247,6 +261,11 @@ impl CudaDevice {
         if let Some(h) = x.half.as_ref().filter(|h| h.kind == kind) {
             let (xp, _x) = h.buf.device_ptr(&self.stream);
             return f(xp);
+        }
+        if x.half_only {
+            return Err(DeviceError::Other(
+                "a GEMM asked for another 16-bit type of values kept in 16 bits only".into(),
+            ));
         }
         let (m, k) = (x.rows, x.cols);
         let total = (m * k) as i64;

@@ -71,6 +71,10 @@ pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
     half: Option<Half>,
+    /// The values are in `half` only and `buf` was not written: a norm or SiLU·mul output
+    /// that only the GEMM (or GEMV) of a projection without adapters reads, through `half`
+    /// (`Device::rms_norm_for_gemm`, `Device::gate_up_silu`). `to_host` reads `half`.
+    half_only: bool,
 }
 
 /// 16-bit copy of a tensor's values: `kind` 1 is bf16, 2 is f16 (in f32-sized slots).
@@ -83,6 +87,11 @@ impl CudaTensor {
     /// The tensor's `rows · cols` values.
     pub fn view(&self) -> cudarc::driver::CudaView<'_, f32> {
         self.buf.slice(0..self.rows * self.cols)
+    }
+
+    /// Whether the values are kept in 16 bits only (see `half_only`).
+    pub fn in_16_bits_only(&self) -> bool {
+        self.half_only
     }
 }
 
@@ -393,16 +402,20 @@ impl CudaDevice {
     }
 
     /// RMSNorm of each row, after `residual += x` when a residual is given (the kernel
-    /// then normalizes the sum and writes it back to the residual).
+    /// then normalizes the sum and writes it back to the residual); with `half_only`, in
+    /// the 16-bit copy alone where there is one.
     fn norm(
         &self,
         x: &CudaTensor,
         residual: Option<&mut CudaTensor>,
         w: &CudaWeight,
         eps: f32,
+        half_only: bool,
     ) -> DevResult<CudaTensor> {
         let mut out = self.tensor(x.rows, x.cols)?;
         let (mut half, kind) = self.half(x.rows, x.cols)?;
+        let half_only = half_only && half.is_some();
+        let null: cudarc::driver::sys::CUdeviceptr = 0;
         let cols = x.cols as i32;
         let _t = self.span(if residual.is_some() { "add_rms_norm" } else { "rms_norm" }, (0, 0), x.rows);
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
@@ -413,7 +426,11 @@ impl CudaDevice {
             // Not written when use_residual is 0: x's buffer only fills the slot.
             None => launch.arg(&*x.buf),
         };
-        launch.arg(&use_res).arg(w.f32()).arg(&mut *out.buf);
+        launch.arg(&use_res).arg(w.f32());
+        match half_only {
+            true => launch.arg(&null), // only the 16-bit copy is written
+            false => launch.arg(&mut *out.buf),
+        };
         match &mut half {
             Some(h) => launch.arg(&mut *h.buf),
             None => launch.arg(&*x.buf), // not written with kind 0
@@ -425,6 +442,7 @@ impl CudaDevice {
         // kind is not 0) holds rows·cols 16-bit values.
         unsafe { launch.arg(&kind).arg(&cols).arg(&eps).launch(cfg) }.map_err(cuda("rms_norm launch"))?;
         out.half = half;
+        out.half_only = half_only;
         Ok(out)
     }
 
@@ -487,7 +505,7 @@ impl CudaDevice {
             None => unsafe { self.uninit::<f32>(len) }?,
         };
         let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(pool) };
-        Ok(CudaTensor { buf, rows, cols, half: None })
+        Ok(CudaTensor { buf, rows, cols, half: None, half_only: false })
     }
 
     /// A new zeroed device buffer. Every allocation goes through this, [`Self::uninit`] or
@@ -533,6 +551,7 @@ impl CudaDevice {
             rows,
             cols,
             half: None,
+            half_only: false,
         })
     }
 

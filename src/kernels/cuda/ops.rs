@@ -120,7 +120,20 @@ impl Device for CudaDevice {
     }
 
     fn to_host(&self, t: &CudaTensor) -> DevResult<Vec<f32>> {
-        self.stream.clone_dtoh(&t.view()).map_err(cuda("device to host copy"))
+        let Some(h) = t.half.as_ref().filter(|_| t.half_only) else {
+            return self.stream.clone_dtoh(&t.view()).map_err(cuda("device to host copy"));
+        };
+        let n = t.rows * t.cols;
+        let words =
+            self.stream.clone_dtoh(&h.buf.slice(0..n.div_ceil(2))).map_err(cuda("device to host copy"))?;
+        let bits: &[u16] = bytemuck::cast_slice(&words);
+        Ok(bits[..n]
+            .iter()
+            .map(|&b| match h.kind {
+                1 => half::bf16::from_bits(b).to_f32(),
+                _ => half::f16::from_bits(b).to_f32(),
+            })
+            .collect())
     }
 
     fn synchronize(&self) -> DevResult<()> {
@@ -186,7 +199,7 @@ impl Device for CudaDevice {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32) -> DevResult<CudaTensor> {
-        self.norm(x, None, w, eps)
+        self.norm(x, None, w, eps, false)
     }
 
     fn add_rms_norm(
@@ -196,7 +209,19 @@ impl Device for CudaDevice {
         w: &CudaWeight,
         eps: f32,
     ) -> DevResult<CudaTensor> {
-        self.norm(x, Some(residual), w, eps)
+        self.norm(x, Some(residual), w, eps, false)
+    }
+
+    /// The norm in the 16-bit copy alone where there is one (16-bit weights): every GEMM
+    /// of 16-bit weights, and the GEMV, read that copy.
+    fn rms_norm_for_gemm(
+        &self,
+        x: &CudaTensor,
+        residual: Option<&mut CudaTensor>,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> DevResult<CudaTensor> {
+        self.norm(x, residual, w, eps, true)
     }
 
     fn add_inplace(&self, acc: &mut CudaTensor, x: &CudaTensor) -> DevResult<()> {
@@ -218,18 +243,19 @@ impl Device for CudaDevice {
     fn silu_mul(&self, gate_up: &CudaTensor) -> DevResult<CudaTensor> {
         let src = gate_up.buf.device_ptr(&self.stream).0;
         // SAFETY: gate_up holds rows · cols floats.
-        unsafe { self.silu_mul_at(src, 0, gate_up.rows, gate_up.cols / 2) }
+        unsafe { self.silu_mul_at(src, 0, gate_up.rows, gate_up.cols / 2, true) }
     }
 
     /// With 16-bit weights past the GEMV's rows, the projection is written in their type
-    /// (`CudaDevice::gate_up_silu_16`).
+    /// (`CudaDevice::gate_up_silu_16`), and with `gemm_only` so is the result alone.
     fn gate_up_silu(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
         lora: LoraRows<CudaLora>,
+        gemm_only: bool,
     ) -> DevResult<CudaTensor> {
-        match self.gate_up_silu_16(x, w, lora)? {
+        match self.gate_up_silu_16(x, w, lora, gemm_only)? {
             Some(act) => Ok(act),
             None => self.silu_mul(&self.project(x, w, None, lora)?),
         }

@@ -131,9 +131,16 @@ impl<D: Device> MergedColumnParallelLinear<D> {
         Ok(Self { weight: dev.upload(t)? })
     }
     /// `silu(gate) · up` of the projection, with `lora`'s gate and up deltas added to it
-    /// first: `[n, hidden]` → `[n, intermediate / ranks]`.
-    pub fn forward_silu_mul(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
-        dev.gate_up_silu(x, &self.weight, lora)
+    /// first: `[n, hidden]` → `[n, intermediate / ranks]`. `gemm_only`: the down projection
+    /// that reads it applies no adapters ([`Device::gate_up_silu`]).
+    pub fn forward_silu_mul(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        lora: ProjLora<D>,
+        gemm_only: bool,
+    ) -> DevResult<D::Tensor> {
+        dev.gate_up_silu(x, &self.weight, lora, gemm_only)
     }
 }
 

@@ -120,4 +120,19 @@ impl<D: Device> RMSNorm<D> {
     pub fn forward_residual(&self, dev: &D, x: &D::Tensor, residual: &mut D::Tensor) -> DevResult<D::Tensor> {
         dev.add_rms_norm(x, residual, &self.weight, self.eps)
     }
+    /// `forward` (or `forward_residual` with `residual`) for a projection's input: with
+    /// `gemm_only` (the projection applies no adapters), [`Device::rms_norm_for_gemm`].
+    pub fn forward_to_proj(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        residual: Option<&mut D::Tensor>,
+        gemm_only: bool,
+    ) -> DevResult<D::Tensor> {
+        match (gemm_only, residual) {
+            (true, residual) => dev.rms_norm_for_gemm(x, residual, &self.weight, self.eps),
+            (false, Some(r)) => self.forward_residual(dev, x, r),
+            (false, None) => self.forward(dev, x),
+        }
+    }
 }

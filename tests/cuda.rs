@@ -280,6 +280,8 @@ fn every_kernel_matches_its_cpu_twin() {
     };
     let cache_shape = CacheShape { num_blocks: 12, block_size: 4, num_kv_heads: 2, head_dim: 32 };
     let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
+    // A second GPU cache, filled by qkv_attention (RoPE writing K and V into the cache).
+    let mut cg2 = g.alloc_cache(cache_shape).unwrap();
     let tables = vec![vec![5, 2, 9], vec![7, 1, 11, 0]];
     // First a 13-token prefill of sequence 1 so that its cache holds a context.
     let mut step = |positions: Vec<u32>, token_seq: Vec<u32>, seed| {
@@ -306,6 +308,8 @@ fn every_kernel_matches_its_cpu_twin() {
         let oc = c.paged_attention(&q1, &k1, &v1, &mut cc, s, &meta).unwrap();
         let og = g.paged_attention(&q2, &k2, &v2, &mut cg, s, &meta).unwrap();
         close("paged_attention", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-4);
+        let og2 = g.qkv_attention(&qg, s, &rope, &positions, &mut cg2, &meta).unwrap();
+        close("qkv_attention", &g.to_host(&og2).unwrap(), &c.to_host(&oc).unwrap(), 1e-4);
     };
     step((0..13).collect(), vec![1; 13], 8);
     let mut positions: Vec<u32> = (0..9).collect();

@@ -232,6 +232,20 @@ pub trait Device: Send + Unpin + 'static {
         shape: AttnShape,
         meta: &AttnMetadata,
     ) -> DevResult<Self::Tensor>;
+    /// [`Device::paged_attention`] of [`Device::split_qkv_rope`]'s q, k and v: a device may
+    /// write k and v into the cache as it splits them.
+    fn qkv_attention(
+        &self,
+        qkv: &Self::Tensor,
+        shape: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+        cache: &mut Self::Cache,
+        meta: &AttnMetadata,
+    ) -> DevResult<Self::Tensor> {
+        let (q, k, v) = self.split_qkv_rope(qkv, shape, rope, positions)?;
+        self.paged_attention(&q, &k, &v, cache, shape, meta)
+    }
     /// Records the forward `forward` runs on inputs `ids` and `meta` (returning its hidden
     /// states) as a graph to replay, with attention shaped for contexts up to `ctx_bound`.
     /// None on a device without graphs.

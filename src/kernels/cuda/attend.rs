@@ -1,4 +1,5 @@
-//! Paged attention launches: K/V written into the cache, then prefill tiles on tensor
+//! Paged attention launches: K/V written into the cache (or by the RoPE kernel, ops.rs),
+//! then prefill tiles on tensor
 //! cores (flash_prefill) and the other rows on tensor cores too where the shape allows
 //! (flash_decode, flash.cu), else through the split (PagedAttention v2) or the
 //! one-block-per-head kernel (attention.cu); partitions joined by one reduction.
@@ -6,11 +7,18 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
-use crate::kernels::{AttnShape, DevResult};
+use crate::kernels::{AttnShape, DevResult, RopeSpec};
 use crate::models::attn::AttnMetadata;
 
 impl CudaDevice {
-    /// `Device::paged_attention`.
+    /// The step's attention metadata on the device, uploaded unless it is there already
+    /// (every layer passes the same).
+    pub(super) fn attention_inputs(&self, s: AttnShape, meta: &AttnMetadata) -> DevResult<()> {
+        self.attn_shape.set(Some(s));
+        self.step_bufs(meta, self.flash_for(s))
+    }
+
+    /// `Device::paged_attention`: k and v written into the cache, then [`Self::attend_cached`].
     pub(super) fn attend(
         &self,
         q: &CudaTensor,
@@ -21,25 +29,41 @@ impl CudaDevice {
         meta: &AttnMetadata,
     ) -> DevResult<CudaTensor> {
         let width = (s.num_kv_heads * s.head_dim) as i32;
-        self.attn_shape.set(Some(s));
-        self.step_bufs(meta, self.flash_for(s))?;
+        self.attention_inputs(s, meta)?;
+        {
+            let guard = self.inputs().step.borrow();
+            let b = guard.as_ref().expect("uploaded above");
+            let _t = self.span("write_kv", (0, 0), k.rows);
+            let (kc, vc) = (cache.k.arg(), cache.v.arg());
+            let mut launch = self.stream.launch_builder(&cache.kernels.write_kv);
+            launch.arg(&*k.buf).arg(&*v.buf);
+            kc.push(&mut launch);
+            vc.push(&mut launch);
+            // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the
+            // scheduler).
+            unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }
+                .map_err(cuda("write_kv launch"))?;
+        }
+        self.attend_cached(q, cache, s)
+    }
+
+    /// Attention of each query row of `q` over its context, whose K and V (this step's
+    /// included) are in the cache, with the step's metadata uploaded
+    /// ([`Self::attention_inputs`]).
+    pub(super) fn attend_cached(
+        &self,
+        q: &CudaTensor,
+        cache: &mut CudaCache,
+        s: AttnShape,
+    ) -> DevResult<CudaTensor> {
         let guard = self.inputs().step.borrow();
-        let b = guard.as_ref().expect("uploaded above");
+        let b = guard.as_ref().expect("uploaded by attention_inputs");
         // A graph is replayed at any context up to its bound: its launch shapes follow the
         // bound, and the kernels skip what lies past each row's own context.
         let ctx_max = self.graph.get().ctx_bound().unwrap_or(b.ctx_max);
-        let t = self.span("write_kv", (0, 0), k.rows);
         let kk = &cache.kernels;
         let half_cache = cache.k.is_half();
         let (kc, vc) = (cache.k.arg(), cache.v.arg());
-        let mut launch = self.stream.launch_builder(&kk.write_kv);
-        launch.arg(&*k.buf).arg(&*v.buf);
-        kc.push(&mut launch);
-        vc.push(&mut launch);
-        // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the scheduler).
-        unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }
-            .map_err(cuda("write_kv launch"))?;
-        drop(t);
         let cols = s.num_heads * s.head_dim;
         let mut out = self.tensor(q.rows, cols)?;
         let (mut half, kind) = self.half(q.rows, cols)?;
@@ -188,6 +212,64 @@ impl CudaDevice {
         unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
         out.half = half;
         Ok(out)
+    }
+}
+
+/// Where split_qkv_rope puts a step's q, k and v: three tensors, or q and the KV cache (at
+/// the step's slots, uploaded by `CudaDevice::attention_inputs`).
+pub(super) enum RopeOut<'a> {
+    Tensors(&'a mut CudaTensor, &'a mut CudaTensor, &'a mut CudaTensor),
+    Cache(&'a mut CudaTensor, &'a mut CudaCache),
+}
+
+impl CudaDevice {
+    /// Splits the fused qkv projection and applies RoPE at `positions`, into `out`.
+    pub(super) fn rope_launch(
+        &self,
+        qkv: &CudaTensor,
+        s: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+        out: RopeOut,
+    ) -> DevResult<()> {
+        let n = qkv.rows;
+        self.rope_positions(positions)?;
+        let pos_guard = self.inputs().rope_positions.borrow();
+        let pos = &pos_guard.as_ref().expect("uploaded above").1;
+        self.inv_freq(rope)?;
+        let inv_guard = self.inv_freq.borrow();
+        let inv = &inv_guard.as_ref().expect("uploaded above").1;
+        let step = self.inputs().step.borrow();
+        let (h, kvh, hd, half) =
+            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
+        let _t = self.span("split_qkv_rope", (0, 0), n);
+        let func = match &out {
+            RopeOut::Tensors(..) => self.f("split_qkv_rope_f32").clone(),
+            RopeOut::Cache(_, cache) => cache.kernels.split_rope_kv.clone(),
+        };
+        let mut launch = self.stream.launch_builder(&func);
+        launch.arg(&*qkv.buf);
+        match out {
+            RopeOut::Tensors(q, k, v) => {
+                launch.arg(&mut *q.buf).arg(&mut *k.buf).arg(&mut *v.buf);
+            }
+            RopeOut::Cache(q, cache) => {
+                launch.arg(&mut *q.buf);
+                cache.k.arg().push(&mut launch);
+                cache.v.arg().push(&mut launch);
+                launch.arg(&step.as_ref().expect("uploaded by attention_inputs").slots);
+            }
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(4) as u32, 1),
+            block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256) as u32, 4, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a cache's
+        // slots index inside it (checked by the scheduler), its rows kvh·hd wide.
+        unsafe { launch.arg(pos).arg(inv).arg(&h).arg(&kvh).arg(&hd).arg(&half).launch(cfg) }
+            .map_err(cuda("rope launch"))?;
+        Ok(())
     }
 }
 

@@ -154,36 +154,80 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
 
 // Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half, the first
 // 2·half dims of each head) at each token's position. Blocks of (threads over a head's
-// pairs) × 4 head slots, grid (token, slot groups of 4).
-extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
-                                              float* __restrict__ k, float* __restrict__ v,
-                                              const unsigned int* positions, const float* inv_freq, int heads,
-                                              int kv_heads, int head_dim, int half) {
+// pairs) × 4 head slots, grid (token, slot groups of 4). K and V go to tensors k and v, or,
+// with a cache (kc non-null), straight into it at the token's slot (as write_kv writes
+// them; none for a negative slot).
+template <typename T>
+__device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, float* __restrict__ q,
+                                               float* __restrict__ k, float* __restrict__ v, T* __restrict__ kc,
+                                               T* __restrict__ vc, const long long* slots,
+                                               const unsigned int* positions, const float* inv_freq, int heads,
+                                               int kv_heads, int head_dim, int half) {
     int t = blockIdx.x, slot = blockIdx.y * blockDim.y + threadIdx.y;
     if (slot >= heads + 2 * kv_heads) return;
     int qn = heads * head_dim, kn = kv_heads * head_dim;
     const float* src = qkv + (size_t)t * (qn + 2 * kn) + (size_t)slot * head_dim;
-    float* dst;
-    if (slot < heads) dst = q + (size_t)t * qn + slot * head_dim;
-    else if (slot < heads + kv_heads) dst = k + (size_t)t * kn + (slot - heads) * head_dim;
-    else {
-        dst = v + (size_t)t * kn + (slot - heads - kv_heads) * head_dim;
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = src[i];
+    bool cached = kc != nullptr;
+    long long at = cached && slot >= heads ? slots[t] : 0;
+    if (at < 0) return;  // a padding row: no cache write
+    float* dst = nullptr;
+    T* cdst = nullptr;
+    if (slot < heads) {
+        dst = q + (size_t)t * qn + slot * head_dim;
+    } else if (slot < heads + kv_heads) {
+        if (cached) cdst = kc + at * kn + (slot - heads) * head_dim;
+        else dst = k + (size_t)t * kn + (slot - heads) * head_dim;
+    } else {
+        int h = slot - heads - kv_heads;
+        if (cached) {
+            T* c = vc + at * kn + h * head_dim;
+            for (int i = threadIdx.x; i < head_dim; i += blockDim.x) st(c + i, src[i]);
+        } else {
+            float* d = v + (size_t)t * kn + h * head_dim;
+            for (int i = threadIdx.x; i < head_dim; i += blockDim.x) d[i] = src[i];
+        }
         return;
     }
+    auto put = [&](int i, float x) {
+        if (cdst) st(cdst + i, x);
+        else dst[i] = x;
+    };
     float p = (float)positions[t];
     for (int j = threadIdx.x; j < head_dim - half; j += blockDim.x) {
         if (j < half) {
             float s, c;
             sincosf(p * inv_freq[j], &s, &c);
             float x0 = src[j], x1 = src[j + half];
-            dst[j] = x0 * c - x1 * s;
-            dst[j + half] = x1 * c + x0 * s;
+            put(j, x0 * c - x1 * s);
+            put(j + half, x1 * c + x0 * s);
         } else {
-            dst[j + half] = src[j + half];
+            put(j + half, src[j + half]);
         }
     }
 }
+
+extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
+                                              float* __restrict__ k, float* __restrict__ v,
+                                              const unsigned int* positions, const float* inv_freq, int heads,
+                                              int kv_heads, int head_dim, int half) {
+    split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, heads, kv_heads, head_dim,
+                          half);
+}
+
+// The same, with k and v written straight into the KV cache (layout as write_kv's) at each
+// token's slot instead of into tensors.
+#define SPLIT_ROPE_KV_ENTRY(SUF, T)                                                                               \
+    extern "C" __global__ void split_qkv_rope_kv_##SUF(const float* __restrict__ qkv, float* __restrict__ q,      \
+                                                       T* __restrict__ kc, T* __restrict__ vc,                    \
+                                                       const long long* slots, const unsigned int* positions,    \
+                                                       const float* inv_freq, int heads, int kv_heads,           \
+                                                       int head_dim, int half) {                                 \
+        split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, heads, kv_heads,         \
+                          head_dim, half);                                                                       \
+    }
+SPLIT_ROPE_KV_ENTRY(f32, float)
+SPLIT_ROPE_KV_ENTRY(bf16, __nv_bfloat16)
+SPLIT_ROPE_KV_ENTRY(f16, __half)
 
 // Conversions for cuBLAS GEMMs with 16-bit weights, and the embedding of a 16-bit table.
 

@@ -53,6 +53,8 @@ fn cuda<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> DeviceError
 /// that a step's launches find them without building names.
 struct KvKernels {
     write_kv: CudaFunction,
+    /// split_qkv_rope writing K and V into the cache.
+    split_rope_kv: CudaFunction,
     attention: CudaFunction,
     /// flash_prefill for head_dim 64 and 128.
     flash: [CudaFunction; 2],
@@ -472,6 +474,7 @@ impl CudaDevice {
         let f = |name: String| self.f(&name).clone();
         let kernels = KvKernels {
             write_kv: f(format!("write_kv_{sfx}")),
+            split_rope_kv: f(format!("split_qkv_rope_kv_{sfx}")),
             attention: f(format!("paged_attention_{sfx}")),
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
             decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 42] = [
+const KERNELS: [&str; 45] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -31,6 +31,9 @@ const KERNELS: [&str; 42] = [
     "join_shards_f32",
     "sample_f32",
     "split_qkv_rope_f32",
+    "split_qkv_rope_kv_f32",
+    "split_qkv_rope_kv_bf16",
+    "split_qkv_rope_kv_f16",
     "write_kv_f32",
     "write_kv_bf16",
     "write_kv_f16",

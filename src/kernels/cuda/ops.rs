@@ -1,8 +1,9 @@
 //! The [`Device`] operations of the CUDA device: one launch (or cuBLAS call) each, with
 //! shapes checked by the model and indices bounded by the scheduler's metadata.
 
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, PushKernelArg};
 
+use super::attend::RopeOut;
 use super::lora::GemmOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
@@ -274,37 +275,24 @@ impl Device for CudaDevice {
             self.tensor(n, s.num_kv_heads * s.head_dim)?,
             self.tensor(n, s.num_kv_heads * s.head_dim)?,
         );
-        self.rope_positions(positions)?;
-        let pos_guard = self.inputs().rope_positions.borrow();
-        let pos = &pos_guard.as_ref().expect("uploaded above").1;
-        self.inv_freq(rope)?;
-        let inv_guard = self.inv_freq.borrow();
-        let inv = &inv_guard.as_ref().expect("uploaded above").1;
-        let (h, kvh, hd, half) =
-            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
-        let _t = self.span("split_qkv_rope", (0, 0), n);
-        // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q, k, v are sized for their heads.
-        unsafe {
-            self.stream
-                .launch_builder(self.f("split_qkv_rope_f32"))
-                .arg(&*qkv.buf)
-                .arg(&mut *q.buf)
-                .arg(&mut *k.buf)
-                .arg(&mut *v.buf)
-                .arg(pos)
-                .arg(inv)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&hd)
-                .arg(&half)
-                .launch(LaunchConfig {
-                    grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(4) as u32, 1),
-                    block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256) as u32, 4, 1),
-                    shared_mem_bytes: 0,
-                })
-        }
-        .map_err(cuda("rope launch"))?;
+        self.rope_launch(qkv, s, rope, positions, RopeOut::Tensors(&mut q, &mut k, &mut v))?;
         Ok((q, k, v))
+    }
+
+    /// RoPE writes K and V into the cache at the step's slots, then attention reads them.
+    fn qkv_attention(
+        &self,
+        qkv: &CudaTensor,
+        s: AttnShape,
+        rope: &RopeSpec,
+        positions: &[u32],
+        cache: &mut CudaCache,
+        meta: &AttnMetadata,
+    ) -> DevResult<CudaTensor> {
+        self.attention_inputs(s, meta)?;
+        let mut q = self.tensor(qkv.rows, s.num_heads * s.head_dim)?;
+        self.rope_launch(qkv, s, rope, positions, RopeOut::Cache(&mut q, cache))?;
+        self.attend_cached(&q, cache, s)
     }
 
     fn paged_attention(

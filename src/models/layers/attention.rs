@@ -36,7 +36,6 @@ impl PagedAttention {
         cache: &mut D::Cache,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        let (q, k, v) = dev.split_qkv_rope(qkv, self.shape, &rope.spec, positions)?;
-        dev.paged_attention(&q, &k, &v, cache, self.shape, meta)
+        dev.qkv_attention(qkv, self.shape, &rope.spec, positions, cache, meta)
     }
 }

@@ -1,6 +1,6 @@
-//! Paged attention launches: K/V written into the cache (or by the RoPE kernel, ops.rs),
-//! then prefill tiles on tensor
-//! cores (flash_prefill) and the other rows on tensor cores too where the shape allows
+//! Paged attention launches: K/V written into the cache (by write_kv, or by the RoPE
+//! kernel as it splits q, k and v: `rope_launch`), then prefill tiles on tensor cores
+//! (flash_prefill) and the other rows on tensor cores too where the shape allows
 //! (flash_decode, flash.cu), else through the split (PagedAttention v2) or the
 //! one-block-per-head kernel (attention.cu); partitions joined by one reduction.
 

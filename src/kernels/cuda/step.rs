@@ -222,12 +222,12 @@ impl CudaDevice {
     }
 }
 
-/// Warps per (row, KV head) for flash_decode, a power of two up to 64: as many as keep the
-/// grid near 8192 warps (about one wave of the H200's resident warps), each with at least
-/// 64 keys of the bound, since a warp's partial result (written, then read by the
-/// reduction) costs about half the traffic of a chunk of 16 keys. While the grid would
-/// hold fewer than 1024 warps, a few short rows, warps take chunks down to 16 keys so that
-/// they still spread over the GPU.
+/// Warps per (row, KV head) in flash_decode's grid, the bound on a row's partitions (their
+/// lengths are [`partitions`]'), a power of two up to 64: as many as keep the grid near
+/// 8192 warps, each with at least 64 keys of the context bound, since a warp's partial
+/// result (written, then read by the reduction) costs about half the traffic of a chunk of
+/// 16 keys. While the grid would hold fewer than 1024 warps, a few short rows, warps take
+/// chunks down to 16 keys so that they still spread over the GPU.
 pub(super) fn decode_warps(rows: usize, s: AttnShape, ctx_max: usize) -> usize {
     let per_part = (rows * s.num_kv_heads).max(1);
     let spread = (8192 / per_part).min(ctx_max.div_ceil(64));

@@ -13,6 +13,10 @@ batch size (cuBLAS picks its kernels by shape). Printed: one line per group, the
 group with the most steps (or the one chosen), averaged over its steps: the span from the
 first kernel's start to the last kernel's end, the time kernels ran, the gaps between
 them, and per kernel name its calls, time per call and per step, and the mean gap before.
+
+With `--by-grid NAME`, instead: the total time of the kernels whose name contains NAME over
+the whole trace, per launch shape (grid x, y, z and block x; for the attention kernels
+grid x is the batch's rows, so a throughput run's steps come out by graph size).
 """
 
 import argparse
@@ -21,18 +25,38 @@ import csv
 import statistics
 
 
-def read_kernels(path):
-    """(start ns, duration ns, name) of every row of the trace, in start order."""
+def read_kernels(path, shapes=False):
+    """(start ns, duration ns, name) of every row of the trace, in start order; with
+    `shapes`, also (grid x, grid y, grid z, block x) of each kernel (None for copies)."""
     with open(path, newline="") as f:
         rows = csv.reader(f)
         header = next(r for r in rows if r and r[0].startswith("Start"))
         start, duration, name = header.index("Start (ns)"), header.index("Duration (ns)"), header.index("Name")
-        kernels = [
-            (int(float(r[start])), int(float(r[duration])), r[name])
-            for r in rows
-            if len(r) > name and r[start].replace(".", "", 1).isdigit()
-        ]
+        dims = [header.index(c) for c in ("GrdX", "GrdY", "GrdZ", "BlkX")]
+        kernels = []
+        for r in rows:
+            if len(r) <= name or not r[start].replace(".", "", 1).isdigit():
+                continue
+            k = (int(float(r[start])), int(float(r[duration])), r[name])
+            if shapes:
+                k += (tuple(int(r[d]) for d in dims) if r[dims[0]] else None,)
+            kernels.append(k)
     return sorted(kernels)
+
+
+def by_grid(path, pattern, top):
+    """Prints the time of the kernels named like `pattern` per launch shape."""
+    totals = collections.defaultdict(lambda: [0, 0])
+    for _, duration, name, shape in read_kernels(path, shapes=True):
+        if pattern in name and shape is not None:
+            totals[shape][0] += 1
+            totals[shape][1] += duration
+    if not totals:
+        raise SystemExit(f"no kernel named like {pattern!r} in the trace")
+    print(f"{pattern}: {sum(t for _, t in totals.values()) / 1e9:.3f} s in {sum(c for c, _ in totals.values())} calls")
+    print(f"{'grid x, y, z':>18} {'block':>6} {'calls':>7} {'ms':>9} {'µs/call':>8}")
+    for (x, y, z, b), (calls, total) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{f'{x}, {y}, {z}':>18} {b:6} {calls:7} {total / 1e6:9.1f} {total / calls / 1e3:8.1f}")
 
 
 def split_steps(kernels):
@@ -49,8 +73,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="CSV of `nsys stats --report cuda_gpu_trace --format csv`")
     parser.add_argument("--group", type=int, help="the group to detail, by its number in the list")
-    parser.add_argument("--top", type=int, default=25, help="kernel names to list (default 25)")
+    parser.add_argument("--top", type=int, default=25, help="kernel names (or shapes) to list (default 25)")
+    parser.add_argument("--by-grid", metavar="NAME", help="time per launch shape of the kernels named like NAME")
     args = parser.parse_args()
+    if args.by_grid:
+        return by_grid(args.trace, args.by_grid, args.top)
 
     steps = [s for s in split_steps(read_kernels(args.trace)) if s[0][2].startswith("embedding")]
     if not steps:

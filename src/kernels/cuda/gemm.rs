@@ -9,7 +9,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, DeviceError, WeightBuf, cuda};
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
 use crate::kernels::LoraRows;
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
@@ -62,6 +62,7 @@ impl CudaDevice {
         out: &mut CudaSlice<f32>,
         beta: f32,
     ) -> DevResult<()> {
+        x.f32_values("an f32 GEMM")?;
         let (m, k) = (x.rows as i32, x.cols as i32);
         let cfg = GemmConfig {
             transa: Op::CUBLAS_OP_T,
@@ -262,11 +263,7 @@ impl CudaDevice {
             let (xp, _x) = h.buf.device_ptr(&self.stream);
             return f(xp);
         }
-        if x.half_only {
-            return Err(DeviceError::Other(
-                "a GEMM asked for another 16-bit type of values kept in 16 bits only".into(),
-            ));
-        }
+        x.f32_values("a GEMM of another 16-bit type")?;
         let (m, k) = (x.rows, x.cols);
         let total = (m * k) as i64;
         let mut scratch = self.scratch16.borrow_mut();

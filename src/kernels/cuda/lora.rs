@@ -203,6 +203,7 @@ impl CudaDevice {
     /// [`Self::lora_add`] for a few rows: each reads its own slot's weights only.
     fn lora_bgmv(&self, y: &mut CudaTensor, x: &CudaTensor, modules: &[(&CudaLora, usize)]) -> DevResult<()> {
         let Some((first, _)) = modules.first() else { return Ok(()) };
+        x.f32_values("a LoRA pass over a few rows")?;
         let LoraShape { max_rank, bf16, in_features: fin, .. } = first.shape;
         let (rows, nm) = (y.rows, modules.len());
         let parts = split_k(fin);
@@ -311,6 +312,7 @@ impl CudaDevice {
         if bf16 {
             self.with_x16(x, 1, |xp| shrink(xp, x.cols))?;
         } else {
+            x.f32_values("an f32 LoRA shrink")?;
             shrink(x.buf.device_ptr(&self.stream).0, x.cols)?;
         }
         // Mask: each row keeps its own slot's R columns of every module (rounded to bf16

@@ -97,6 +97,15 @@ impl CudaTensor {
     pub fn in_16_bits_only(&self) -> bool {
         self.half_only
     }
+
+    /// An error where `buf` holds no values (`half_only`), for the operations that read it
+    /// as f32 where only a projection's 16-bit GEMM is expected.
+    fn f32_values(&self, what: &str) -> DevResult<()> {
+        match self.half_only {
+            true => Err(DeviceError::Other(format!("{what} was given values kept in 16 bits only"))),
+            false => Ok(()),
+        }
+    }
 }
 
 /// A weight on the device; 16-bit types are kept as raw bits.

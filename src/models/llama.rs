@@ -109,6 +109,11 @@ impl<D: Device> LayerLora<D> {
             false => self.modules[range].iter().map(|(l, off)| (l, *off)).collect(),
         }
     }
+
+    /// Whether [`Self::modules`] of `range` would apply any adapter to this batch.
+    fn applies(&self, range: std::ops::Range<usize>, meta: &AttnMetadata) -> bool {
+        !meta.lora_slots.is_empty() && !self.modules[range].is_empty()
+    }
 }
 
 /// A projection's LoRA as the linear layers take it: `modules` (from
@@ -266,8 +271,7 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
     ) -> DevResult<D::Tensor> {
         // Whether a projection of `lora` applies no adapters this step: then only its GEMM
         // reads the norm before it.
-        let plain =
-            |lora: Option<&LayerLora<D>>, range| lora.is_none_or(|l| l.modules(range, meta).is_empty());
+        let plain = |lora: Option<&LayerLora<D>>, range| lora.is_none_or(|l| !l.applies(range, meta));
         let mut residual = self.embed_tokens.forward(dev, input_ids)?; // [n, hidden]
         let first = &self.layers[0];
         let mut x =

@@ -4,7 +4,7 @@
 //! (flash_decode, flash.cu), else through the split (PagedAttention v2) or the
 //! one-block-per-head kernel (attention.cu); partitions joined by one reduction.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
 use crate::kernels::{AttnShape, DevResult, RopeSpec};
@@ -326,6 +326,23 @@ pub(super) fn split_index(s: AttnShape) -> usize {
 /// V rows of `head_dim` 16-bit values.
 pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
     2 * 2 * 16 * head_dim * 2
+}
+
+/// flash_decode over a 16-bit cache takes more than the 48 KiB of shared memory a block
+/// gets without asking: up to four warps of chunk buffers. Asks for it, once per kernel.
+pub(super) fn allow_decode_smem(funcs: &std::collections::HashMap<String, CudaFunction>) -> DevResult<()> {
+    for (name, f) in funcs {
+        if name.starts_with("flash_decode_") && !name.ends_with("_f32") {
+            let hd = if name.contains("_h64_") { 64 } else { 128 };
+            let bytes = 4 * decode_smem_per_warp(hd);
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(cuda("flash_decode shared memory"))?;
+        }
+    }
+    Ok(())
 }
 
 /// From how many (row, head) pairs the partitions are joined by a warp each rather than a

@@ -294,6 +294,42 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
     return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
 }
 
+// What a flash_decode warp works on: its lane's place (g, tq), the row t (at place
+// blockIdx.x of `rows`), KV head kvh, partition pi of the row's keys [start, end) (alone:
+// the row's only one) and the row's block table; query head h of the group for lane group
+// g (live: inside the group).
+struct DecodeWarp {
+    int warp, lane, g, tq, t, kvh, pi, start, end, h;
+    bool live, alone;
+    const unsigned int* table;
+};
+
+// Fills `d` from the launch and the row's metadata (context, table offset and partition
+// length at row_meta[3 · place]); false when the warp has nothing to do (past parts_max, or
+// a partition past the row's context: the reduction counts alike).
+__device__ __forceinline__ bool decode_warp(DecodeWarp& d, const unsigned int* rows, const unsigned int* row_meta,
+                                            const unsigned int* tables, int heads, int kv_heads, int parts_max) {
+    d.warp = threadIdx.x >> 5;
+    d.lane = threadIdx.x & 31;
+    d.g = d.lane >> 2;
+    d.tq = d.lane & 3;
+    d.kvh = blockIdx.y;
+    d.pi = blockIdx.z * (blockDim.x >> 5) + d.warp;
+    if (d.pi >= parts_max) return false;
+    const unsigned int* meta = row_meta + 3 * blockIdx.x;
+    d.t = rows[blockIdx.x];
+    int ctx = meta[0], part = meta[2];
+    int group = heads / kv_heads;
+    d.live = d.g < group;
+    d.h = d.kvh * group + d.g;
+    d.start = d.pi * part;
+    if (d.start >= ctx) return false;
+    d.end = min(ctx, d.start + part);
+    d.alone = part >= ctx;
+    d.table = tables + meta[1];
+    return true;
+}
+
 // The warp's query heads as A fragments, pre-scaled: piece i of a lane covers dims
 // i·32 + tq·8 .. + 8, as the K pieces below (rows past the group are zero).
 template <int HD, typename T>
@@ -370,12 +406,13 @@ __device__ __forceinline__ void decode_chunk(const unsigned (&qa)[HD / 16][2], c
 // write it (the reduction leaves such rows alone); else the part's unnormalized output,
 // maximum and sum at its slot (by place in `rows`).
 template <int HD>
-__device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float m, float l, bool live,
+__device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float m, float l, const DecodeWarp& d,
                                               float* __restrict__ part_out, float* __restrict__ part_max,
                                               float* __restrict__ part_sum, float* __restrict__ out,
-                                              void* __restrict__ out16, int kind, int t, int h, int heads,
-                                              int pi, int parts_max, bool alone, int tq) {
+                                              void* __restrict__ out16, int kind, int heads, int parts_max) {
     constexpr int NT = HD / 8;
+    const int t = d.t, h = d.h, pi = d.pi, tq = d.tq;
+    const bool live = d.live, alone = d.alone;
     l += __shfl_xor_sync(0xffffffff, l, 1);
     l += __shfl_xor_sync(0xffffffff, l, 2);
     if (!live) return;
@@ -414,20 +451,12 @@ __device__ __forceinline__ void flash_decode_regs(const float* __restrict__ q, c
                                                   const unsigned int* tables, int heads, int kv_heads,
                                                   int block_size, float scale, int parts_max) {
     constexpr int NC = HD / 32, NT = HD / 8;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int t = rows[blockIdx.x], kvh = blockIdx.y, pi = blockIdx.z * (blockDim.x >> 5) + warp;
-    if (pi >= parts_max) return;
-    const unsigned int* meta = row_meta + 3 * blockIdx.x;
-    int ctx = meta[0], part = meta[2];
-    int group = heads / kv_heads, width = kv_heads * HD;
-    bool live = g < group;
-    int h = kvh * group + g;
-    int start = pi * part;
-    if (start >= ctx) return;  // nothing left for this warp (the reduction counts alike)
-    int end = min(ctx, start + part);
-    const unsigned int* table = tables + meta[1];
+    DecodeWarp d;
+    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) return;
+    const int g = d.g, tq = d.tq, kvh = d.kvh, start = d.start, end = d.end, width = kv_heads * HD;
+    const unsigned int* table = d.table;
     unsigned qa[HD / 16][2];
-    decode_query<HD, T>(qa, q, (size_t)t * heads + h, live, tq, scale);
+    decode_query<HD, T>(qa, q, (size_t)d.t * heads + d.h, d.live, tq, scale);
     float o[NT][2];
 #pragma unroll
     for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
@@ -468,8 +497,7 @@ __device__ __forceinline__ void flash_decode_regs(const float* __restrict__ q, c
         if (WHOLE && c0 + 16 < end) blk = table[(c0 + 16) >> shift];
         decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
     }
-    decode_finish<HD>(o, m, l, live, part_out, part_max, part_sum, out, out16, kind, t, h, heads, pi, parts_max,
-                      part >= ctx, tq);
+    decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
 }
 
 // Where 16-byte piece `seg` of key row r of a chunk lies in shared memory: pieces are
@@ -497,18 +525,10 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
                                                   int block_size, float scale, int parts_max) {
     constexpr int NC = HD / 32, NT = HD / 8, SEGS = HD / 8, CHUNK = 16 * SEGS;  // uint4s of K (or V) a chunk
     extern __shared__ uint4 decode_smem[];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int kvh = blockIdx.y, pi = blockIdx.z * (blockDim.x >> 5) + warp;
-    if (pi >= parts_max) return;
-    const unsigned int* meta = row_meta + 3 * blockIdx.x;
-    int t = rows[blockIdx.x], ctx = meta[0], part = meta[2];
-    int group = heads / kv_heads, width = kv_heads * HD;
-    bool live = g < group;
-    int h = kvh * group + g;
-    int start = pi * part;
-    if (start >= ctx) return;
-    int end = min(ctx, start + part);
-    const unsigned int* table = tables + meta[1];
+    DecodeWarp d;
+    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) return;
+    const int lane = d.lane, g = d.g, tq = d.tq, kvh = d.kvh, start = d.start, end = d.end, width = kv_heads * HD;
+    const unsigned int* table = d.table;
     const int shift = __ffs(block_size) - 1, in_block = block_size - 1;
     // Entries wbase + lane (cur) and wbase + 32 + lane (next) of the table, up to the last
     // one the partition reads.
@@ -516,7 +536,7 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
     int wbase = start >> shift;
     unsigned cur = wbase + lane <= last ? table[wbase + lane] : 0u;
     unsigned next = wbase + 32 + lane <= last ? table[wbase + 32 + lane] : 0u;
-    uint4* buf = decode_smem + (size_t)warp * 4 * CHUNK;  // [stage][K, V][CHUNK]
+    uint4* buf = decode_smem + (size_t)d.warp * 4 * CHUNK;  // [stage][K, V][CHUNK]
 
     // Issues the copies of chunk c0 into stage `st`: lane i of each pass copies piece
     // i % SEGS of row i / SEGS (two rows a pass for HD 128, four for HD 64).
@@ -543,7 +563,7 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
 
     unsigned qa[HD / 16][2];
     stage(start, 0);
-    decode_query<HD, T>(qa, q, (size_t)t * heads + h, live, tq, scale);
+    decode_query<HD, T>(qa, q, (size_t)d.t * heads + d.h, d.live, tq, scale);
     float o[NT][2];
 #pragma unroll
     for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
@@ -571,8 +591,7 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
         decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
         __syncwarp();  // this stage is copied into again two chunks on
     }
-    decode_finish<HD>(o, m, l, live, part_out, part_max, part_sum, out, out16, kind, t, h, heads, pi, parts_max,
-                      part >= ctx, tq);
+    decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
 }
 
 #define DECODE_ARGS(T)                                                                                          \

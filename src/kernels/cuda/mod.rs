@@ -292,19 +292,7 @@ impl CudaDevice {
                 }
             }
         }
-        // flash_decode over a 16-bit cache takes more than the 48 KiB of shared memory a
-        // block gets without asking: up to four warps of chunk buffers.
-        for (name, f) in &funcs {
-            if name.starts_with("flash_decode_") && !name.ends_with("_f32") {
-                let hd = if name.contains("_h64_") { 64 } else { 128 };
-                let bytes = 4 * attend::decode_smem_per_warp(hd);
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .map_err(cuda("flash_decode shared memory"))?;
-            }
-        }
+        attend::allow_decode_smem(&funcs)?;
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,

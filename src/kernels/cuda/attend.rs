@@ -98,7 +98,7 @@ impl CudaDevice {
             out.half = half;
             return Ok(out);
         }
-        let tc = self.decode_on_flash(s);
+        let tc = self.decode_on_flash(s, b.num_rows);
         self.decode_on_tensor_cores.set(tc);
         // flash_decode gives each row partitions of its own length (`row_meta`; part 0 tells
         // the reduction so), at most `parts_max`; the split kernel cuts the bound into
@@ -117,7 +117,9 @@ impl CudaDevice {
                 // A 16-bit cache is staged through two chunk buffers of shared memory a warp.
                 let smem = if half_cache { warps * decode_smem_per_warp(s.head_dim) } else { 0 };
                 let cfg = LaunchConfig {
-                    grid_dim: (b.num_rows as u32, s.num_kv_heads as u32, (parts_max / warps) as u32),
+                    // KV heads fastest (flash.cu's DecodeWarp); rows within the grid's y
+                    // bound (`decode_on_flash`).
+                    grid_dim: (s.num_kv_heads as u32, b.num_rows as u32, (parts_max / warps) as u32),
                     block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };

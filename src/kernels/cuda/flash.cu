@@ -295,9 +295,11 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
 }
 
 // What a flash_decode warp works on: its lane's place (g, tq), the row t (at place
-// blockIdx.x of `rows`), KV head kvh, partition pi of the row's keys [start, end) (alone:
-// the row's only one) and the row's block table; query head h of the group for lane group
-// g (live: inside the group).
+// blockIdx.y of `rows`), KV head kvh (blockIdx.x), partition pi of the row's keys
+// [start, end) (alone: the row's only one) and the row's block table; query head h of the
+// group for lane group g (live: inside the group). Blocks go KV head fastest, so that the
+// warps that run together read every head of the same keys, whole cache rows, rather than
+// one head's slice of many rows (on the H200, +0.9 % throughput).
 struct DecodeWarp {
     int warp, lane, g, tq, t, kvh, pi, start, end, h;
     bool live, alone;
@@ -313,11 +315,11 @@ __device__ __forceinline__ bool decode_warp(DecodeWarp& d, const unsigned int* r
     d.lane = threadIdx.x & 31;
     d.g = d.lane >> 2;
     d.tq = d.lane & 3;
-    d.kvh = blockIdx.y;
+    d.kvh = blockIdx.x;
     d.pi = blockIdx.z * (blockDim.x >> 5) + d.warp;
     if (d.pi >= parts_max) return false;
-    const unsigned int* meta = row_meta + 3 * blockIdx.x;
-    d.t = rows[blockIdx.x];
+    const unsigned int* meta = row_meta + 3 * blockIdx.y;
+    d.t = rows[blockIdx.y];
     int ctx = meta[0], part = meta[2];
     int group = heads / kv_heads;
     d.live = d.g < group;
@@ -429,7 +431,7 @@ __device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float
             }
         return;
     }
-    size_t at = ((size_t)blockIdx.x * heads + h) * parts_max + pi;
+    size_t at = ((size_t)blockIdx.y * heads + h) * parts_max + pi;
     if (tq == 0) {
         part_max[at] = m;
         part_sum[at] = l;

@@ -350,10 +350,10 @@ impl CudaDevice {
         on && self.sm80 && matches!(s.head_dim, 64 | 128)
     }
 
-    /// Whether decode rows go to flash_decode: tensor-core attention with a GQA group of up
-    /// to 8 query heads.
-    fn decode_on_flash(&self, s: AttnShape) -> bool {
-        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8
+    /// Whether a step's `rows` decode rows go to flash_decode: tensor-core attention with a
+    /// GQA group of up to 8 query heads, and rows within its grid's y bound (65,535).
+    fn decode_on_flash(&self, s: AttnShape, rows: usize) -> bool {
+        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
     }
 
     /// How many flash_prefill tiles the current step's attention launched (tests check that

@@ -84,7 +84,8 @@ impl CudaDevice {
         let ctxs: Vec<u32> = rows.iter().map(|&t| meta.positions[t as usize] + 1).collect();
         let ctx_max = meta.positions.iter().copied().max().unwrap_or(0) as usize + 1;
         let bound = self.graph.get().ctx_bound();
-        let (parts_max, parts) = match self.attn_shape.get().filter(|&s| self.decode_on_flash(s)) {
+        let (parts_max, parts) = match self.attn_shape.get().filter(|&s| self.decode_on_flash(s, rows.len()))
+        {
             Some(s) => {
                 let parts_max = decode_warps(rows.len(), s, bound.unwrap_or(ctx_max));
                 (parts_max, partitions(&ctxs, s.num_kv_heads, parts_max))

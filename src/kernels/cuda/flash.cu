@@ -237,14 +237,15 @@ FLASH_ENTRY(128, f32, float)
 // paged_attention_split, whose reduce kernel joins the partitions). Up to `parts_max` warps
 // per (query row, KV head), up to four per block, take the row's context in partitions of
 // the length the host chose for the row (row_meta; whole chunks of 16 keys, warps past the
-// end have nothing to do): the warp's query heads (the GQA group, up to 8) are the rows of
-// the m16n8k16 A fragment, so each key of the KV head is read once for the whole group.
-// Keys go 16 at a time, scores and output accumulate in f32, and the softmax is online. A
-// 16-bit cache is staged through shared memory (flash_decode_pipe), an f32 one loaded into
-// registers (flash_decode_regs).
+// end have nothing to do), each key of the KV head read once for the whole GQA group (up
+// to 8 query heads). Keys go 16 at a time, scores and output accumulate in f32 through
+// mma.sync m16n8k16, and the softmax is online. A 16-bit cache is staged through shared
+// memory and computed in transposed tiles (flash_decode_pipe, below); an f32 one is loaded
+// into registers (flash_decode_regs), with the group's query heads as the rows of the A
+// fragment.
 //
-// The mma's k and n indices may stand for any dims as long as both operands agree, so they
-// are chosen to make every lane's loads contiguous:
+// flash_decode_regs: the mma's k and n indices may stand for any dims as long as both
+// operands agree, so they are chosen to make every lane's loads contiguous:
 // - scores (k = dims): lane (g, q) loads 8 dims at i·32 + q·8 of key g for i < HD/32; the
 //   kk-th mma (kk = 2i + jj) takes elements jj·4 + {0, 1} as b0 and jj·4 + {2, 3} as b1,
 //   and the query fragment is loaded the same way;
@@ -502,22 +503,62 @@ __device__ __forceinline__ void flash_decode_regs(const float* __restrict__ q, c
     decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
 }
 
-// Where 16-byte piece `seg` of key row r of a chunk lies in shared memory: pieces are
-// permuted within the row so that the K reads (rows g and g ^ 1 of a quarter-warp, pieces
-// tq) and the V reads (rows 2tq + c, pieces by g) of each quarter-warp hit eight distinct
-// groups of four banks. Rows are HD·2 bytes, a multiple of the 128 bytes of all banks.
-template <int HD> __device__ __forceinline__ int decode_swizzle(int r, int seg) {
-    int f = ((r & 1) << 2) ^ (((r >> 2) & 1) << 2) ^ (((r >> 1) & 1) << (HD == 64 ? 1 : 0));
-    return r * (HD / 8) + (seg ^ f);
+template <typename T> __device__ __forceinline__ void mma16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    mma_bf16(c, a, b0, b1);
+}
+template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// A 16-bit cache: each warp copies its chunks into its own two buffers of shared memory
-// with cp.async, one chunk ahead of the one it computes (dynamic shared memory: 2 · 2 · 16
-// rows · HD · 2 bytes a warp), so that a chunk's loads overlap the chunk before it. The
-// block table entries of the partition are read 32 at a time, one per lane, and handed
-// out by shuffles (the next 32 read while these are used); keys past the partition are
-// zero-filled, not read.
-template <int HD, typename T>
+
+// A 16-bit cache, transposed tiles: the scores are computed as S^T = K · Q^T, the chunk's
+// 16 keys the rows of the A fragment and the group's query heads (up to 8) the columns of
+// B, so that no A row is padding; the output likewise as O^T = V^T · P^T. Each warp copies
+// its chunks into its own two buffers of shared memory with cp.async, one chunk ahead of
+// the one it computes (2 · 2 · 16 rows · HD · 2 bytes a warp), and reads them back with
+// ldmatrix (.trans for V); movmatrix turns the scores' C fragment into P^T's B fragment.
+// The query is pre-scaled by scale · log2 e, so that the softmax takes exp2. The block
+// table entries of the partition are read 32 at a time, one per lane, and handed out by
+// shuffles (the next 32 read while these are used); keys past the partition are
+// zero-filled, not read. With cache blocks of 16 keys or more (WHOLE) a chunk lies in one
+// block, looked up once; smaller blocks are looked up key by key.
+//
+// A lane (g, tq) holds the scores of keys g and g + 8 for heads 2tq and 2tq + 1, their
+// running maxima (m) and its share of their sums (l, summed over g at the end), and the
+// output dims mt·16 + g and + 8 of the same two heads.
+
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const uint4* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const uint4* p) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// The transpose of the 8 × 8 matrix whose fragment the warp holds (lane: row g, cols 2tq, 2tq + 1).
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+// Piece `seg` (16 bytes) of key row r of a chunk in shared memory: pieces are XOR-permuted
+// by the row's low three bits, so that the eight rows an ldmatrix reads at once, and the
+// eight pieces a quarter-warp copies, hit distinct groups of four banks (rows are HD · 2
+// bytes, a multiple of the 128 bytes of all banks).
+template <int HD> __device__ __forceinline__ int decode_piece(int r, int seg) {
+    return r * (HD / 8) + (seg ^ (r & 7));
+}
+
+template <int HD, typename T, bool WHOLE>
 __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, const T* __restrict__ kc,
                                                   const T* __restrict__ vc, float* __restrict__ part_out,
                                                   float* __restrict__ part_max, float* __restrict__ part_sum,
@@ -525,11 +566,16 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
                                                   const unsigned int* rows, const unsigned int* row_meta,
                                                   const unsigned int* tables, int heads, int kv_heads,
                                                   int block_size, float scale, int parts_max) {
-    constexpr int NC = HD / 32, NT = HD / 8, SEGS = HD / 8, CHUNK = 16 * SEGS;  // uint4s of K (or V) a chunk
+    typedef Frag16<T> F;
+    // Pieces of a key row, uint4s of K (or V) a chunk, rows a pass of 32 lanes copies,
+    // k-steps of the scores (= m-tiles of the output).
+    constexpr int SEGS = HD / 8, CHUNK = 16 * SEGS, RP = 32 / SEGS, KT = HD / 16;
+    const float NEG = __int_as_float(0xff800000);  // -inf
     extern __shared__ uint4 decode_smem[];
     DecodeWarp d;
     if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) return;
-    const int lane = d.lane, g = d.g, tq = d.tq, kvh = d.kvh, start = d.start, end = d.end, width = kv_heads * HD;
+    const int lane = d.lane, g = d.g, tq = d.tq, start = d.start, end = d.end, width = kv_heads * HD;
+    const int group = heads / kv_heads;
     const unsigned int* table = d.table;
     const int shift = __ffs(block_size) - 1, in_block = block_size - 1;
     // Entries wbase + lane (cur) and wbase + 32 + lane (next) of the table, up to the last
@@ -539,9 +585,11 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
     unsigned cur = wbase + lane <= last ? table[wbase + lane] : 0u;
     unsigned next = wbase + 32 + lane <= last ? table[wbase + 32 + lane] : 0u;
     uint4* buf = decode_smem + (size_t)d.warp * 4 * CHUNK;  // [stage][K, V][CHUNK]
+    // Each pass of the copy: lane i takes piece i % SEGS of row i / SEGS (+ RP a pass).
+    const int r0 = lane / SEGS, seg = lane % SEGS;
+    const size_t lane_at = (size_t)r0 * width + d.kvh * HD + seg * 8;
 
-    // Issues the copies of chunk c0 into stage `st`: lane i of each pass copies piece
-    // i % SEGS of row i / SEGS (two rows a pass for HD 128, four for HD 64).
+    // Issues the copies of chunk c0 into stage `st`.
     auto stage = [&](int c0, int st) {
         if ((c0 >> shift) - wbase >= 32) {  // a chunk never straddles two windows
             wbase += 32;
@@ -549,27 +597,54 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
             next = wbase + 32 + lane <= last ? table[wbase + 32 + lane] : 0u;
         }
         uint4* ks = buf + st * 2 * CHUNK;
+        if (WHOLE) {
+            unsigned b = __shfl_sync(0xffffffff, cur, (c0 >> shift) - wbase);
+            const size_t at = ((size_t)b * block_size + (c0 & in_block)) * width + lane_at;
 #pragma unroll
-        for (int k = 0; k < CHUNK / 32; k++) {
-            int i = lane + 32 * k, r = i / SEGS, seg = i % SEGS;
-            int p = c0 + r;
-            bool ok = p < end;
-            unsigned b = __shfl_sync(0xffffffff, cur, ((p >> shift) - wbase) & 31);
-            size_t at = ok ? ((size_t)b * block_size + (p & in_block)) * width + kvh * HD + seg * 8 : 0;
-            int d = decode_swizzle<HD>(r, seg);
-            cp_async16(ks + d, kc + at, ok);
-            cp_async16(ks + CHUNK + d, vc + at, ok);
+            for (int k = 0; k < 16 / RP; k++) {
+                int r = r0 + k * RP, i = decode_piece<HD>(r, seg);
+                bool ok = c0 + r < end;
+                cp_async16(ks + i, kc + at + (size_t)k * RP * width, ok);
+                cp_async16(ks + CHUNK + i, vc + at + (size_t)k * RP * width, ok);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < 16 / RP; k++) {
+                int r = r0 + k * RP, i = decode_piece<HD>(r, seg), p = c0 + r;
+                bool ok = p < end;
+                unsigned b = __shfl_sync(0xffffffff, cur, ((p >> shift) - wbase) & 31);
+                size_t at = ok ? ((size_t)b * block_size + (p & in_block)) * width + d.kvh * HD + seg * 8 : 0;
+                cp_async16(ks + i, kc + at, ok);
+                cp_async16(ks + CHUNK + i, vc + at, ok);
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    unsigned qa[HD / 16][2];
     stage(start, 0);
-    decode_query<HD, T>(qa, q, (size_t)d.t * heads + d.h, d.live, tq, scale);
-    float o[NT][2];
+    // Q^T's B fragments: head g (zero past the group), dims kk·16 + 2tq (+ 1) and + 8 (+ 9).
+    unsigned qb[KT][2];
+    {
+        const float* qr = q + ((size_t)d.t * heads + d.h) * HD + 2 * tq;
+        const float sc = scale * 1.4426950408889634f;  // log2 e
 #pragma unroll
-    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = 0.0f;
-    float m = __int_as_float(0xff800000), l = 0.0f;
+        for (int kk = 0; kk < KT; kk++) {
+            float2 a = d.live ? *(const float2*)(qr + kk * 16) : make_float2(0.f, 0.f);
+            float2 b = d.live ? *(const float2*)(qr + kk * 16 + 8) : make_float2(0.f, 0.f);
+            qb[kk][0] = F::pack(a.x * sc, a.y * sc);
+            qb[kk][1] = F::pack(b.x * sc, b.y * sc);
+        }
+    }
+    // ldmatrix row addresses: K's four matrices are (keys 0-7 | 8-15) × (piece 2kk | 2kk + 1),
+    // V's (keys 0-7 | 8-15) × (piece 2mt | 2mt + 1), lanes 8j .. 8j + 7 pointing at matrix j's
+    // rows; the XOR of decode_piece folds into a lane constant (pieces 2kk are even).
+    const int krow = (lane & 7) + ((lane >> 3) & 1) * 8, kx = (lane & 7) ^ (lane >> 4);
+    const int vrow = (lane & 7) + (lane >> 4) * 8, vx = (lane & 7) ^ ((lane >> 3) & 1);
+
+    float o[KT][4];
+#pragma unroll
+    for (int mt = 0; mt < KT; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    float m0 = NEG, m1 = NEG, l0 = 0.0f, l1 = 0.0f;  // heads 2tq and 2tq + 1
     for (int c0 = start, st = 0; c0 < end; c0 += 16, st ^= 1) {
         if (c0 + 16 < end) {
             stage(c0 + 16, st ^ 1);
@@ -579,21 +654,88 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
         }
         __syncwarp();
         const uint4* ks = buf + st * 2 * CHUNK;
-        uint4 kf[2][NC];
+        // Scores in two chains of k-steps, to halve the mma's dependent latency.
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < 2; j++)
+        for (int kk = 0; kk < KT; kk++) {
+            unsigned a[4];
+            ldsm_x4(a, ks + krow * SEGS + ((2 * kk) ^ kx));
+            mma16<T>(kk & 1 ? s2 : s, a, qb[kk][0], qb[kk][1]);
+        }
 #pragma unroll
-            for (int i = 0; i < NC; i++) kf[j][i] = ks[decode_swizzle<HD>(j * 8 + g, i * 4 + tq)];
-        uint4 vf[4][NT / 8];
+        for (int e = 0; e < 4; e++) s[e] += s2[e];
+        if (c0 + g >= end) s[0] = s[1] = NEG;
+        if (c0 + g + 8 >= end) s[2] = s[3] = NEG;
+        // The chunk's first key is inside the partition: the maxima are finite.
+        float x0 = fmaxf(m0, fmaxf(s[0], s[2])), x1 = fmaxf(m1, fmaxf(s[1], s[3]));
 #pragma unroll
-        for (int r = 0; r < 4; r++)
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = fmaxf(x0, __shfl_xor_sync(0xffffffff, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(0xffffffff, x1, off));
+        }
+        const float f0 = exp2f(m0 - x0), f1 = exp2f(m1 - x1);
+        const float p0 = exp2f(s[0] - x0), p1 = exp2f(s[1] - x1), p2 = exp2f(s[2] - x0), p3 = exp2f(s[3] - x1);
+        l0 = l0 * f0 + p0 + p2;
+        l1 = l1 * f1 + p1 + p3;
+        m0 = x0;
+        m1 = x1;
+        const unsigned b0 = movmatrix_trans(F::pack(p0, p1)), b1 = movmatrix_trans(F::pack(p2, p3));
+        if (__any_sync(0xffffffff, f0 != 1.0f || f1 != 1.0f)) {
 #pragma unroll
-            for (int i = 0; i < NT / 8; i++)
-                vf[r][i] = ks[CHUNK + decode_swizzle<HD>(2 * tq + (r & 1) + (r >> 1) * 8, g * (NT / 8) + i)];
-        decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
+            for (int mt = 0; mt < KT; mt++) {
+                o[mt][0] *= f0;
+                o[mt][1] *= f1;
+                o[mt][2] *= f0;
+                o[mt][3] *= f1;
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < KT; mt++) {
+            unsigned a[4];
+            ldsm_x4_trans(a, ks + CHUNK + vrow * SEGS + ((2 * mt) ^ vx));
+            mma16<T>(o[mt], a, b0, b1);
+        }
         __syncwarp();  // this stage is copied into again two chunks on
     }
-    decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
+
+    // The result: where the warp is its row's only part, the output as the reduction would
+    // write it (the reduction leaves such rows alone); else the part's unnormalized output,
+    // maximum (in natural units) and sum at its slot (by place in `rows`).
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffff, l0, off);
+        l1 += __shfl_xor_sync(0xffffffff, l1, off);
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int head = 2 * tq + e;
+        if (head >= group) continue;
+        const int h = d.kvh * group + head;
+        const float l = e ? l1 : l0, m = e ? m1 : m0;
+        if (d.alone) {
+            const float inv = 1.0f / l;
+            const size_t at = ((size_t)d.t * heads + h) * HD + g;
+#pragma unroll
+            for (int mt = 0; mt < KT; mt++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    size_t i = at + mt * 16 + half * 8;
+                    float v = o[mt][2 * half + e] * inv;
+                    out[i] = v;
+                    if (kind) store16(out16, i, v, kind);
+                }
+        } else {
+            const size_t at = ((size_t)blockIdx.y * heads + h) * parts_max + d.pi;
+            if (g == 0) {
+                part_max[at] = m * 0.6931471805599453f;  // ln 2
+                part_sum[at] = l;
+            }
+#pragma unroll
+            for (int mt = 0; mt < KT; mt++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) part_out[at * HD + mt * 16 + half * 8 + g] = o[mt][2 * half + e];
+        }
+    }
 }
 
 #define DECODE_ARGS(T)                                                                                          \
@@ -611,7 +753,8 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
     }
 #define DECODE_ENTRY_16(HD, SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(DECODE_ARGS(T)) {           \
-        flash_decode_pipe<HD, T> DECODE_CALL;                                                                   \
+        if (block_size >= 16) flash_decode_pipe<HD, T, true> DECODE_CALL;                                      \
+        else flash_decode_pipe<HD, T, false> DECODE_CALL;                                                      \
     }
 
 DECODE_ENTRY_F32(64)
@@ -628,17 +771,6 @@ DECODE_ENTRY_16(128, f16, __half)
 // its B fragment (two keys of one dim). The mma runs in the cache's type. Tiles are taken
 // longest first (the last tile of a prompt has the most keys), so that the short ones fill
 // the last wave.
-
-template <typename T> __device__ __forceinline__ void mma16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    mma_bf16(c, a, b0, b1);
-}
-template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 template <int HD, typename T>
 __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,

@@ -262,9 +262,17 @@ impl CudaDevice {
                 launch.arg(&step.as_ref().expect("uploaded by attention_inputs").slots);
             }
         }
+        // Threads over a head (four pairs each where elementwise.cu's split_qkv_rope takes
+        // them by four), and head slots to fill about 256 threads.
+        let by4 = s.head_dim == 2 * rope.inv_freq.len() && rope.inv_freq.len().is_multiple_of(4);
+        let threads = match by4 {
+            true => (s.head_dim / 8).clamp(1, 256),
+            false => (s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256),
+        };
+        let slots = (256 / threads).max(1);
         let cfg = LaunchConfig {
-            grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(4) as u32, 1),
-            block_dim: ((s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256) as u32, 4, 1),
+            grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(slots) as u32, 1),
+            block_dim: (threads as u32, slots as u32, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a cache's

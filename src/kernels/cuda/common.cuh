@@ -40,3 +40,13 @@ __device__ __forceinline__ float4 ld4(const __half* p) {
     float2 a = __half22float2(*(__half2*)&u.x), b = __half22float2(*(__half2*)&u.y);
     return make_float4(a.x, a.y, b.x, b.y);
 }
+// Four values stored at p as T, in one store (16-byte aligned for f32, 8-byte for 16-bit types).
+__device__ __forceinline__ void st4(float* p, float4 v) { *(float4*)p = v; }
+__device__ __forceinline__ void st4(__nv_bfloat16* p, float4 v) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+    *(uint2*)p = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+}
+__device__ __forceinline__ void st4(__half* p, float4 v) {
+    __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+    *(uint2*)p = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+}

@@ -153,10 +153,12 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
 }
 
 // Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half, the first
-// 2·half dims of each head) at each token's position. Blocks of (threads over a head's
-// pairs) × 4 head slots, grid (token, slot groups of 4). K and V go to tensors k and v, or,
-// with a cache (kc non-null), straight into it at the token's slot (as write_kv writes
-// them; none for a negative slot).
+// 2·half dims of each head) at each token's position. Blocks of (threads over a head) ×
+// head slots, grid (token, slot groups). K and V go to tensors k and v, or, with a cache (kc
+// non-null), straight into it at the token's slot (as write_kv writes them; none for a
+// negative slot). Where the rotation covers the whole head in groups of four (head_dim =
+// 2·half, half a multiple of 4), a thread takes four pairs at a time in 16-byte loads;
+// else one.
 template <typename T>
 __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, float* __restrict__ q,
                                                float* __restrict__ k, float* __restrict__ v, T* __restrict__ kc,
@@ -170,6 +172,7 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
     bool cached = kc != nullptr;
     long long at = cached && slot >= heads ? slots[t] : 0;
     if (at < 0) return;  // a padding row: no cache write
+    const bool by4 = head_dim == 2 * half && (half & 3) == 0;
     float* dst = nullptr;
     T* cdst = nullptr;
     if (slot < heads) {
@@ -181,10 +184,38 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
         int h = slot - heads - kv_heads;
         if (cached) {
             T* c = vc + at * kn + h * head_dim;
-            for (int i = threadIdx.x; i < head_dim; i += blockDim.x) st(c + i, src[i]);
+            if (by4)
+                for (int i = 4 * threadIdx.x; i < head_dim; i += 4 * blockDim.x) st4(c + i, *(const float4*)(src + i));
+            else
+                for (int i = threadIdx.x; i < head_dim; i += blockDim.x) st(c + i, src[i]);
         } else {
             float* d = v + (size_t)t * kn + h * head_dim;
             for (int i = threadIdx.x; i < head_dim; i += blockDim.x) d[i] = src[i];
+        }
+        return;
+    }
+    float p = (float)positions[t];
+    if (by4) {
+        for (int j = 4 * threadIdx.x; j < half; j += 4 * blockDim.x) {
+            const float4 f = *(const float4*)(inv_freq + j), a = *(const float4*)(src + j),
+                         b = *(const float4*)(src + j + half);
+            const float fs[4] = {f.x, f.y, f.z, f.w}, as[4] = {a.x, a.y, a.z, a.w}, bs[4] = {b.x, b.y, b.z, b.w};
+            float ra[4], rb[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float s, c;
+                sincosf(p * fs[e], &s, &c);
+                ra[e] = as[e] * c - bs[e] * s;
+                rb[e] = bs[e] * c + as[e] * s;
+            }
+            const float4 x = make_float4(ra[0], ra[1], ra[2], ra[3]), y = make_float4(rb[0], rb[1], rb[2], rb[3]);
+            if (cdst) {
+                st4(cdst + j, x);
+                st4(cdst + j + half, y);
+            } else {
+                *(float4*)(dst + j) = x;
+                *(float4*)(dst + j + half) = y;
+            }
         }
         return;
     }
@@ -192,7 +223,6 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
         if (cdst) st(cdst + i, x);
         else dst[i] = x;
     };
-    float p = (float)positions[t];
     for (int j = threadIdx.x; j < head_dim - half; j += blockDim.x) {
         if (j < half) {
             float s, c;

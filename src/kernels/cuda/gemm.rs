@@ -190,8 +190,10 @@ impl CudaDevice {
         let half_only = !f32 && half.is_some();
         let null: CUdeviceptr = 0;
         let (i, r) = (inter as i32, rows as i32);
+        // Columns a thread: elementwise.cu's silu_width.
+        let width = if kind != 0 && inter.is_multiple_of(8) { 8 } else { 4 };
         let cfg = LaunchConfig {
-            grid_dim: (inter.div_ceil(4 * 256) as u32, rows.clamp(1, 65535) as u32, 1),
+            grid_dim: (inter.div_ceil(width * 256) as u32, rows.clamp(1, 65535) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

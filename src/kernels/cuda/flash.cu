@@ -443,16 +443,21 @@ __device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float
         for (int e = 0; e < 2; e++) part_out[at * HD + (2 * tq + e) * NT + n] = o[n][e];
 }
 
+// The parameters of the flash_decode kernels and of their two bodies, which read head_dim
+// as their template's HD (the host passes it as to every attention kernel).
+#define DECODE_ARGS(T)                                                                                          \
+    const float *q, const T *kc, const T *vc, float *part_out, float *part_max, float *part_sum, float *out,   \
+        void *out16, int kind, const unsigned int *rows, const unsigned int *row_meta,                         \
+        const unsigned int *tables, int heads, int kv_heads, int head_dim, int block_size, float scale,         \
+        int parts_max
+#define DECODE_CALL                                                                                             \
+    (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
+     head_dim, block_size, scale, parts_max)
+
 // An f32 cache: each lane loads its K and V pieces of a chunk straight into registers
 // (rounded to bf16), every load of the chunk issued before the first use.
 template <int HD, typename T, bool WHOLE>
-__device__ __forceinline__ void flash_decode_regs(const float* __restrict__ q, const T* __restrict__ kc,
-                                                  const T* __restrict__ vc, float* __restrict__ part_out,
-                                                  float* __restrict__ part_max, float* __restrict__ part_sum,
-                                                  float* __restrict__ out, void* __restrict__ out16, int kind,
-                                                  const unsigned int* rows, const unsigned int* row_meta,
-                                                  const unsigned int* tables, int heads, int kv_heads,
-                                                  int block_size, float scale, int parts_max) {
+__device__ __forceinline__ void flash_decode_regs(DECODE_ARGS(T)) {
     constexpr int NC = HD / 32, NT = HD / 8;
     DecodeWarp d;
     if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) return;
@@ -559,13 +564,7 @@ template <int HD> __device__ __forceinline__ int decode_piece(int r, int seg) {
 }
 
 template <int HD, typename T, bool WHOLE>
-__device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, const T* __restrict__ kc,
-                                                  const T* __restrict__ vc, float* __restrict__ part_out,
-                                                  float* __restrict__ part_max, float* __restrict__ part_sum,
-                                                  float* __restrict__ out, void* __restrict__ out16, int kind,
-                                                  const unsigned int* rows, const unsigned int* row_meta,
-                                                  const unsigned int* tables, int heads, int kv_heads,
-                                                  int block_size, float scale, int parts_max) {
+__device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
     typedef Frag16<T> F;
     // Pieces of a key row, uint4s of K (or V) a chunk, rows a pass of 32 lanes copies,
     // k-steps of the scores (= m-tiles of the output).
@@ -738,14 +737,6 @@ __device__ __forceinline__ void flash_decode_pipe(const float* __restrict__ q, c
     }
 }
 
-#define DECODE_ARGS(T)                                                                                          \
-    const float *q, const T *kc, const T *vc, float *part_out, float *part_max, float *part_sum, float *out,   \
-        void *out16, int kind, const unsigned int *rows, const unsigned int *row_meta,                         \
-        const unsigned int *tables, int heads, int kv_heads, int head_dim, int block_size, float scale,         \
-        int parts_max
-#define DECODE_CALL                                                                                             \
-    (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
-     block_size, scale, parts_max)
 #define DECODE_ENTRY_F32(HD)                                                                                    \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_f32(DECODE_ARGS(float)) {         \
         if (block_size >= 16) flash_decode_regs<HD, float, true> DECODE_CALL;                                   \

@@ -261,7 +261,7 @@ fn draw(logits: &[f32], p: &SamplingParams, base: u64) -> u32 {
 }
 
 /// Words per row of a device sampler's parameters (the layout sampling.cu reads).
-pub const PARAM_WORDS: usize = 12;
+pub const PARAM_WORDS: usize = 13;
 /// Words per entry of a device sampler's token rules (the third is written by the device).
 pub const ENTRY_WORDS: usize = 3;
 /// Words per row of a device sampler's logprob output: the chosen token's logprob, then
@@ -275,6 +275,10 @@ pub struct DeviceRows {
     pub entries: Vec<u32>,
     /// Whether any row asked for logprobs (only then do they come back).
     pub logprobs: bool,
+    /// Whether any row needs the full per-row pass (logprobs, or a top-k or top-p cut to
+    /// search for), and whether any does not (the split sampler takes those).
+    pub full: bool,
+    pub split: bool,
 }
 
 impl DeviceRows {
@@ -291,6 +295,9 @@ impl DeviceRows {
             let n_logprobs = p.logprobs.map_or(-1, |n| n.min(crate::request::MAX_LOGPROBS) as i32);
             rows.logprobs |= n_logprobs >= 0;
             let temperature = if p.greedy() { 0.0 } else { p.temperature };
+            let full = n_logprobs >= 0 || (!p.greedy() && (p.top_k > 0 || p.top_p < 1.0));
+            rows.full |= full;
+            rows.split |= !full;
             rows.params.extend([
                 temperature.to_bits(),
                 p.top_p.to_bits(),
@@ -304,6 +311,7 @@ impl DeviceRows {
                 (rows.entries.len() / ENTRY_WORDS - first) as u32,
                 base as u32,
                 (base >> 32) as u32,
+                full as u32,
             ]);
         }
         rows

@@ -67,12 +67,18 @@ fn close_silu_mul(what: &str, gpu: &[f32], proj: &[f32], inter: usize, tol: f32)
     }
 }
 
-/// The GPU sampler against the host's on a vocabulary-sized batch: every rule (greedy with
-/// planted ties, temperature, top-k, top-p, min-p, penalties, min_tokens masking, logprobs)
-/// and many seeds pick the same tokens.
-fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
-    let cols = 50_257;
+/// The GPU sampler against the host's on a vocabulary-sized batch of `cols` columns: every
+/// rule (greedy with planted ties, temperature, top-k, top-p, min-p, penalties, min_tokens
+/// masking, logprobs), on the full per-row kernel and on the split one (rows without
+/// logprobs or top-k/top-p cuts), and many seeds pick the same tokens.
+fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
     let base = |temperature| SamplingParams { temperature, ..Default::default() };
+    let penalties = SamplingParams {
+        repetition_penalty: 1.3,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.4,
+        ..base(0.0)
+    };
     let mut params = vec![
         base(0.0),
         SamplingParams { logprobs: Some(5), ..base(0.0) },
@@ -80,27 +86,36 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
         SamplingParams { top_k: 40, ..base(1.0) },
         SamplingParams { top_p: 0.9, ..base(0.7) },
         SamplingParams { top_k: 100, top_p: 0.8, min_p: 0.05, ..base(1.0) },
-        SamplingParams {
-            repetition_penalty: 1.3,
-            presence_penalty: 0.5,
-            frequency_penalty: 0.4,
-            logprobs: Some(3),
-            ..base(0.0)
-        },
+        SamplingParams { logprobs: Some(3), ..penalties.clone() },
         SamplingParams { min_tokens: 4, logprobs: Some(2), ..base(1.0) },
         base(0.0),
+        // Rows 9 – 13 take the split sampler: penalties, min_tokens masking, min-p, a low
+        // temperature, and a row with every token masked.
+        penalties,
+        SamplingParams { min_tokens: 4, ..base(1.0) },
+        SamplingParams { min_p: 0.05, ..base(1.0) },
+        base(0.5),
+        base(1.0),
     ];
     let planted = params.len();
-    params.extend((0..64).map(|i| SamplingParams { top_p: 0.95, top_k: [0, 50][i % 2], ..base(0.9) }));
+    params.extend((0..64).map(|i| match i % 4 {
+        0 | 1 => SamplingParams { top_p: 0.95, top_k: [0, 50][i % 2], ..base(0.9) },
+        2 => base(0.9),
+        _ => SamplingParams { min_p: 0.02, ..base(1.3) },
+    }));
     let rows = params.len();
     let mut logits: Vec<f32> = rand(rows * cols, 20).iter().map(|x| x * 24.0).collect();
     logits[40_000] = 30.0; // row 0: a tie, the lowest index wins
     logits[123] = 30.0;
     logits[8 * cols..9 * cols].fill(-1.0); // row 8: all equal
-    // Rows 6 and 7: their top token is one the rules touch (penalized, masked as EOS).
-    let top = |r: usize| sampling::argmax(&logits[r * cols..(r + 1) * cols]);
-    let (top6, top7) = (top(6), top(7));
+    logits[13 * cols..14 * cols].fill(f32::NEG_INFINITY); // row 13: nothing to draw
+    // Rows 6, 7, 9 and 10: their top token is one the rules touch (penalized, masked as
+    // EOS; row 10's stands far above the rest, so that only the mask keeps it out).
+    let top = |logits: &[f32], r: usize| sampling::argmax(&logits[r * cols..(r + 1) * cols]);
+    let (top6, top7, top9) = (top(&logits, 6), top(&logits, 7), top(&logits, 9));
+    logits[10 * cols + top7 as usize] = 90.0;
     let tokens6 = vec![1, 2, top6, 9, top6, top6, 17];
+    let tokens9 = vec![1, 2, top9, 9, top9, top9, 17];
     let tokens7 = vec![5, 6, 7];
     let eos = [top7];
     let inputs: Vec<SampleInput> = params
@@ -109,7 +124,8 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
         .map(|(i, p)| {
             let (tokens, prompt_len): (&[u32], usize) = match i {
                 6 => (&tokens6, 3),
-                7 => (&tokens7, 3),
+                9 => (&tokens9, 3),
+                7 | 10 => (&tokens7, 3),
                 _ => (&tokens7, 2),
             };
             SampleInput {
@@ -134,7 +150,10 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice) {
     assert_eq!(second, got, "the same seeds sample the same tokens");
     assert_eq!(want[0].0, 123, "the host breaks ties by the lowest id");
     assert_ne!(want[6].0, top6, "penalties moved row 6 off its top token");
+    assert_ne!(want[9].0, top9, "penalties moved row 9 off its top token");
     assert_ne!(want[7].0, top7, "min_tokens masked row 7's EOS");
+    assert_ne!(want[10].0, top7, "min_tokens masked row 10's EOS");
+    assert_eq!(want[13].0, 0, "a row with every token masked gives token 0");
     let distinct: std::collections::HashSet<u32> = want[planted..].iter().map(|w| w.0).collect();
     assert!(distinct.len() > 8, "sampled rows vary with the seed: {distinct:?}");
     for (i, ((gt, glp), (ct, clp))) in got.iter().zip(&want).enumerate() {
@@ -172,7 +191,9 @@ fn every_kernel_matches_its_cpu_twin() {
         &c.to_host(&c.embedding(&te_c, &ids).unwrap()).unwrap(),
         0.0,
     );
-    sampling_matches_the_host(&g, &c);
+    // An odd vocabulary, and one whose rows the split sampler reads in 16-byte vectors.
+    sampling_matches_the_host(&g, &c, 50_257);
+    sampling_matches_the_host(&g, &c, 50_256);
     let x = rand(n * hidden, 2);
     let (xc, xg) = both(&x, n, hidden);
     let w = rand(97 * hidden, 3);

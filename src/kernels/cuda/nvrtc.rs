@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 45] = [
+const KERNELS: [&str; 48] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -30,6 +30,9 @@ const KERNELS: [&str; 45] = [
     "gather_rows_f32",
     "join_shards_f32",
     "sample_f32",
+    "sample_max",
+    "sample_race",
+    "sample_pick",
     "split_qkv_rope_f32",
     "split_qkv_rope_kv_f32",
     "split_qkv_rope_kv_bf16",

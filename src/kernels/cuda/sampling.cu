@@ -8,10 +8,15 @@
 // logit value (found by binary search over the float order, no sort) and an exponential
 // race among the kept tokens keyed by a counter hash (seeded, batch-independent).
 //
-// Row parameters, 12 words each (sampling::PARAM_WORDS):
+// Rows that ask for no logprobs and no top-k or top-p cut (the common case) take the split
+// sampler at the end instead: a row's columns are spread over several blocks and its
+// passes over three launches.
+//
+// Row parameters, 13 words each (sampling::PARAM_WORDS):
 //   0 temperature (0 = greedy)  1 top_p  2 min_p  3 top_k (≤ 0 off)  4 repetition penalty
 //   5 presence  6 frequency  7 logprobs n (-1 none)  8 first entry  9 entries
-//   10, 11 noise base (low, high word)
+//   10, 11 noise base (low, high word)  12 1 when sample_f32 takes the row, 0 when the
+//   split sampler does
 // Entries, 3 words each (sampling::ENTRY_WORDS), one per distinct token a rule touches:
 //   0 token  1 bit 31 masked, bit 30 seen (repetition penalty), bits 0..29 count in the output
 //   2 written here: the token's raw logit
@@ -20,22 +25,31 @@
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
-#define PARAM_WORDS 12
+#define PARAM_WORDS 13
+#define FULL_WORD 12
 #define ENTRY_WORDS 3
 #define LOGPROB_WORDS 41
 #define NEG_INF __int_as_float(0xff800000)
 
-struct Reduce {
-    double key[SAMPLE_WARPS];
-    int idx[SAMPLE_WARPS];
+template <int WARPS>
+struct ReduceT {
+    double key[WARPS];
+    int idx[WARPS];
 };
+typedef ReduceT<SAMPLE_WARPS> Reduce;
 
-__device__ __forceinline__ void better(double& k, int& i, double ok, int oi) {
-    if (ok > k || (ok == k && oi < i)) { k = ok; i = oi; }
+__device__ __forceinline__ bool better(double& k, int& i, double ok, int oi) {
+    if (ok > k || (ok == k && oi < i)) {
+        k = ok;
+        i = oi;
+        return true;
+    }
+    return false;
 }
 
 // The largest key in the block and its index (the lowest on ties), to every thread.
-__device__ void block_argmax(double& k, int& i, Reduce& r) {
+template <int WARPS>
+__device__ void block_argmax(double& k, int& i, ReduceT<WARPS>& r) {
     for (int o = 16; o > 0; o >>= 1) {
         double ok = __shfl_xor_sync(0xffffffff, k, o);
         int oi = __shfl_xor_sync(0xffffffff, i, o);
@@ -45,7 +59,7 @@ __device__ void block_argmax(double& k, int& i, Reduce& r) {
     if ((threadIdx.x & 31) == 0) { r.key[threadIdx.x >> 5] = k; r.idx[threadIdx.x >> 5] = i; }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < SAMPLE_WARPS; w++) better(k, i, r.key[w], r.idx[w]);
+        for (int w = 1; w < WARPS; w++) better(k, i, r.key[w], r.idx[w]);
         r.key[0] = k;
         r.idx[0] = i;
     }
@@ -75,10 +89,12 @@ __device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-// u uniform in (0, 1) for token i (sampling::gumbel's).
-__device__ __forceinline__ double uniform(unsigned long long base, unsigned int i) {
-    unsigned long long h = splitmix64(base ^ (unsigned long long)i);
+// u uniform in (0, 1) from token i's hash h = splitmix64(base ^ i) (sampling::gumbel's).
+__device__ __forceinline__ double uniform_of(unsigned long long h) {
     return ((double)(h >> 12) + 0.5) * (1.0 / 4503599627370496.0);
+}
+__device__ __forceinline__ double uniform(unsigned long long base, unsigned int i) {
+    return uniform_of(splitmix64(base ^ (unsigned long long)i));
 }
 
 // −ln(−ln u): Gumbel noise, in double as the host takes it.
@@ -125,6 +141,25 @@ __device__ float search(const float* row, int cols, float lo_f, float hi_f, bool
     return unord(lo);
 }
 
+// min_tokens masking and penalties on the entries' tokens in [lo, hi), in place (entries
+// name distinct tokens), each entry's raw logit saved in its third word; the caller's
+// threads take entries first, first + stride, ...
+__device__ void penalize(float* row, const unsigned int* p, unsigned int* ent, unsigned int n_ent, int lo, int hi,
+                         unsigned int first, unsigned int stride) {
+    float rep = __uint_as_float(p[4]), presence = __uint_as_float(p[5]), freq = __uint_as_float(p[6]);
+    for (unsigned int e = first; e < n_ent; e += stride) {
+        unsigned int tok = ent[ENTRY_WORDS * e], info = ent[ENTRY_WORDS * e + 1];
+        if ((int)tok < lo || (int)tok >= hi) continue;
+        float l = row[tok];
+        ent[ENTRY_WORDS * e + 2] = __float_as_uint(l);
+        if (info & 0x40000000u) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+        unsigned int count = info & 0x3fffffffu;
+        if (count > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, (float)count), presence));
+        if (info & 0x80000000u) l = NEG_INF;
+        row[tok] = l;
+    }
+}
+
 extern "C" __global__ void sample_f32(float* logits, const unsigned int* params, unsigned int* entries,
                                       unsigned int* out, int rows, int cols) {
     __shared__ Reduce r;
@@ -137,6 +172,7 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
     unsigned int n_ent = p[9];
     unsigned long long base = (unsigned long long)p[10] | ((unsigned long long)p[11] << 32);
     unsigned int* lp = out + rows + (size_t)blockIdx.x * LOGPROB_WORDS;
+    if (!p[FULL_WORD]) return;
 
     // Logprobs of the raw logits.
     float lse = 0.0f;
@@ -169,17 +205,7 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
     }
 
     // min_tokens masking and penalties, in place (entries name distinct tokens).
-    float rep = __uint_as_float(p[4]), presence = __uint_as_float(p[5]), freq = __uint_as_float(p[6]);
-    for (unsigned int e = threadIdx.x; e < n_ent; e += SAMPLE_THREADS) {
-        unsigned int tok = ent[ENTRY_WORDS * e], info = ent[ENTRY_WORDS * e + 1];
-        float l = row[tok];
-        ent[ENTRY_WORDS * e + 2] = __float_as_uint(l);
-        if (info & 0x40000000u) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
-        unsigned int count = info & 0x3fffffffu;
-        if (count > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn(freq, (float)count), presence));
-        if (info & 0x80000000u) l = NEG_INF;
-        row[tok] = l;
-    }
+    penalize(row, p, ent, n_ent, 0, cols, threadIdx.x, SAMPLE_THREADS);
     __syncthreads();
 
     // Greedy: the argmax (the lowest id on ties; 0 when every token is masked).
@@ -230,4 +256,225 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
         if (threadIdx.x == 0) lp[0] = __float_as_uint(raw_chosen - lse);
     }
     if (threadIdx.x == 0) out[blockIdx.x] = (unsigned int)token;
+}
+
+// The split sampler. Row r's columns are cut into `slices` slices of `chunk` columns (a
+// multiple of 4), each taken by one block of SPLIT_THREADS threads (grid: slices × rows):
+// - sample_max applies the row's penalties in its slice and writes the slice's argmax;
+// - sample_race, for a sampled row, takes the row's max from those, runs the race over its
+//   slice and writes the slice's best score;
+// - sample_pick writes each row's winner.
+// Partials live in `scratch`: (max, index) pairs for every (row, slice), then the race's
+// scores (double) and their indices.
+#define SPLIT_THREADS 256
+#define SPLIT_WARPS (SPLIT_THREADS / 32)
+
+// Calls f(value, column) for this thread's columns of row[c0, c1), a V-float vector per
+// load (V = 4 needs c0 and c1 multiples of 4) and four loads in flight, and group() after
+// each four loads that the whole warp made (so that group() may use warp shuffles).
+template <int V, typename F, typename G>
+__device__ __forceinline__ void for_slice(const float* row, int c0, int c1, F f, G group) {
+    const int step = SPLIT_THREADS * V;
+    int c = c0 + threadIdx.x * V;
+    const int lane_off = (threadIdx.x & 31) * V;  // c − lane_off is the same across the warp
+    for (; c - lane_off + 32 * V + 3 * step <= c1; c += 4 * step) {
+        float x[4][V];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if constexpr (V == 4) {
+                float4 v = *reinterpret_cast<const float4*>(row + c + u * step);
+                x[u][0] = v.x;
+                x[u][1] = v.y;
+                x[u][2] = v.z;
+                x[u][3] = v.w;
+            } else {
+                x[u][0] = row[c + u * step];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+#pragma unroll
+            for (int v = 0; v < V; v++) f(x[u][v], c + u * step + v);
+        group();
+    }
+    for (; c < c1; c += step) {
+        if constexpr (V == 4) {
+            float4 v = *reinterpret_cast<const float4*>(row + c);
+            f(v.x, c);
+            f(v.y, c + 1);
+            f(v.z, c + 2);
+            f(v.w, c + 3);
+        } else {
+            f(row[c], c);
+        }
+    }
+}
+
+struct Slice {
+    const unsigned int* p;  // the row's parameters
+    float* row;
+    int c0, c1;             // the block's columns
+    unsigned int* part;     // this (row, slice)'s argmax pair
+    double* score;          // this (row, slice)'s race score, and its index
+    int* score_idx;
+    const unsigned int* row_parts;  // the row's argmax pairs
+};
+
+__device__ __forceinline__ Slice slice_of(float* logits, const unsigned int* params, unsigned int* scratch, int rows,
+                                          int cols, int slices, int chunk) {
+    int r = blockIdx.y, s = blockIdx.x;
+    Slice sl;
+    sl.p = params + r * PARAM_WORDS;
+    sl.row = logits + (size_t)r * cols;
+    sl.c0 = min(cols, s * chunk);
+    sl.c1 = min(cols, sl.c0 + chunk);
+    sl.row_parts = scratch + 2 * r * slices;
+    sl.part = scratch + 2 * (r * slices + s);
+    double* scores = reinterpret_cast<double*>(scratch + 2 * rows * slices);
+    sl.score = scores + r * slices + s;
+    sl.score_idx = reinterpret_cast<int*>(scores + rows * slices) + r * slices + s;
+    return sl;
+}
+
+// The row's max and its index (the lowest on ties) from its slices' pairs.
+template <int WARPS>
+__device__ void row_max(const unsigned int* parts, int slices, double& k, int& i, ReduceT<WARPS>& r) {
+    k = (double)NEG_INF;
+    i = 0x7fffffff;
+    for (int s = threadIdx.x; s < slices; s += 32 * WARPS) better(k, i, (double)__uint_as_float(parts[2 * s]), (int)parts[2 * s + 1]);
+    block_argmax(k, i, r);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_max(float* logits, const unsigned int* params,
+                                                                      unsigned int* entries, unsigned int* scratch,
+                                                                      int rows, int cols, int slices, int chunk) {
+    __shared__ ReduceT<SPLIT_WARPS> r;
+    Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
+    if (sl.p[FULL_WORD]) return;
+    penalize(sl.row, sl.p, entries + ENTRY_WORDS * sl.p[8], sl.p[9], sl.c0, sl.c1, threadIdx.x, SPLIT_THREADS);
+    __syncthreads();
+    float k = NEG_INF;
+    int i = 0x7fffffff;
+    auto f = [&](float l, int c) {
+        if (l > k || (l == k && c < i)) {
+            k = l;
+            i = c;
+        }
+    };
+    auto none = [] {};
+    if ((cols & 3) == 0) for_slice<4>(sl.row, sl.c0, sl.c1, f, none);
+    else for_slice<1>(sl.row, sl.c0, sl.c1, f, none);
+    double kd = (double)k;
+    block_argmax(kd, i, r);
+    if (threadIdx.x == 0) {
+        sl.part[0] = __float_as_uint((float)kd);
+        sl.part[1] = (unsigned int)i;
+    }
+}
+
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// A token's race score as sample_f32 computes it (−inf when min-p drops it); out of line,
+// as few tokens get this far.
+__device__ __noinline__ double race_score(float l, float max, float t, float min_p, unsigned long long h) {
+    float key = scaled(l, max, t);
+    if (min_p > 0.0f && expf(key) < min_p) return (double)NEG_INF;
+    return (double)key + gumbel(uniform_of(h));
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_race(float* logits, const unsigned int* params,
+                                                                       unsigned int* scratch, int rows, int cols,
+                                                                       int slices, int chunk) {
+    __shared__ ReduceT<SPLIT_WARPS> r;
+    Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
+    float t = __uint_as_float(sl.p[0]), min_p = __uint_as_float(sl.p[2]);
+    if (sl.p[FULL_WORD] || t == 0.0f) return;
+    double mk;
+    int mi;
+    row_max(sl.row_parts, slices, mk, mi, r);
+    float max = (float)mk;
+    if (max == NEG_INF) return;  // sample_pick takes index 0
+    unsigned long long base = (unsigned long long)sl.p[10] | ((unsigned long long)sl.p[11] << 32);
+    float inv_t = 1.0f / t;
+    double k = (double)NEG_INF;
+    int token = 0x7fffffff;
+    // th: a lower bound on the row's winning score (the warp's best so far, less rounding),
+    // first from float estimates of the scores of this warp's first vectors.
+    float th = NEG_INF;
+    auto seed = [&](float l, int c) {
+        if (l == NEG_INF) return;
+        float key = scaled(l, max, t);
+        if (min_p > 0.0f && expf(key) < min_p) return;
+        th = fmaxf(th, key + gumbel_f(uniform(base, (unsigned int)c)) - (2 * GUMBEL_F_ERR + 1e-5f * fabsf(key)));
+    };
+    auto share = [&] {
+        for (int o = 16; o > 0; o >>= 1) th = fmaxf(th, __shfl_xor_sync(0xffffffff, th, o));
+    };
+    auto none = [] {};
+    // A token can win only if its noise g(u) = −ln(−ln u) reaches d, its key's distance
+    // below th, that is only if u ≥ exp(−exp(−d)). d is taken from float keys and shrunk
+    // by more than their rounding, the bound on u loosened by 2⁻²⁰ past the approximate
+    // exponentials' error and u read from its hash's top 24 bits (below u by under 2⁻²⁴):
+    // a skipped token could not have won, nor tied. Noise never exceeds 37 (u < 1 − 2⁻⁵³).
+    auto f = [&](float l, int c) {
+        if (l == NEG_INF) return;
+        float ka = (l - max) * inv_t;
+        float d = th - ka - (1e-3f + 1e-5f * (fabsf(ka) + fabsf(th)));
+        if (d > 37.0f) return;
+        unsigned long long h = splitmix64(base ^ (unsigned long long)c);
+        float uf = (float)(unsigned int)(h >> 40) * 5.9604645e-8f;
+        if (uf + 9.5367432e-7f < ex2_approx(-ex2_approx(-d * 1.44269504f) * 1.44269504f)) return;
+        double score = race_score(l, max, t, min_p, h);
+        if (score != (double)NEG_INF && better(k, token, score, c)) th = fmaxf(th, (float)k);
+    };
+    if ((cols & 3) == 0) {
+        for_slice<4>(sl.row, sl.c0, min(sl.c1, sl.c0 + 4 * SPLIT_THREADS), seed, none);
+        share();
+        for_slice<4>(sl.row, sl.c0, sl.c1, f, share);
+    } else {
+        for_slice<1>(sl.row, sl.c0, min(sl.c1, sl.c0 + SPLIT_THREADS), seed, none);
+        share();
+        for_slice<1>(sl.row, sl.c0, sl.c1, f, share);
+    }
+    block_argmax(k, token, r);
+    if (threadIdx.x == 0) {
+        *sl.score = k;
+        *sl.score_idx = token;
+    }
+}
+
+// One warp a row: the greedy rows' argmax, the sampled rows' best score, as the token.
+extern "C" __global__ void sample_pick(const unsigned int* params, const unsigned int* scratch, unsigned int* out,
+                                       int rows, int slices) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const unsigned int* p = params + row * PARAM_WORDS;
+    if (p[FULL_WORD]) return;
+    const unsigned int* parts = scratch + 2 * row * slices;
+    double k = (double)NEG_INF;
+    int i = 0x7fffffff;
+    for (int s = lane; s < slices; s += 32) better(k, i, (double)__uint_as_float(parts[2 * s]), (int)parts[2 * s + 1]);
+    for (int o = 16; o > 0; o >>= 1) {
+        double ok = __shfl_xor_sync(0xffffffff, k, o);
+        int oi = __shfl_xor_sync(0xffffffff, i, o);
+        better(k, i, ok, oi);
+    }
+    if (__uint_as_float(p[0]) != 0.0f && k != (double)NEG_INF) {
+        const double* all = reinterpret_cast<const double*>(scratch + 2 * rows * slices);
+        const double* scores = all + row * slices;
+        const int* idx = reinterpret_cast<const int*>(all + rows * slices) + row * slices;
+        k = (double)NEG_INF;
+        i = 0x7fffffff;
+        for (int s = lane; s < slices; s += 32) better(k, i, scores[s], idx[s]);
+        for (int o = 16; o > 0; o >>= 1) {
+            double ok = __shfl_xor_sync(0xffffffff, k, o);
+            int oi = __shfl_xor_sync(0xffffffff, i, o);
+            better(k, i, ok, oi);
+        }
+    }
+    if (lane == 0) out[row] = (unsigned int)i;
 }

@@ -8,6 +8,19 @@ __device__ __forceinline__ void store16(void* p, size_t i, float v, int kind) {
     else ((__half*)p)[i] = __float2half(v);
 }
 
+// Two values at i (even) rounded to 16 bits, in one 4-byte store.
+__device__ __forceinline__ void store16x2(void* p, size_t i, float a, float b, int kind) {
+    unsigned u;
+    if (kind == 1) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+        u = *(unsigned*)&v;
+    } else {
+        __half2 v = __floats2half2_rn(a, b);
+        u = *(unsigned*)&v;
+    }
+    *(unsigned*)((unsigned short*)p + i) = u;
+}
+
 // Four values at i (a multiple of 4) rounded to 16 bits, in one 8-byte store.
 __device__ __forceinline__ void store16x4(void* p, size_t i, float a, float b, float c, float d, int kind) {
     uint2 u;

@@ -102,21 +102,19 @@ __device__ __forceinline__ void store_rows(float (&o)[HD / 8][4], float la, floa
     lb += __shfl_xor_sync(0xffffffff, lb, 1);
     lb += __shfl_xor_sync(0xffffffff, lb, 2);
     float ia = 1.0f / la, ib = 1.0f / lb;
+    // A lane's two adjacent columns in one store: a quad writes 32 contiguous bytes of f32.
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) {
         int c = n * 8 + tq * 2;
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            if (va) {
-                size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c + e;
-                out[at] = o[n][e] * ia;
-                if (kind) store16(out16, at, o[n][e] * ia, kind);
-            }
-            if (vb) {
-                size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c + e;
-                out[at] = o[n][2 + e] * ib;
-                if (kind) store16(out16, at, o[n][2 + e] * ib, kind);
-            }
+        if (va) {
+            size_t at = ((size_t)(row0 + ra) * heads + h) * HD + c;
+            *(float2*)(out + at) = make_float2(o[n][0] * ia, o[n][1] * ia);
+            if (kind) store16x2(out16, at, o[n][0] * ia, o[n][1] * ia, kind);
+        }
+        if (vb) {
+            size_t at = ((size_t)(row0 + rb) * heads + h) * HD + c;
+            *(float2*)(out + at) = make_float2(o[n][2] * ib, o[n][3] * ib);
+            if (kind) store16x2(out16, at, o[n][2] * ib, o[n][3] * ib, kind);
         }
     }
 }
@@ -804,13 +802,19 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
     unsigned qf[HD / 16][4];
     const float* qa = q + ((size_t)(row0 + ra) * heads + h) * HD;
     const float* qb = q + ((size_t)(row0 + rb) * heads + h) * HD;
+    // Two adjacent query values (8-byte aligned) scaled and packed; zeros for no row.
+    auto q2 = [&](const float* p, bool ok) {
+        if (!ok) return 0u;
+        float2 v = *(const float2*)p;
+        return F::pack(v.x * scale, v.y * scale);
+    };
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         int c = kk * 16 + tq * 2;
-        qf[kk][0] = va ? F::pack(qa[c] * scale, qa[c + 1] * scale) : 0u;
-        qf[kk][1] = vb ? F::pack(qb[c] * scale, qb[c + 1] * scale) : 0u;
-        qf[kk][2] = va ? F::pack(qa[c + 8] * scale, qa[c + 9] * scale) : 0u;
-        qf[kk][3] = vb ? F::pack(qb[c + 8] * scale, qb[c + 9] * scale) : 0u;
+        qf[kk][0] = q2(qa + c, va);
+        qf[kk][1] = q2(qb + c, vb);
+        qf[kk][2] = q2(qa + c + 8, va);
+        qf[kk][3] = q2(qb + c + 8, vb);
     }
     float o[HD / 8][4];
 #pragma unroll

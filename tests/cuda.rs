@@ -461,7 +461,8 @@ fn every_kernel_matches_its_cpu_twin() {
 }
 
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
-/// of 1, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel): a
+/// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
+/// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a
 /// 1,100-token prefill in one step, then a decode batch of three sequences of different
 /// lengths whose block tables interleave. Then again, within 16-bit rounding, with
 /// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
@@ -474,7 +475,8 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
     let c = CpuDevice::default();
     let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32, 16));
     let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32, 16));
-    let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32)].map(|s| (s, true, DType::BF16, 16));
+    let bf16 = [(32, 8, 128), (14, 2, 64), (12, 1, 128), (4, 4, 32), (16, 8, 64)]
+        .map(|s| (s, true, DType::BF16, 16));
     let f16 = [(32, 8, 128), (9, 3, 64)].map(|s| (s, true, DType::F16, 16));
     // Cache blocks smaller and larger than flash_decode's chunk of 16 keys.
     let block_sizes = [8, 32].map(|bs| ((32, 8, 128), true, DType::BF16, bs));

@@ -85,10 +85,15 @@ impl CudaDevice {
             push_tables(&mut launch, b);
             launch.arg(&b.tiles);
             dims.push(&mut launch);
+            // Over a 16-bit cache a block takes several query heads of a GQA group.
+            let (hpb, smem) = match half_cache {
+                true => (prefill_heads(s), prefill_smem_bytes(s.head_dim, prefill_heads(s))),
+                false => (1, 0),
+            };
             let cfg = LaunchConfig {
-                grid_dim: (b.num_tiles as u32, s.num_heads as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+                grid_dim: (b.num_tiles as u32, (s.num_heads / hpb) as u32, 1),
+                block_dim: (128 * hpb as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
             };
             // SAFETY: tiles hold rows of one sequence each; every index is bounded by the
             // step's metadata; out (and half) are [rows, heads·head_dim].
@@ -338,19 +343,41 @@ pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
     2 * 2 * 16 * head_dim * 2
 }
 
-/// flash_decode over a 16-bit cache takes more than the 48 KiB of shared memory a block
-/// gets without asking: up to four warps of chunk buffers. Asks for it, once per kernel.
-pub(super) fn allow_decode_smem(funcs: &std::collections::HashMap<String, CudaFunction>) -> DevResult<()> {
+/// Query heads of one GQA group that a flash_prefill block over a 16-bit cache takes (four
+/// warps each), so that each chunk of K and V is staged once for all of them: the largest
+/// of 4, 2 and 1 that divides the group (flash.cu's kernels allow 4 × 128 threads).
+pub(super) fn prefill_heads(s: AttnShape) -> usize {
+    let group = s.num_heads / s.num_kv_heads;
+    [4, 2, 1].into_iter().find(|h| group.is_multiple_of(*h)).unwrap_or(1)
+}
+
+/// Keys per chunk of flash_prefill (flash.cu's BC).
+const PREFILL_CHUNK: usize = 32;
+
+/// Shared memory of a flash_prefill block over a 16-bit cache taking `heads` query heads:
+/// two chunks of K and V rows and each warp's 16 query rows, rows padded by 8 values.
+pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
+    (4 * PREFILL_CHUNK + 16 * 4 * heads) * (head_dim + 8) * 2
+}
+
+/// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
+/// memory a block gets without asking (up to four warps of chunk buffers; four heads'
+/// queries). Asks for it, once per kernel.
+pub(super) fn allow_flash_smem(funcs: &std::collections::HashMap<String, CudaFunction>) -> DevResult<()> {
     for (name, f) in funcs {
-        if name.starts_with("flash_decode_") && !name.ends_with("_f32") {
-            let hd = if name.contains("_h64_") { 64 } else { 128 };
-            let bytes = 4 * decode_smem_per_warp(hd);
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .map_err(cuda("flash_decode shared memory"))?;
+        if !name.starts_with("flash_") || name.ends_with("_f32") {
+            continue;
         }
+        let hd = if name.contains("_h64_") { 64 } else { 128 };
+        let bytes = match name.starts_with("flash_decode_") {
+            true => 4 * decode_smem_per_warp(hd),
+            false => prefill_smem_bytes(hd, 4),
+        };
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(cuda("flash kernel shared memory"))?;
     }
     Ok(())
 }
@@ -408,5 +435,26 @@ mod tests {
         ] {
             assert_eq!(names[split_index(s)], format!("paged_attention_split_{want}_bf16"));
         }
+    }
+
+    #[test]
+    fn prefill_blocks_take_whole_gqa_groups_within_the_kernels_bounds() {
+        let shape = |heads, kv_heads| AttnShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: 128,
+            scale: 1.0,
+        };
+        for (heads, kv_heads, want) in [(32, 8, 4), (64, 8, 4), (16, 8, 2), (14, 2, 1), (9, 3, 1), (4, 4, 1)]
+        {
+            let h = prefill_heads(shape(heads, kv_heads));
+            assert_eq!(h, want, "{heads} heads over {kv_heads} KV heads");
+            assert_eq!((heads / kv_heads) % h, 0, "a block's heads share one KV head");
+        }
+        let src = include_str!("flash.cu");
+        assert!(src.contains(&format!("#define BC {PREFILL_CHUNK}\n")), "flash.cu's BC differs");
+        assert!(src.contains("__launch_bounds__(512, 1) flash_prefill"), "four heads of 128 threads");
+        // Within what an sm_80 / sm_90 block may ask for (163 / 227 KiB).
+        assert!(prefill_smem_bytes(128, 4) <= 163 << 10);
     }
 }

@@ -753,13 +753,18 @@ DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(64, f16, __half)
 DECODE_ENTRY_16(128, f16, __half)
 
-// Prefill attention over a 16-bit cache, pipelined: the same tiles, warps and online
-// softmax as flash_prefill, with each chunk's K and V rows copied into shared memory as
-// they are (cp.async, 16 bytes at a time, no conversion) while the previous chunk is being
-// computed, into one of two buffers. V stays row-major: ldmatrix .trans hands each lane
-// its B fragment (two keys of one dim). The mma runs in the cache's type. Tiles are taken
-// longest first (the last tile of a prompt has the most keys), so that the short ones fill
-// the last wave.
+// Prefill attention over a 16-bit cache, pipelined: the same tiles and online softmax as
+// flash_prefill, for `blockDim.x / 128` query heads of one GQA group at once (PREFILL_HEADS,
+// chosen by the host: four warps a head, a warp per 16 rows of the tile), so that each
+// chunk's K and V rows are staged once for all of them. The rows are copied into shared
+// memory as they are (cp.async, 16 bytes at a time, no conversion) while the previous chunk
+// is being computed, into one of two buffers. V stays row-major: ldmatrix .trans hands each
+// lane its B fragment (two keys of one dim). The queries are rounded to the cache's type
+// into shared memory once, and their A fragments read back by ldmatrix per chunk, which
+// keeps the kernel within 128 registers (four blocks of one head, or one of four heads, an
+// SM). The mma runs in the cache's type. Tiles are taken longest first (the last tile of a
+// prompt has the most keys), so that the short ones fill the last wave. Dynamic shared
+// memory: prefill_smem_bytes (attend.rs).
 
 template <int HD, typename T>
 __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
@@ -770,21 +775,24 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
     typedef Frag16<T> F;
     constexpr int RS = HD + 8;   // padded rows: fragment loads and ldmatrix hit distinct banks
     constexpr int PIECES = HD / 8;  // 16-byte pieces per row
-    __shared__ __align__(16) T ks[2][BC * RS];
-    __shared__ __align__(16) T vs[2][BC * RS];
+    extern __shared__ __align__(16) unsigned char prefill_smem[];
+    T* ks = reinterpret_cast<T*>(prefill_smem);  // [2][BC * RS]
+    T* vs = ks + 2 * BC * RS;                     // [2][BC * RS]
     const float NEG = __int_as_float(0xff800000);  // -inf
     int tile = gridDim.x - 1 - blockIdx.x;
     int row0 = tiles[2 * tile], nrows = tiles[2 * tile + 1];
-    int h = blockIdx.y, kvh = h / (heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int rw = warp & 3;  // the warp's 16 rows of the tile
+    int h = blockIdx.y * (blockDim.x >> 7) + (warp >> 2), kvh = h / (heads / kv_heads);
+    T* qs = vs + 2 * BC * RS + warp * 16 * RS;  // the warp's queries, [16 * RS]
     const unsigned int* table = tables + table_off[token_seq[row0]];
     int ctx_end = positions[row0 + nrows - 1] + 1;
     int width = kv_heads * HD;
-    int ra = warp * 16 + g, rb = ra + 8;
+    int ra = rw * 16 + g, rb = ra + 8;
     bool va = ra < nrows, vb = rb < nrows;
     int pa = va ? (int)positions[row0 + ra] : -1, pb = vb ? (int)positions[row0 + rb] : -1;
-    int last = min(warp * 16 + 15, nrows - 1);
-    int warp_end = warp * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
+    int last = min(rw * 16 + 15, nrows - 1);
+    int warp_end = rw * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
 
     // Issues the copies of chunk c0 into buffer `buf` (rows past the context are zeros).
     auto stage = [&](int c0, int buf) {
@@ -793,35 +801,33 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
             int p = c0 + r;
             bool ok = p < ctx_end;
             size_t at = ok ? ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD : 0;
-            cp_async16(&ks[buf][r * RS + c], kc + at + c, ok);
-            cp_async16(&vs[buf][r * RS + c], vc + at + c, ok);
+            cp_async16(&ks[buf * BC * RS + r * RS + c], kc + at + c, ok);
+            cp_async16(&vs[buf * BC * RS + r * RS + c], vc + at + c, ok);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    unsigned qf[HD / 16][4];
-    const float* qa = q + ((size_t)(row0 + ra) * heads + h) * HD;
-    const float* qb = q + ((size_t)(row0 + rb) * heads + h) * HD;
-    // Two adjacent query values (8-byte aligned) scaled and packed; zeros for no row.
-    auto q2 = [&](const float* p, bool ok) {
-        if (!ok) return 0u;
-        float2 v = *(const float2*)p;
-        return F::pack(v.x * scale, v.y * scale);
-    };
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-        int c = kk * 16 + tq * 2;
-        qf[kk][0] = q2(qa + c, va);
-        qf[kk][1] = q2(qb + c, vb);
-        qf[kk][2] = q2(qa + c + 8, va);
-        qf[kk][3] = q2(qb + c + 8, vb);
+    stage(0, 0);
+    // The warp's 16 query rows, scaled and rounded, 4 values a lane at a time (zeros past
+    // the tile).
+    for (int r = 0; r < 16; r++) {
+        bool ok = rw * 16 + r < nrows;
+        for (int c = lane * 4; c < HD; c += 128) {
+            float4 v = ok ? *(const float4*)(q + ((size_t)(row0 + rw * 16 + r) * heads + h) * HD + c)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *(uint2*)&qs[r * RS + c] = make_uint2(F::pack(v.x * scale, v.y * scale), F::pack(v.z * scale, v.w * scale));
+        }
     }
+    __syncwarp();
+    // ldmatrix.x4 over the queries: lanes 0-15 point at rows 0-15, lanes 16-31 at the same
+    // rows 8 columns on, giving a0..a3 of the 16×16 A tile.
+    unsigned q_addr = (unsigned)__cvta_generic_to_shared(qs + (lane & 15) * RS + (lane >> 4) * 8);
+
     float o[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float ma = NEG, mb = NEG, la = 0.0f, lb = 0.0f;
 
-    stage(0, 0);
     for (int c0 = 0, buf = 0; c0 < ctx_end; c0 += BC, buf ^= 1) {
         if (c0 + BC < ctx_end) {
             stage(c0 + BC, buf ^ 1);
@@ -831,16 +837,21 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
         }
         __syncthreads();
         if (c0 < warp_end) {
-            const T* kb = ks[buf];
-            const T* vb_ = vs[buf];
+            const T* kb = ks + buf * BC * RS;
+            const T* vb_ = vs + buf * BC * RS;
             float s[BC / 8][4];
 #pragma unroll
-            for (int j = 0; j < BC / 8; j++) {
-                s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            for (int j = 0; j < BC / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-                for (int kk = 0; kk < HD / 16; kk++) {
+            for (int kk = 0; kk < HD / 16; kk++) {
+                unsigned a[4];
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                             : "r"(q_addr + kk * 32));
+#pragma unroll
+                for (int j = 0; j < BC / 8; j++) {
                     const T* kr = kb + (j * 8 + g) * RS + kk * 16 + tq * 2;
-                    mma16<T>(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+                    mma16<T>(s[j], a, *(const unsigned*)kr, *(const unsigned*)(kr + 8));
                 }
             }
             softmax_chunk<HD>(s, o, c0, tq, pa, pb, ma, mb, la, lb);
@@ -870,7 +881,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
 }
 
 #define FLASH_PIPE_ENTRY(HD, SUF, T)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 3) flash_prefill_h##HD##_##SUF(                              \
+    extern "C" __global__ void __launch_bounds__(512, 1) flash_prefill_h##HD##_##SUF(                              \
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \

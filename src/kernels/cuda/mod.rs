@@ -292,7 +292,7 @@ impl CudaDevice {
                 }
             }
         }
-        attend::allow_decode_smem(&funcs)?;
+        attend::allow_flash_smem(&funcs)?;
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,

@@ -86,10 +86,8 @@ impl CudaDevice {
             launch.arg(&b.tiles);
             dims.push(&mut launch);
             // Over a 16-bit cache a block takes several query heads of a GQA group.
-            let (hpb, smem) = match half_cache {
-                true => (prefill_heads(s), prefill_smem_bytes(s.head_dim, prefill_heads(s))),
-                false => (1, 0),
-            };
+            let hpb = if half_cache { prefill_heads(s, self.prefill_heads_max) } else { 1 };
+            let smem = if half_cache { prefill_smem_bytes(s.head_dim, hpb) } else { 0 };
             let cfg = LaunchConfig {
                 grid_dim: (b.num_tiles as u32, (s.num_heads / hpb) as u32, 1),
                 block_dim: (128 * hpb as u32, 1, 1),
@@ -345,10 +343,17 @@ pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
 
 /// Query heads of one GQA group that a flash_prefill block over a 16-bit cache takes (four
 /// warps each), so that each chunk of K and V is staged once for all of them: the largest
-/// of 4, 2 and 1 that divides the group (flash.cu's kernels allow 4 × 128 threads).
-pub(super) fn prefill_heads(s: AttnShape) -> usize {
+/// of 4, 2 and 1 that divides the group, up to `max` ([`prefill_heads_within`]).
+pub(super) fn prefill_heads(s: AttnShape, max: usize) -> usize {
     let group = s.num_heads / s.num_kv_heads;
-    [4, 2, 1].into_iter().find(|h| group.is_multiple_of(*h)).unwrap_or(1)
+    [4, 2, 1].into_iter().find(|&h| h <= max && group.is_multiple_of(h)).unwrap_or(1)
+}
+
+/// The most query heads a flash_prefill block may take on a GPU whose blocks can have
+/// `smem_optin` bytes of shared memory: 4 (flash.cu's kernels allow 4 × 128 threads) where
+/// their buffers fit at head_dim 128, as on sm_80 and sm_90; 2 on sm_86 and sm_89 (99 KiB).
+pub(super) fn prefill_heads_within(smem_optin: usize) -> usize {
+    [4, 2, 1].into_iter().find(|&h| prefill_smem_bytes(128, h) <= smem_optin).unwrap_or(1)
 }
 
 /// Keys per chunk of flash_prefill (flash.cu's BC).
@@ -361,9 +366,12 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
 }
 
 /// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
-/// memory a block gets without asking (up to four warps of chunk buffers; four heads'
-/// queries). Asks for it, once per kernel.
-pub(super) fn allow_flash_smem(funcs: &std::collections::HashMap<String, CudaFunction>) -> DevResult<()> {
+/// memory a block gets without asking (up to four warps of chunk buffers; the queries of
+/// `prefill_heads` heads). Asks for it, once per kernel.
+pub(super) fn allow_flash_smem(
+    funcs: &std::collections::HashMap<String, CudaFunction>,
+    prefill_heads: usize,
+) -> DevResult<()> {
     for (name, f) in funcs {
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
@@ -371,7 +379,7 @@ pub(super) fn allow_flash_smem(funcs: &std::collections::HashMap<String, CudaFun
         let hd = if name.contains("_h64_") { 64 } else { 128 };
         let bytes = match name.starts_with("flash_decode_") {
             true => 4 * decode_smem_per_warp(hd),
-            false => prefill_smem_bytes(hd, 4),
+            false => prefill_smem_bytes(hd, prefill_heads),
         };
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -445,16 +453,25 @@ mod tests {
             head_dim: 128,
             scale: 1.0,
         };
-        for (heads, kv_heads, want) in [(32, 8, 4), (64, 8, 4), (16, 8, 2), (14, 2, 1), (9, 3, 1), (4, 4, 1)]
-        {
-            let h = prefill_heads(shape(heads, kv_heads));
-            assert_eq!(h, want, "{heads} heads over {kv_heads} KV heads");
+        for (heads, kv_heads, max, want) in [
+            (32, 8, 4, 4),
+            (64, 8, 4, 4),
+            (16, 8, 4, 2),
+            (14, 2, 4, 1),
+            (9, 3, 4, 1),
+            (4, 4, 4, 1),
+            (32, 8, 2, 2),
+        ] {
+            let h = prefill_heads(shape(heads, kv_heads), max);
+            assert_eq!(h, want, "{heads} heads over {kv_heads} KV heads, at most {max}");
             assert_eq!((heads / kv_heads) % h, 0, "a block's heads share one KV head");
         }
+        // sm_90 and sm_80 blocks may ask for 227 and 163 KiB, sm_86 and sm_89 for 99.
+        assert_eq!(prefill_heads_within(227 << 10), 4);
+        assert_eq!(prefill_heads_within(163 << 10), 4);
+        assert_eq!(prefill_heads_within(99 << 10), 2);
         let src = include_str!("flash.cu");
         assert!(src.contains(&format!("#define BC {PREFILL_CHUNK}\n")), "flash.cu's BC differs");
         assert!(src.contains("__launch_bounds__(512, 1) flash_prefill"), "four heads of 128 threads");
-        // Within what an sm_80 / sm_90 block may ask for (163 / 227 KiB).
-        assert!(prefill_smem_bytes(128, 4) <= 163 << 10);
     }
 }

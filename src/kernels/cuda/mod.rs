@@ -168,6 +168,8 @@ pub struct CudaDevice {
     arch: String,
     /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
     sm80: bool,
+    /// The most query heads a flash_prefill block takes on this GPU (its shared memory).
+    prefill_heads_max: usize,
     /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
     /// move once a graph has been captured (see `graph.rs`).
     inputs: [Inputs; 2],
@@ -292,7 +294,11 @@ impl CudaDevice {
                 }
             }
         }
-        attend::allow_flash_smem(&funcs)?;
+        let smem_optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(err)?;
+        let prefill_heads_max = attend::prefill_heads_within(smem_optin.max(0) as usize);
+        attend::allow_flash_smem(&funcs, prefill_heads_max)?;
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,
@@ -301,6 +307,7 @@ impl CudaDevice {
             _blas_workspace: blas_workspace,
             funcs,
             sm80: major >= 8,
+            prefill_heads_max,
             arch,
             inputs: Default::default(),
             graph: std::cell::Cell::new(GraphMode::Off),

@@ -276,8 +276,9 @@ pub struct DeviceRows {
     /// Whether any row asked for logprobs (only then do they come back).
     pub logprobs: bool,
     /// Whether any row needs the full per-row pass (logprobs, or a top-k or top-p cut to
-    /// search for), and whether any does not (the split sampler takes those).
+    /// search for).
     pub full: bool,
+    /// Whether any row does not (the split sampler takes those).
     pub split: bool,
 }
 

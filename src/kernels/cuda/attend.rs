@@ -367,11 +367,15 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
 
 /// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
 /// memory a block gets without asking (up to four warps of chunk buffers; the queries of
-/// `prefill_heads` heads). Asks for it, once per kernel.
+/// several heads). Asks for it, once per kernel, with flash_prefill's heads a block bounded
+/// by what the GPU allows ([`prefill_heads_within`]); returns that bound.
 pub(super) fn allow_flash_smem(
+    ctx: &cudarc::driver::CudaContext,
     funcs: &std::collections::HashMap<String, CudaFunction>,
-    prefill_heads: usize,
-) -> DevResult<()> {
+) -> DevResult<usize> {
+    use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+    let optin = ctx.attribute(OPTIN).map_err(cuda("shared memory per block"))?;
+    let prefill_heads = prefill_heads_within(optin.max(0) as usize);
     for (name, f) in funcs {
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
@@ -387,7 +391,7 @@ pub(super) fn allow_flash_smem(
         )
         .map_err(cuda("flash kernel shared memory"))?;
     }
-    Ok(())
+    Ok(prefill_heads)
 }
 
 /// From how many (row, head) pairs the partitions are joined by a warp each rather than a

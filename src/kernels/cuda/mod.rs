@@ -294,11 +294,7 @@ impl CudaDevice {
                 }
             }
         }
-        let smem_optin = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(err)?;
-        let prefill_heads_max = attend::prefill_heads_within(smem_optin.max(0) as usize);
-        attend::allow_flash_smem(&funcs, prefill_heads_max)?;
+        let prefill_heads_max = attend::allow_flash_smem(&ctx, &funcs)?;
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,

@@ -62,31 +62,23 @@ impl CudaDevice {
                 shared_mem_bytes: 0,
             };
             // SAFETY: as above; scratch holds 6 words for each (row, slice), and the slices
-            // of `chunk` columns cover each row.
+            // of `chunk` columns cover each row. sample_max and sample_race take the same
+            // arguments.
             unsafe {
-                self.stream
-                    .launch_builder(self.f("sample_max"))
-                    .arg(&mut *logits.buf)
-                    .arg(&params)
-                    .arg(&mut entries)
-                    .arg(&mut scratch)
-                    .arg(&n)
-                    .arg(&c)
-                    .arg(&s)
-                    .arg(&ch)
-                    .launch(grid)
-                    .map_err(cuda("sample launch"))?;
-                self.stream
-                    .launch_builder(self.f("sample_race"))
-                    .arg(&mut *logits.buf)
-                    .arg(&params)
-                    .arg(&mut scratch)
-                    .arg(&n)
-                    .arg(&c)
-                    .arg(&s)
-                    .arg(&ch)
-                    .launch(grid)
-                    .map_err(cuda("sample launch"))?;
+                for name in ["sample_max", "sample_race"] {
+                    self.stream
+                        .launch_builder(self.f(name))
+                        .arg(&mut *logits.buf)
+                        .arg(&params)
+                        .arg(&mut entries)
+                        .arg(&mut scratch)
+                        .arg(&n)
+                        .arg(&c)
+                        .arg(&s)
+                        .arg(&ch)
+                        .launch(grid)
+                        .map_err(cuda("sample launch"))?;
+                }
                 self.stream
                     .launch_builder(self.f("sample_pick"))
                     .arg(&params)

@@ -47,14 +47,19 @@ __device__ __forceinline__ bool better(double& k, int& i, double ok, int oi) {
     return false;
 }
 
-// The largest key in the block and its index (the lowest on ties), to every thread.
-template <int WARPS>
-__device__ void block_argmax(double& k, int& i, ReduceT<WARPS>& r) {
+// The largest key in the warp and its index (the lowest on ties), to every lane.
+__device__ __forceinline__ void warp_argmax(double& k, int& i) {
     for (int o = 16; o > 0; o >>= 1) {
         double ok = __shfl_xor_sync(0xffffffff, k, o);
         int oi = __shfl_xor_sync(0xffffffff, i, o);
         better(k, i, ok, oi);
     }
+}
+
+// The largest key in the block and its index (the lowest on ties), to every thread.
+template <int WARPS>
+__device__ void block_argmax(double& k, int& i, ReduceT<WARPS>& r) {
+    warp_argmax(k, i);
     __syncthreads();  // the previous reduction's readers are done with r
     if ((threadIdx.x & 31) == 0) { r.key[threadIdx.x >> 5] = k; r.idx[threadIdx.x >> 5] = i; }
     __syncthreads();
@@ -268,6 +273,10 @@ extern "C" __global__ void sample_f32(float* logits, const unsigned int* params,
 // scores (double) and their indices.
 #define SPLIT_THREADS 256
 #define SPLIT_WARPS (SPLIT_THREADS / 32)
+// sample_max's and sample_race's parameters (sample_race leaves the entries alone).
+#define SPLIT_ARGS                                                                                        \
+    float *logits, const unsigned int *params, unsigned int *entries, unsigned int *scratch, int rows, int cols, \
+        int slices, int chunk
 
 // Calls f(value, column) for this thread's columns of row[c0, c1), a V-float vector per
 // load (V = 4 needs c0 and c1 multiples of 4) and four loads in flight, and group() after
@@ -345,9 +354,7 @@ __device__ void row_max(const unsigned int* parts, int slices, double& k, int& i
     block_argmax(k, i, r);
 }
 
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_max(float* logits, const unsigned int* params,
-                                                                      unsigned int* entries, unsigned int* scratch,
-                                                                      int rows, int cols, int slices, int chunk) {
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_max(SPLIT_ARGS) {
     __shared__ ReduceT<SPLIT_WARPS> r;
     Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
     if (sl.p[FULL_WORD]) return;
@@ -386,9 +393,7 @@ __device__ __noinline__ double race_score(float l, float max, float t, float min
     return (double)key + gumbel(uniform_of(h));
 }
 
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_race(float* logits, const unsigned int* params,
-                                                                       unsigned int* scratch, int rows, int cols,
-                                                                       int slices, int chunk) {
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_race(SPLIT_ARGS) {
     __shared__ ReduceT<SPLIT_WARPS> r;
     Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
     float t = __uint_as_float(sl.p[0]), min_p = __uint_as_float(sl.p[2]);
@@ -458,11 +463,7 @@ extern "C" __global__ void sample_pick(const unsigned int* params, const unsigne
     double k = (double)NEG_INF;
     int i = 0x7fffffff;
     for (int s = lane; s < slices; s += 32) better(k, i, (double)__uint_as_float(parts[2 * s]), (int)parts[2 * s + 1]);
-    for (int o = 16; o > 0; o >>= 1) {
-        double ok = __shfl_xor_sync(0xffffffff, k, o);
-        int oi = __shfl_xor_sync(0xffffffff, i, o);
-        better(k, i, ok, oi);
-    }
+    warp_argmax(k, i);
     if (__uint_as_float(p[0]) != 0.0f && k != (double)NEG_INF) {
         const double* all = reinterpret_cast<const double*>(scratch + 2 * rows * slices);
         const double* scores = all + row * slices;
@@ -470,11 +471,7 @@ extern "C" __global__ void sample_pick(const unsigned int* params, const unsigne
         k = (double)NEG_INF;
         i = 0x7fffffff;
         for (int s = lane; s < slices; s += 32) better(k, i, scores[s], idx[s]);
-        for (int o = 16; o > 0; o >>= 1) {
-            double ok = __shfl_xor_sync(0xffffffff, k, o);
-            int oi = __shfl_xor_sync(0xffffffff, i, o);
-            better(k, i, ok, oi);
-        }
+        warp_argmax(k, i);
     }
     if (lane == 0) out[row] = (unsigned int)i;
 }

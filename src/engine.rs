@@ -14,6 +14,7 @@ use crate::actors::block_manager::{BlockManager, BlockStats, GetBlockStats};
 use crate::actors::lora_manager::{LoraLimits, LoraManager, LoraManagerError, Register, Resolve};
 use crate::actors::model_runner::{
     AllocateCache, BatchSeq, CaptureGraphs, ExecuteBatch, ModelRunner, NewSeq, ReleaseCache, RunnerConfig,
+    TuneGemms,
 };
 use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, GetStats, PreloadLoras, SchedulerActor, SchedulerStats,
@@ -390,6 +391,60 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
 /// from a few dozen rows on a padded row costs about as much as a real one). Context
 /// bounds: powers of two from 512 up to `max_len`.
 fn graph_shapes(max_seqs: usize, max_len: usize) -> CaptureGraphs {
+    let sizes = graph_sizes(max_seqs);
+    let mut bounds: Vec<usize> = std::iter::successors(Some(512.min(max_len)), |&x| Some(x * 2))
+        .take_while(|&x| x < max_len)
+        .collect();
+    bounds.push(max_len);
+    CaptureGraphs { sizes, bounds }
+}
+
+/// The row counts GEMMs are tuned at: the graphs' batch sizes, then powers of two up to
+/// --max-num-batched-tokens and that itself (a GEMM takes the choice of the next count up).
+fn gemm_tune_rows(seqs: usize, tokens: usize) -> Vec<usize> {
+    let mut rows = graph_sizes(seqs);
+    rows.extend(
+        std::iter::successors(Some(seqs.next_power_of_two()), |&r| Some(r * 2)).take_while(|&r| r < tokens),
+    );
+    rows.push(tokens);
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+/// Each rank times the GEMMs the profiling step ran (see `Device::tune_gemms`).
+async fn tune_gemms<D: Device>(
+    runners: &[Addr<ModelRunner<D>>],
+    config: &EngineConfig,
+) -> Result<(), EngineError> {
+    let t = std::time::Instant::now();
+    let rows = gemm_tune_rows(config.max_num_seqs, config.max_num_batched_tokens);
+    let asked = runners.iter().map(|r| r.send(TuneGemms { rows: rows.clone() }));
+    let mut tuned = Vec::new();
+    for answer in futures::future::join_all(asked).await {
+        let answer = answer.map_err(|_| EngineError::Stopped)?;
+        tuned.push(answer.map_err(|e| EngineError::Device(format!("tuning GEMMs: {e}")))?);
+    }
+    let g = &tuned[0];
+    if g.points > 0 {
+        tracing::info!(
+            seconds = t.elapsed().as_secs_f32(),
+            points = g.points,
+            cublaslt_chosen = g.lt_chosen,
+            candidates = g.candidates,
+            rejected = g.rejected,
+            gain_pct = format!("{:.1}", 100.0 * (1.0 - g.chosen_us / g.gemm_ex_us)),
+            "GEMMs tuned (shape and row-count points; GPU time saved against cublasGemmEx's picks)"
+        );
+    }
+    if g.skipped > 0 {
+        tracing::warn!(points = g.skipped, "GEMMs left untuned for want of device memory");
+    }
+    Ok(())
+}
+
+/// `graph_shapes`' batch sizes.
+fn graph_sizes(max_seqs: usize) -> Vec<usize> {
     let mut sizes: Vec<usize> = std::iter::successors(Some(1), |&x| {
         Some(match x {
             ..32 => x * 2,
@@ -400,11 +455,7 @@ fn graph_shapes(max_seqs: usize, max_len: usize) -> CaptureGraphs {
     .take_while(|&x| x < max_seqs)
     .collect();
     sizes.push(max_seqs);
-    let mut bounds: Vec<usize> = std::iter::successors(Some(512.min(max_len)), |&x| Some(x * 2))
-        .take_while(|&x| x < max_len)
-        .collect();
-    bounds.push(max_len);
-    CaptureGraphs { sizes, bounds }
+    sizes
 }
 
 /// What the KV cache is sized from.
@@ -428,6 +479,7 @@ async fn size_kv_cache<D: Device>(
 ) -> Result<(), EngineError> {
     let profiled = |e: String| EngineError::Device(format!("profiling step at the largest batch: {e}"));
     runners[0].send(step).await.map_err(|e| profiled(e.to_string()))?.map_err(|e| profiled(e.to_string()))?;
+    tune_gemms(runners, config).await?;
     // The graphs too: their memory stays out of the cache (they are recorded again on it).
     // A failed capture is reported when they are recorded for good, unless it left the
     // device failing.
@@ -526,5 +578,16 @@ mod tests {
         let small = super::graph_shapes(100, 300);
         assert_eq!(small.sizes, [1, 2, 4, 8, 16, 32, 64, 96, 100]);
         assert_eq!(small.bounds, [300]);
+    }
+
+    /// GEMMs are tuned at every graph size, then at powers of two up to the largest step
+    /// and at that step itself, so that a prefill of any size finds a tuned count above it.
+    #[test]
+    fn gemms_are_tuned_from_the_graphs_to_the_largest_step() {
+        let rows = super::gemm_tune_rows(1024, 16384);
+        assert_eq!(&rows[rows.len() - 5..], &[1024, 2048, 4096, 8192, 16384]);
+        assert!(super::graph_sizes(1024).iter().all(|s| rows.contains(s)));
+        assert_eq!(super::gemm_tune_rows(256, 10000)[12..], [256, 512, 1024, 2048, 4096, 8192, 10000]);
+        assert_eq!(super::gemm_tune_rows(100, 100), super::graph_sizes(100));
     }
 }

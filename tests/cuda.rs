@@ -469,6 +469,56 @@ fn every_kernel_matches_its_cpu_twin() {
 /// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
 /// also over cache blocks of 8 and 32 keys; then a decode batch of 537 rows, and last, one
 /// of short contexts.
+/// GEMMs tuned by timing (cublasGemmEx against cuBLASLt's candidates, tune.rs) give the
+/// values untuned ones give, whichever algorithm wins: the fastest, or cuBLASLt's last
+/// candidate forced at every point. Row counts between the tuned ones take the next one
+/// up's choice; past the largest, cublasGemmEx's. Both a projection with f32 output and a
+/// gate/up one written in its 16-bit type.
+#[test]
+fn tuned_gemms_give_the_untuned_values() {
+    let Some(g) = gpu() else { return };
+    let (n, k, most) = (384, 1032, 300);
+    let rows = [9, 40, 64, 200, 256, 300];
+    let x = rand(most * k, 12);
+    let fastest = |t: &[f64]| (0..t.len()).min_by(|&a, &b| t[a].total_cmp(&t[b])).unwrap();
+    let last_lt = |t: &[f64]| t.len() - 1;
+    for dt in [DType::BF16, DType::F16] {
+        let mut bytes = Vec::new();
+        dt.convert_from(DType::F32, bytemuck::cast_slice(&rand(n * k, 11)), &mut bytes);
+        let w = g.upload(HostTensor { dtype: dt, shape: vec![n, k], data: bytes.into() }).unwrap();
+        let run = || {
+            let lin: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|&m| {
+                    g.to_host(&g.linear(&g.from_host(&x[..m * k], m, k).unwrap(), &w, None).unwrap()).unwrap()
+                })
+                .collect();
+            let gate_up = g.gate_up_silu(&g.from_host(&x, most, k).unwrap(), &w, None, false).unwrap();
+            assert!(g.gate_up_in_16_bits(), "{dt:?}: gate/up written in 16 bits");
+            (lin, g.to_host(&gate_up).unwrap())
+        };
+        let (untuned, untuned_gu) = run();
+        for (name, pick) in [("fastest", &fastest as &dyn Fn(&[f64]) -> usize), ("cuBLASLt's last", &last_lt)]
+        {
+            let report = g.tune_gemms_by(&[16, 64, 256], pick).unwrap();
+            // Two shapes (f32 and 16-bit output) of each type tuned so far, at 3 row counts.
+            let shapes = if dt == DType::BF16 { 2 } else { 4 };
+            assert_eq!(report.points, 3 * shapes, "{dt:?}, {name}: points tuned");
+            assert!(report.candidates >= report.points, "{dt:?}, {name}: cuBLASLt offered candidates");
+            assert_eq!(report.rejected, 0, "{dt:?}, {name}: every candidate agreed with cublasGemmEx");
+            if name != "fastest" {
+                assert_eq!(report.lt_chosen, report.points, "{dt:?}: cuBLASLt's last candidate everywhere");
+            }
+            let (tuned, tuned_gu) = run();
+            for ((m, a), b) in rows.iter().zip(&tuned).zip(&untuned) {
+                close(&format!("{dt:?} linear of {m} rows, tuned by {name}"), a, b, 1e-4);
+            }
+            // silu·mul of 16-bit gate/up values that may round to a neighbouring value.
+            close(&format!("{dt:?} gate/up of {most} rows, tuned by {name}"), &tuned_gu, &untuned_gu, 2e-2);
+        }
+    }
+}
+
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr, Handler, Message, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
-use crate::kernels::{Device, DeviceError};
+use crate::kernels::{Device, DeviceError, GemmTuning};
 use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
@@ -114,6 +114,14 @@ pub struct ShardStep {
 #[derive(Message)]
 #[rtype(result = "Result<Option<(usize, usize)>, RunnerError>")]
 pub struct ReleaseCache;
+
+/// Times the device's GEMMs at these row counts and keeps the fastest algorithm of each
+/// (`Device::tune_gemms`), after the profiling step has run every projection.
+#[derive(Message, Clone)]
+#[rtype(result = "Result<GemmTuning, RunnerError>")]
+pub struct TuneGemms {
+    pub rows: Vec<usize>,
+}
 
 /// Records decode steps as graphs (CUDA graphs) for every batch size of `sizes` and every
 /// context bound of `bounds`; answers how many were recorded (none on a device without
@@ -515,6 +523,13 @@ impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
         let memory = self.dev.memory_info();
         self.graphs.clear();
         Ok(memory)
+    }
+}
+
+impl<D: Device> Handler<TuneGemms> for ModelRunner<D> {
+    type Result = Result<GemmTuning, RunnerError>;
+    fn handle(&mut self, msg: TuneGemms, _: &mut SyncContext<Self>) -> Self::Result {
+        Ok(self.dev.tune_gemms(&msg.rows)?)
     }
 }
 

@@ -135,6 +135,22 @@ pub type DevResult<T> = Result<T, DeviceError>;
 /// A sampled token with its logprobs when they were asked for.
 pub type Sampled = (u32, Option<TokenLogprobs>);
 
+/// What `Device::tune_gemms` did.
+#[derive(Debug, Clone, Default)]
+pub struct GemmTuning {
+    /// (shape, row count) points timed, and those where a cuBLASLt algorithm won.
+    pub points: usize,
+    pub lt_chosen: usize,
+    /// cuBLASLt candidates tried, and those dropped: failed, or off cublasGemmEx's output.
+    pub candidates: usize,
+    pub rejected: usize,
+    /// One GEMM at every point, summed (µs): by cublasGemmEx and by the chosen algorithms.
+    pub gemm_ex_us: f64,
+    pub chosen_us: f64,
+    /// Points not timed: their operands did not fit in device memory.
+    pub skipped: usize,
+}
+
 /// The operations a model's forward needs. Every method works on whole flat batches.
 pub trait Device: Send + Unpin + 'static {
     /// `[rows, cols]` f32 activations living on the device.
@@ -170,6 +186,13 @@ pub trait Device: Send + Unpin + 'static {
     /// steady state a step makes none.
     fn allocations(&self) -> u64 {
         0
+    }
+    /// Times the GEMMs of every projection shape run so far at these row counts and keeps
+    /// the fastest algorithm for each (once the profiling step has run the projections); a
+    /// no-op where the device has one way to multiply.
+    fn tune_gemms(&self, rows: &[usize]) -> DevResult<GemmTuning> {
+        let _ = rows;
+        Ok(GemmTuning::default())
     }
     fn to_host(&self, t: &Self::Tensor) -> DevResult<Vec<f32>>;
     /// Waits for the work issued so far to finish (a no-op where operations are synchronous).

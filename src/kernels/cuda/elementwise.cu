@@ -321,3 +321,15 @@ extern "C" __global__ void embedding_f16(const __half* table, const unsigned int
     const __half* src = table + (size_t)ids[row] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = __half2float(src[i]);
 }
+
+// Pseudo-random values in [-1, 1) of a 16-bit type (kind 1 bf16, 2 f16): operands for
+// timing GEMMs, whose speed depends on what they multiply.
+extern "C" __global__ void fill_random_16(void* out, long long n, int kind, unsigned int seed) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long h = ((unsigned long long)i + 1) * 0x9E3779B97F4A7C15ull ^ ((unsigned long long)seed << 32);
+        h ^= h >> 31;
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 29;
+        store16(out, (size_t)i, (float)(h >> 40) * (2.0f / 16777216.0f) - 1.0f, kind);
+    }
+}

@@ -1,5 +1,6 @@
 //! GEMMs through cuBLAS: `out = x @ wᵀ` for f32 weights (sgemm) and 16-bit weights
-//! (cublasGemmEx, f32 accumulation and output; up to 8 rows our own GEMV on tensor cores),
+//! (f32 accumulation and output, by the algorithm tuned for the shape (tune.rs); up to 8
+//! rows our own GEMV on tensor cores),
 //! and cublasGemmEx on raw operands, plain and strided-batched, for LoRA's GEMMs (lora.rs).
 
 use cudarc::cublas::sys::cublasOperation_t as Op;
@@ -104,17 +105,7 @@ impl CudaDevice {
             }
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
-            unsafe {
-                self.gemm_raw(
-                    ty,
-                    Op::CUBLAS_OP_T,
-                    (n, m, k),
-                    (wp, k),
-                    (xp, k),
-                    beta,
-                    (op, n, DataType::CUDA_R_32F),
-                )
-            }
+            unsafe { self.gemm_tuned((ty, DataType::CUDA_R_32F), (wp, xp, op), (n, m, k), beta) }
         })
     }
 
@@ -163,7 +154,7 @@ impl CudaDevice {
             let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), rows);
             // SAFETY: w is [n, k] and x [rows, k] of type ty; gate_up holds rows · n values
             // of it.
-            unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, rows, k), (wp, k), (xp, k), beta, (gp, n, ty)) }
+            unsafe { self.gemm_tuned((ty, ty), (wp, xp, gp), (n, rows, k), beta) }
         })?;
         // SAFETY: gate_up holds rows · n values of the weights' type. With `half_only` (the
         // down projection applies no adapters) its GEMM reads the 16-bit copy alone, past

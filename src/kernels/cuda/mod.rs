@@ -1,7 +1,8 @@
 //! The CUDA device (cudarc, loaded dynamically so that the crate builds and runs without
 //! CUDA): kernels are CUDA C sources in this folder compiled by NVRTC at start-up for the
 //! device's architecture and cached on disk (keyed by source hash and architecture);
-//! GEMMs go through cuBLAS. Activations are f32; 2-D weights stay in their dtype (f32, or
+//! GEMMs go through cuBLAS, or cuBLASLt where its algorithm timed faster at start-up
+//! (tune.rs). Activations are f32; 2-D weights stay in their dtype (f32, or
 //! bf16/f16 multiplied by cublasGemmEx with f32 accumulation, the kernels that feed a GEMM
 //! also writing their output in the weights' type, and a 16-bit MLP's gate/up projection
 //! kept in that type for silu_mul), 1-D weights (norms, biases) are f32. A norm or SiLU·mul
@@ -30,6 +31,7 @@ mod pool;
 mod profile;
 mod sample;
 mod step;
+mod tune;
 
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
@@ -37,9 +39,6 @@ pub use lora::CudaLora;
 use nvrtc::{COMMON, SOURCES, kernel_names, split_names};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};
-
-/// Bytes of cuBLAS workspace (what cuBLAS itself reserves on Hopper).
-const BLAS_WORKSPACE: usize = 32 << 20;
 
 fn err(e: impl std::fmt::Debug) -> DeviceError {
     DeviceError::Other(format!("{e:?}"))
@@ -162,8 +161,8 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    /// The workspace set on `blas` (kept alive for it).
-    _blas_workspace: CudaSlice<u8>,
+    /// The GEMM workspace, cuBLASLt, and the algorithms tuned per shape (tune.rs).
+    gemms: tune::Gemms,
     funcs: std::collections::HashMap<String, CudaFunction>,
     arch: String,
     /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
@@ -269,19 +268,7 @@ impl CudaDevice {
             None => ctx.new_stream().map_err(err)?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(err)?;
-        // cuBLAS's workspace, ours rather than its default pool: a fixed address that CUDA
-        // graphs may record, and the size Hopper's kernels ask for.
-        let mut blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(err)?;
-        {
-            use cudarc::driver::DevicePtrMut;
-            let (ptr, _rec) = blas_workspace.device_ptr_mut(&stream);
-            // SAFETY: the workspace lives as long as the handle (both are fields of the device).
-            unsafe {
-                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE)
-            }
-            .result()
-            .map_err(err)?;
-        }
+        let gemms = tune::Gemms::new(&stream, &blas)?;
         let (major, minor) = ctx.compute_capability().map_err(err)?;
         let arch = format!("sm_{major}{minor}");
         let mut funcs = std::collections::HashMap::new();
@@ -300,7 +287,7 @@ impl CudaDevice {
             ctx,
             stream,
             blas,
-            _blas_workspace: blas_workspace,
+            gemms,
             funcs,
             sm80: major >= 8,
             prefill_heads_max,

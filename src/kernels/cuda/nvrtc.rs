@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 48] = [
+const KERNELS: [&str; 49] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -64,6 +64,7 @@ const KERNELS: [&str; 48] = [
     "flash_decode_h128_f16",
     "gemv_bf16",
     "gemv_f16",
+    "fill_random_16",
 ];
 
 /// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'

@@ -7,8 +7,8 @@ use super::attend::RopeOut;
 use super::lora::GemmOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
-    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraRows, LoraShape,
-    LoraSlotWeights, RopeSpec, Sampled, TpRank,
+    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor, LoraRows,
+    LoraShape, LoraSlotWeights, RopeSpec, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -118,6 +118,12 @@ impl Device for CudaDevice {
 
     fn allocations(&self) -> u64 {
         self.allocs.get()
+    }
+
+    fn tune_gemms(&self, rows: &[usize]) -> DevResult<GemmTuning> {
+        let fastest =
+            |times: &[f64]| (0..times.len()).min_by(|&a, &b| times[a].total_cmp(&times[b])).unwrap_or(0);
+        self.tune_gemms_by(rows, &fastest)
     }
 
     fn to_host(&self, t: &CudaTensor) -> DevResult<Vec<f32>> {

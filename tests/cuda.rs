@@ -903,7 +903,8 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 
 /// `--gpu-memory-utilization` holds: after a profiling step at the largest batch, the KV
 /// cache takes what is left, so a step at that batch neither runs out of memory nor leaves
-/// the GPU's reserve short, and no memory the fraction allows sits unused.
+/// the GPU's reserve short, and no memory the fraction allows sits unused. In bf16, so
+/// that the GEMMs are tuned after the profiling step, in memory that is given back.
 #[actix_rt::test]
 async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
     let Some(probe) = gpu() else { return };
@@ -915,6 +916,7 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
         max_num_seqs: Some(32),
         max_num_batched_tokens: Some(8192),
         max_model_len: Some(512),
+        dtype: DTypeArg::Bfloat16,
         ..common::args(&common::default_model())
     };
     let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as i64;

@@ -209,13 +209,14 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
 
 #define KV_ENTRIES(SUF, T)                                                                                     \
     extern "C" __global__ void write_kv_##SUF(const float* k, const float* v, T* kc, T* vc,                     \
-                                              const long long* slots, int width) {                              \
+                                              const long long* slots, int width) { grid_dep_sync();             \
         write_kv<T>(k, v, kc, vc, slots, width);                                                                \
     }                                                                                                           \
     extern "C" __global__ void paged_attention_##SUF(                                                           \
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind, const unsigned int* rows,  \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
-        const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale) {    \
+        const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale) {   \
+        grid_dep_sync();                                                                                       \
         paged_attention<T>(q, kc, vc, out, out16, kind, rows, positions, token_seq, tables, table_off, heads,  \
                            kv_heads, head_dim, block_size, scale);                                              \
     }
@@ -225,7 +226,7 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
         const float* q, const T* kc, const T* vc, float* part_out, float* part_max, float* part_sum,           \
         const unsigned int* rows, const unsigned int* positions, const unsigned int* token_seq,                \
         const unsigned int* tables, const unsigned int* table_off, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale, int part, int parts_max) {                                                 \
+        int block_size, float scale, int part, int parts_max) { grid_dep_sync();                               \
         paged_attention_split<T, G, D>(q, kc, vc, part_out, part_max, part_sum, rows, positions, token_seq,    \
                                        tables, table_off, heads, kv_heads, head_dim, block_size, scale, part,   \
                                        parts_max);                                                              \
@@ -255,6 +256,7 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
                                                       const float* part_sum, float* out, void* out16, int kind,
                                                       const unsigned int* rows, const unsigned int* row_meta,
                                                       int heads, int head_dim, int part, int parts_max) {
+    grid_dep_sync();
     int i = blockIdx.x / heads, h = blockIdx.x % heads;
     int t = rows[i], ctx = row_meta[3 * i];
     bool flash = part == 0;
@@ -285,6 +287,7 @@ extern "C" __global__ void paged_attention_reduce_warp_f32(const float* part_out
                                                            int kind, const unsigned int* rows,
                                                            const unsigned int* row_meta, int heads, int head_dim,
                                                            int part, int parts_max, int n) {
+    grid_dep_sync();
     int lane = threadIdx.x & 31;
     int slot = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // place in rows · heads + head
     if (slot >= n) return;

@@ -2,6 +2,18 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+// Programmatic dependent launch (sm_90 and later), the first statement of every kernel:
+// inside a CUDA graph whose kernel-to-kernel edges are programmatic (graph.rs), a kernel is
+// launched while the one before it still runs, and waits here for it to finish and its
+// writes to land before touching memory; then it lets the next kernel launch in turn.
+// Outside such a graph both are no-ops.
+__device__ __forceinline__ void grid_dep_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Stores v rounded to 16 bits: kind 1 is bf16, 2 is f16 (the dtype of the GEMM's weights).
 __device__ __forceinline__ void store16(void* p, size_t i, float v, int kind) {
     if (kind == 1) ((__nv_bfloat16*)p)[i] = __float2bfloat16(v);

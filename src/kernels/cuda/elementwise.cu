@@ -3,6 +3,7 @@
 // (common.cuh comes first.)
 
 extern "C" __global__ void embedding_f32(const float* table, const unsigned int* ids, float* out, int hidden) {
+    grid_dep_sync();
     int row = blockIdx.x;
     const float* src = table + (size_t)ids[row] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = src[i];
@@ -33,6 +34,7 @@ __device__ float block_sum(float v) {
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __restrict__ residual, int use_residual,
                                         const float* __restrict__ w, float* __restrict__ out, void* out16, int kind,
                                         int cols, float eps) {
+    grid_dep_sync();
     size_t base = (size_t)blockIdx.x * cols;
     const float* xr = x + base;
     float* rr = use_residual ? residual + base : nullptr;
@@ -158,7 +160,7 @@ __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* _
 
 #define SILU_MUL_ENTRY(SUF, T)                                                                                    \
     extern "C" __global__ void silu_mul_##SUF(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, \
-                                              int kind, int inter, int rows) {                                    \
+                                              int kind, int inter, int rows) { grid_dep_sync();                    \
         silu_mul(gate_up, out, out16, kind, inter, rows);                                                         \
     }
 SILU_MUL_ENTRY(f32, float)
@@ -166,16 +168,19 @@ SILU_MUL_ENTRY(bf16, __nv_bfloat16)
 SILU_MUL_ENTRY(f16, __half)
 
 extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {
+    grid_dep_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) acc[i] += x[i];
 }
 
 extern "C" __global__ void add_bias_f32(float* y, const float* b, int cols, long long n) {
+    grid_dep_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += b[i % cols];
 }
 
 extern "C" __global__ void gather_rows_f32(const float* x, const unsigned int* rows, float* out, int cols) {
+    grid_dep_sync();
     int r = blockIdx.x;
     const float* src = x + (size_t)rows[r] * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)r * cols + i] = src[i];
@@ -184,6 +189,7 @@ extern "C" __global__ void gather_rows_f32(const float* x, const unsigned int* r
 // Tensor parallelism: `parts` holds each rank's [rows, cols] shard one after another (NCCL's
 // all-gather); out[r, s*keep + j] = parts[s][r, j] for j < keep, cut at `total` columns.
 extern "C" __global__ void join_shards_f32(const float* parts, float* out, int rows, int cols, int keep, int total) {
+    grid_dep_sync();
     int r = blockIdx.x;
     for (int c = threadIdx.x; c < total; c += blockDim.x) {
         int s = c / keep, j = c - s * keep;
@@ -279,6 +285,7 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
                                               float* __restrict__ k, float* __restrict__ v,
                                               const unsigned int* positions, const float* inv_freq, int heads,
                                               int kv_heads, int head_dim, int half) {
+    grid_dep_sync();
     split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, heads, kv_heads, head_dim,
                           half);
 }
@@ -290,7 +297,7 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
                                                        T* __restrict__ kc, T* __restrict__ vc,                    \
                                                        const long long* slots, const unsigned int* positions,    \
                                                        const float* inv_freq, int heads, int kv_heads,           \
-                                                       int head_dim, int half) {                                 \
+                                                       int head_dim, int half) { grid_dep_sync();                \
         split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, heads, kv_heads,         \
                           head_dim, half);                                                                       \
     }
@@ -301,22 +308,26 @@ SPLIT_ROPE_KV_ENTRY(f16, __half)
 // Conversions for cuBLAS GEMMs with 16-bit weights, and the embedding of a 16-bit table.
 
 extern "C" __global__ void f32_to_bf16(const float* x, __nv_bfloat16* y, long long n) {
+    grid_dep_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2bfloat16(x[i]);
 }
 
 extern "C" __global__ void f32_to_f16(const float* x, __half* y, long long n) {
+    grid_dep_sync();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = __float2half(x[i]);
 }
 
 extern "C" __global__ void embedding_bf16(const __nv_bfloat16* table, const unsigned int* ids, float* out, int hidden) {
+    grid_dep_sync();
     int row = blockIdx.x;
     const __nv_bfloat16* src = table + (size_t)ids[row] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = __bfloat162float(src[i]);
 }
 
 extern "C" __global__ void embedding_f16(const __half* table, const unsigned int* ids, float* out, int hidden) {
+    grid_dep_sync();
     int row = blockIdx.x;
     const __half* src = table + (size_t)ids[row] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = __half2float(src[i]);
@@ -325,6 +336,7 @@ extern "C" __global__ void embedding_f16(const __half* table, const unsigned int
 // Pseudo-random values in [-1, 1) of a 16-bit type (kind 1 bf16, 2 f16): operands for
 // timing GEMMs, whose speed depends on what they multiply.
 extern "C" __global__ void fill_random_16(void* out, long long n, int kind, unsigned int seed) {
+    grid_dep_sync();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         unsigned long long h = ((unsigned long long)i + 1) * 0x9E3779B97F4A7C15ull ^ ((unsigned long long)seed << 32);
         h ^= h >> 31;

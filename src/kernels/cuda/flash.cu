@@ -223,7 +223,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale) {                                                                          \
+        int block_size, float scale) { grid_dep_sync();                                                       \
         flash_prefill<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles, heads,   \
                           kv_heads, block_size, scale);                                                         \
     }
@@ -737,11 +737,13 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
 
 #define DECODE_ENTRY_F32(HD)                                                                                    \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_f32(DECODE_ARGS(float)) {         \
+        grid_dep_sync();                                                                                        \
         if (block_size >= 16) flash_decode_regs<HD, float, true> DECODE_CALL;                                   \
         else flash_decode_regs<HD, float, false> DECODE_CALL;                                                   \
     }
 #define DECODE_ENTRY_16(HD, SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(DECODE_ARGS(T)) {           \
+        grid_dep_sync();                                                                                        \
         if (block_size >= 16) flash_decode_pipe<HD, T, true> DECODE_CALL;                                      \
         else flash_decode_pipe<HD, T, false> DECODE_CALL;                                                      \
     }
@@ -885,7 +887,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale) {                                                                          \
+        int block_size, float scale) { grid_dep_sync();                                                       \
         flash_prefill_pipe<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles,     \
                                   heads, kv_heads, block_size, scale);                                          \
     }

@@ -75,15 +75,31 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
     // last, partial chunk lie wholly inside or past k (k % 8 == 0).
     const int full = k / 32, chunks = (k + 31) / 32;
     int c0 = warp;
+    uint4 a[GEMV_UNROLL], b[GEMV_UNROLL];
+    // The first U chunks' weights are loaded before waiting for the kernel before (PDL,
+    // common.cuh): they do not depend on it, so inside a graph their loads overlap its
+    // last microseconds.
+    bool ahead = c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full;
+    if (ahead) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            a[u] = ld_stream(w0 + (c0 + u * GEMV_WARPS) * 32);
+            b[u] = ld_stream(w1 + (c0 + u * GEMV_WARPS) * 32);
+        }
+    }
+    grid_dep_sync();
     for (; c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full; c0 += GEMV_WARPS * GEMV_UNROLL) {
-        uint4 a[GEMV_UNROLL], b[GEMV_UNROLL], xb[GEMV_UNROLL];
+        uint4 xb[GEMV_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
             int off = (c0 + u * GEMV_WARPS) * 32;
-            a[u] = ld_stream(w0 + off);
-            b[u] = ld_stream(w1 + off);
+            if (!ahead) {
+                a[u] = ld_stream(w0 + off);
+                b[u] = ld_stream(w1 + off);
+            }
             xb[u] = *(const uint4*)(xr + off);
         }
+        ahead = false;
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk<T>(c, a[u], b[u], xb[u]);
     }
@@ -114,7 +130,7 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
 #define GEMV(name, T)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
         name(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) { \
-        gemv<T>(w, x, y, m, n, k);                                                                         \
+        gemv<T>(w, x, y, m, n, k); /* grid_dep_sync() inside */                                            \
     }
 GEMV(gemv_bf16, __nv_bfloat16)
 GEMV(gemv_f16, __half)

@@ -13,7 +13,11 @@
 //!   bound (the longest context a sequence may have), and its kernels skip what lies past
 //!   each row's own context.
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use std::ptr::null_mut;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use cudarc::driver::sys::{CUgraph, CUgraphExec, CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 use super::{CudaDevice, CudaTensor, DevResult, DeviceError, cuda};
 use crate::models::attn::AttnMetadata;
@@ -43,7 +47,7 @@ impl GraphMode {
 
 /// A recorded forward of one batch size and context bound.
 pub struct CudaGraphStep {
-    graph: cudarc::driver::CudaGraph,
+    graph: Recorded,
     /// The context bound its attention was shaped for.
     ctx_bound: usize,
     /// The hidden states the graph writes, `[rows, hidden]`.
@@ -96,7 +100,7 @@ impl CudaDevice {
         meta: &AttnMetadata,
         ctx_bound: usize,
         forward: &mut dyn FnMut() -> DevResult<CudaTensor>,
-    ) -> DevResult<(cudarc::driver::CudaGraph, CudaTensor)> {
+    ) -> DevResult<(Recorded, CudaTensor)> {
         self.stage_inputs(ids, meta)?;
         // The warm-up fills the graph's pool (and sizes every other buffer) so that the
         // capture finds them all.
@@ -109,11 +113,26 @@ impl CudaDevice {
         let hidden = forward();
         self.graph.set(GraphMode::Staging { ctx_bound });
         // The capture ends whatever the forward did, so that the stream is usable again.
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(cuda("graph capture end"));
+        // SAFETY: the stream is this device's, capturing since begin_capture above.
+        let graph = unsafe { cudarc::driver::result::stream::end_capture(self.stream.cu_stream()) }
+            .map_err(cuda("graph capture end"));
         let (hidden, graph) = (hidden?, graph?);
-        let graph = graph.ok_or_else(|| DeviceError::Other("the graph capture recorded nothing".into()))?;
-        graph.upload().map_err(cuda("graph upload"))?;
-        Ok((graph, hidden))
+        if graph.is_null() {
+            return Err(DeviceError::Other("the graph capture recorded nothing".into()));
+        }
+        let mut recorded = Recorded { graph, exec: std::ptr::null_mut(), stream: self.stream.clone() };
+        if self.arch_number() >= 90 {
+            // SAFETY: the graph was just captured and is not instantiated yet.
+            unsafe { self.overlap_launches(graph) }.map_err(cuda("programmatic graph edges"))?;
+        }
+        // SAFETY: a complete graph, owned by `recorded`.
+        recorded.exec =
+            unsafe { cudarc::driver::result::graph::instantiate(graph, CUgraphInstantiate_flags(0)) }
+                .map_err(cuda("graph instantiate"))?;
+        // SAFETY: the executable graph and the stream are live.
+        unsafe { cudarc::driver::result::graph::upload(recorded.exec, self.stream.cu_stream()) }
+            .map_err(cuda("graph upload"))?;
+        Ok((recorded, hidden))
     }
 
     /// Replays `g` on inputs `ids` and `meta` (shaped as at its capture) and returns its
@@ -128,7 +147,92 @@ impl CudaDevice {
         let staged = self.stage_inputs(ids, meta);
         self.graph.set(GraphMode::Off);
         staged?;
-        g.graph.launch().map_err(cuda("graph launch"))?;
+        // SAFETY: the executable graph and the stream are live.
+        unsafe { cudarc::driver::result::graph::launch(g.graph.exec, self.stream.cu_stream()) }
+            .map_err(cuda("graph launch"))?;
         Ok(&g.hidden)
+    }
+}
+
+/// A captured graph and its executable form.
+struct Recorded {
+    graph: CUgraph,
+    exec: CUgraphExec,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for Recorded {
+    fn drop(&mut self) {
+        // Destroying needs the context current; a failure leaves the objects to the context.
+        if self.stream.context().bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: made by `record`, destroyed once, here.
+        unsafe {
+            if !self.exec.is_null() {
+                let _ = cudarc::driver::result::graph::exec_destroy(self.exec);
+            }
+            let _ = cudarc::driver::result::graph::destroy(self.graph);
+        }
+    }
+}
+
+impl CudaDevice {
+    /// The GPU's compute capability as a number (90 for sm_90).
+    fn arch_number(&self) -> u32 {
+        self.arch.trim_start_matches("sm_").parse().unwrap_or(0)
+    }
+
+    /// Turns the captured graph's edges into our kernels from other kernels programmatic
+    /// (programmatic dependent launch, sm_90 and later): a kernel is launched as soon as
+    /// every block of the one before it has begun, instead of once that one has finished,
+    /// so that launch latency no longer separates the forward's hundreds of small
+    /// kernels. Each of our kernels first waits for its predecessor to complete and its
+    /// writes to land (`grid_dep_sync` in common.cuh), so ordering is as before. Edges into
+    /// cuBLAS's kernels, and to or from other nodes, stay full dependencies.
+    ///
+    /// # Safety
+    /// `graph` must be a live graph that is not being instantiated or launched.
+    unsafe fn overlap_launches(&self, graph: CUgraph) -> Result<usize, cudarc::driver::DriverError> {
+        use cudarc::driver::sys::{self, CUgraphEdgeData, CUgraphNode, CUgraphNodeType};
+        let ours: std::collections::HashSet<sys::CUfunction> =
+            self.funcs.values().map(|f| f.cu_function()).collect();
+        let mut n = 0usize;
+        // SAFETY (the calls below): the caller's graph; buffers sized by the edge count.
+        unsafe {
+            sys::cuGraphGetEdges_v2(graph, null_mut(), null_mut(), null_mut(), &mut n).result()?;
+            let (mut from, mut to) = (vec![null_mut(); n], vec![null_mut(); n]);
+            let mut data = vec![std::mem::zeroed::<CUgraphEdgeData>(); n];
+            sys::cuGraphGetEdges_v2(graph, from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut n)
+                .result()?;
+            let kernel = |node: CUgraphNode| -> Option<sys::CUfunction> {
+                let mut ty = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                sys::cuGraphNodeGetType(node, &mut ty).result().ok()?;
+                if ty != CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+                    return None;
+                }
+                let mut params = std::mem::zeroed::<sys::CUDA_KERNEL_NODE_PARAMS>();
+                sys::cuGraphKernelNodeGetParams_v2(node, &mut params).result().ok()?;
+                Some(params.func)
+            };
+            let programmatic = CUgraphEdgeData {
+                from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                to_port: 0,
+                type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+                reserved: [0; 5],
+            };
+            let mut changed = 0;
+            for i in 0..n {
+                let plain =
+                    data[i].type_ == sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8;
+                let into_ours = kernel(to[i]).is_some_and(|f| ours.contains(&f));
+                if plain && into_ours && kernel(from[i]).is_some() {
+                    sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1).result()?;
+                    sys::cuGraphAddDependencies_v2(graph, &from[i], &to[i], &programmatic, 1).result()?;
+                    changed += 1;
+                }
+            }
+            Ok(changed)
+        }
     }
 }

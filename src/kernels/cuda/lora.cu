@@ -116,13 +116,13 @@ __device__ void lora_expand(float* y, const float* part, const W* b0, const W* b
 #define LORA_BGMV(sfx, W)                                                                                     \
     extern "C" __global__ void lora_shrink_##sfx(float* part, const float* x, const W* a0, const W* a1,      \
                                                  const W* a2, const int* slots, int rows, int fin, int kc,    \
-                                                 int rank) {                                                  \
+                                                 int rank) { grid_dep_sync();                                 \
         lora_shrink<W>(part, x, a0, a1, a2, slots, rows, fin, kc, rank);                                      \
     }                                                                                                         \
     extern "C" __global__ void lora_expand_##sfx(float* y, const float* part, const W* b0, const W* b1,      \
                                                  const W* b2, const int* slots, int rows, int parts,         \
                                                  int rank, int f0, int f1, int f2, int o0, int o1, int o2,   \
-                                                 int ycols) {                                                 \
+                                                 int ycols) { grid_dep_sync();                               \
         lora_expand<W>(y, part, b0, b1, b2, slots, rows, parts, rank, f0, f1, f2, o0, o1, o2, ycols);         \
     }
 LORA_BGMV(f32, float)
@@ -136,6 +136,7 @@ LORA_BGMV(bf16, __nv_bfloat16)
 // first part, 1 (bf16) and 2 (f16) write it rounded into v16.
 extern "C" __global__ void lora_mask_f32(float* v, void* v16, const int* slots, int width, int per, int rank,
                                          long long total, int kind, int parts) {
+    grid_dep_sync();
     long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= total) return;
     int t = (int)(i / width), c = (int)(i % width);

@@ -167,6 +167,7 @@ __device__ void penalize(float* row, const unsigned int* p, unsigned int* ent, u
 
 extern "C" __global__ void sample_f32(float* logits, const unsigned int* params, unsigned int* entries,
                                       unsigned int* out, int rows, int cols) {
+    grid_dep_sync();
     __shared__ Reduce r;
     __shared__ float raw_chosen;
     float* row = logits + (size_t)blockIdx.x * cols;
@@ -355,6 +356,7 @@ __device__ void row_max(const unsigned int* parts, int slices, double& k, int& i
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_max(SPLIT_ARGS) {
+    grid_dep_sync();
     __shared__ ReduceT<SPLIT_WARPS> r;
     Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
     if (sl.p[FULL_WORD]) return;
@@ -394,6 +396,7 @@ __device__ __noinline__ double race_score(float l, float max, float t, float min
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_race(SPLIT_ARGS) {
+    grid_dep_sync();
     __shared__ ReduceT<SPLIT_WARPS> r;
     Slice sl = slice_of(logits, params, scratch, rows, cols, slices, chunk);
     float t = __uint_as_float(sl.p[0]), min_p = __uint_as_float(sl.p[2]);
@@ -455,6 +458,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) sample_race(SPLIT_AR
 // One warp a row: the greedy rows' argmax, the sampled rows' best score, as the token.
 extern "C" __global__ void sample_pick(const unsigned int* params, const unsigned int* scratch, unsigned int* out,
                                        int rows, int slices) {
+    grid_dep_sync();
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (row >= rows) return;
     const unsigned int* p = params + row * PARAM_WORDS;

@@ -103,6 +103,11 @@ impl Gemms {
         .map_err(err)?;
         let mut handle = std::ptr::null_mut();
         let mut desc = std::ptr::null_mut();
+        // Without libcublasLt (it ships with libcublas) every GEMM stays on cublasGemmEx.
+        // SAFETY: only tries to open the library.
+        if !unsafe { lt::is_culib_present() } {
+            return Ok(Self { workspace, ws_ptr, handle, desc, shapes: RefCell::default() });
+        }
         let t = Op::CUBLAS_OP_T;
         // SAFETY: out-pointers to fill; the attribute is a cublasOperation_t, as given.
         unsafe {
@@ -133,7 +138,7 @@ impl Gemms {
             rows_seen: 0,
             algos: BTreeMap::new(),
             // SAFETY: layouts of the shape's own types and sizes.
-            layouts: unsafe { Self::layouts(key) },
+            layouts: if self.desc.is_null() { None } else { unsafe { Self::layouts(key) } },
         });
         shape.rows_seen = shape.rows_seen.max(m);
         shape.algos.range(m..).next().map_or(Algo::GemmEx, |(_, a)| *a)
@@ -173,14 +178,10 @@ impl Gemms {
         let Some([lw, lx, lo]) = shapes.get(&key).and_then(|s| s.layouts) else {
             return Err(CublasError(lt::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
         };
-        let cols = m as u64;
         let alpha = 1.0f32;
         // SAFETY: the layouts are this shape's; the caller's operands.
         unsafe {
-            for l in [lx, lo] {
-                let attr = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_COLS;
-                lt::cublasLtMatrixLayoutSetAttribute(l, attr, (&cols as *const u64).cast(), 8).result()?;
-            }
+            Self::set_rows([lx, lo], m)?;
             lt::cublasLtMatmul(
                 self.handle,
                 self.desc,
@@ -203,25 +204,32 @@ impl Gemms {
         }
     }
 
+    /// Sets x's and the output's layouts (`[x, out]`) to `m` columns: the GEMM's rows.
+    ///
+    /// # Safety
+    /// The layouts must be live.
+    unsafe fn set_rows(layouts: [lt::cublasLtMatrixLayout_t; 2], m: usize) -> Result<(), CublasError> {
+        let cols = m as u64;
+        let attr = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_COLS;
+        for l in layouts {
+            // SAFETY: the caller's live layout; the attribute is a u64.
+            unsafe { lt::cublasLtMatrixLayoutSetAttribute(l, attr, (&cols as *const u64).cast(), 8) }
+                .result()?;
+        }
+        Ok(())
+    }
+
     /// cuBLASLt's heuristic candidates for `m` rows of `key` (its layouts set to m).
     fn candidates(&self, key: ShapeKey, m: usize) -> Vec<lt::cublasLtMatmulAlgo_t> {
         let shapes = self.shapes.borrow();
         let Some([lw, lx, lo]) = shapes.get(&key).and_then(|s| s.layouts) else { return Vec::new() };
-        let cols = m as u64;
         let ws = BLAS_WORKSPACE as u64;
         let mut pref = std::ptr::null_mut();
         // SAFETY: cuBLASLt objects of this shape, and out-pointers sized as passed.
         unsafe {
-            for l in [lx, lo] {
-                let attr = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_COLS;
-                if lt::cublasLtMatrixLayoutSetAttribute(l, attr, (&cols as *const u64).cast(), 8)
-                    .result()
-                    .is_err()
-                {
-                    return Vec::new();
-                }
-            }
-            if lt::cublasLtMatmulPreferenceCreate(&mut pref).result().is_err() {
+            if Self::set_rows([lx, lo], m).is_err()
+                || lt::cublasLtMatmulPreferenceCreate(&mut pref).result().is_err()
+            {
                 return Vec::new();
             }
             let attr = lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
@@ -263,8 +271,12 @@ impl Drop for Gemms {
                     lt::cublasLtMatrixLayoutDestroy(l);
                 }
             }
-            lt::cublasLtMatmulDescDestroy(self.desc);
-            lt::cublasLtDestroy(self.handle);
+            if !self.desc.is_null() {
+                lt::cublasLtMatmulDescDestroy(self.desc);
+            }
+            if !self.handle.is_null() {
+                lt::cublasLtDestroy(self.handle);
+            }
         }
     }
 }
@@ -443,8 +455,15 @@ impl CudaDevice {
         let reference = self.output_sample(ptrs.2, out_len, key.c_ty)?;
         let found = self.gemms.candidates(key, m);
         let mut algos = vec![Algo::GemmEx];
+        let out_bytes = out_len * if key.c_ty == DataType::CUDA_R_32F { 4 } else { 2 };
         for a in &found {
             let algo = Algo::Lt(*a);
+            // NaNs first, so that a candidate that writes nothing can not pass for one that agrees.
+            // SAFETY: the output scratch holds out_bytes.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptrs.2, 0xff, out_bytes, self.stream.cu_stream())
+            }
+            .map_err(cuda("GEMM output reset"))?;
             if run(&algo).is_ok() && agrees(&self.output_sample(ptrs.2, out_len, key.c_ty)?, &reference) {
                 algos.push(algo);
             }
@@ -526,5 +545,6 @@ mod tests {
         assert!(!super::agrees(&[1.0, -2.0, 0.5, 0.5], &reference), "a zero that became 0.5");
         assert!(!super::agrees(&[-1.0, -2.0, 0.5, 0.0], &reference), "a flipped sign");
         assert!(!super::agrees(&[1.0, -2.0, 0.5], &reference), "a short sample");
+        assert!(!super::agrees(&[1.0, f32::NAN, 0.5, 0.0], &reference), "a value never written");
     }
 }

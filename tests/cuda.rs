@@ -473,11 +473,13 @@ fn every_kernel_matches_its_cpu_twin() {
 /// values untuned ones give, whichever algorithm wins: the fastest, or cuBLASLt's last
 /// candidate forced at every point. Row counts between the tuned ones take the next one
 /// up's choice; past the largest, cublasGemmEx's. Both a projection with f32 output and a
-/// gate/up one written in its 16-bit type.
+/// gate/up one written in its 16-bit type. Forced, cuBLASLt runs at the tuned row counts
+/// (where tuning ran it) and cublasGemmEx past them.
 #[test]
 fn tuned_gemms_give_the_untuned_values() {
     let Some(g) = gpu() else { return };
-    let (n, k, most) = (384, 1032, 300);
+    // gate/up at a tuned row count, so that the forced cuBLASLt algorithm runs it.
+    let (n, k, most, gu_rows) = (384, 1032, 300, 256);
     let rows = [9, 40, 64, 200, 256, 300];
     let x = rand(most * k, 12);
     let fastest = |t: &[f64]| (0..t.len()).min_by(|&a, &b| t[a].total_cmp(&t[b])).unwrap();
@@ -486,18 +488,22 @@ fn tuned_gemms_give_the_untuned_values() {
         let mut bytes = Vec::new();
         dt.convert_from(DType::F32, bytemuck::cast_slice(&rand(n * k, 11)), &mut bytes);
         let w = g.upload(HostTensor { dtype: dt, shape: vec![n, k], data: bytes.into() }).unwrap();
+        // Each product's values, and whether cuBLASLt ran it.
         let run = || {
-            let lin: Vec<Vec<f32>> = rows
+            let lin: Vec<(Vec<f32>, bool)> = rows
                 .iter()
                 .map(|&m| {
-                    g.to_host(&g.linear(&g.from_host(&x[..m * k], m, k).unwrap(), &w, None).unwrap()).unwrap()
+                    let y = g.linear(&g.from_host(&x[..m * k], m, k).unwrap(), &w, None).unwrap();
+                    (g.to_host(&y).unwrap(), g.last_gemm_on_cublaslt())
                 })
                 .collect();
-            let gate_up = g.gate_up_silu(&g.from_host(&x, most, k).unwrap(), &w, None, false).unwrap();
+            let xg = g.from_host(&x[..gu_rows * k], gu_rows, k).unwrap();
+            let gate_up = g.gate_up_silu(&xg, &w, None, false).unwrap();
             assert!(g.gate_up_in_16_bits(), "{dt:?}: gate/up written in 16 bits");
-            (lin, g.to_host(&gate_up).unwrap())
+            (lin, (g.to_host(&gate_up).unwrap(), g.last_gemm_on_cublaslt()))
         };
         let (untuned, untuned_gu) = run();
+        assert!(untuned.iter().all(|(_, lt)| !lt) && !untuned_gu.1, "{dt:?}: cublasGemmEx before tuning");
         for (name, pick) in [("fastest", &fastest as &dyn Fn(&[f64]) -> usize), ("cuBLASLt's last", &last_lt)]
         {
             let report = g.tune_gemms_by(&[16, 64, 256], pick).unwrap();
@@ -511,10 +517,21 @@ fn tuned_gemms_give_the_untuned_values() {
             }
             let (tuned, tuned_gu) = run();
             for ((m, a), b) in rows.iter().zip(&tuned).zip(&untuned) {
-                close(&format!("{dt:?} linear of {m} rows, tuned by {name}"), a, b, 1e-4);
+                close(&format!("{dt:?} linear of {m} rows, tuned by {name}"), &a.0, &b.0, 1e-4);
+                if name != "fastest" && [64, 256, most].contains(m) {
+                    assert_eq!(a.1, *m != most, "{dt:?} linear of {m} rows on cuBLASLt, forced");
+                }
             }
             // silu·mul of 16-bit gate/up values that may round to a neighbouring value.
-            close(&format!("{dt:?} gate/up of {most} rows, tuned by {name}"), &tuned_gu, &untuned_gu, 2e-2);
+            close(
+                &format!("{dt:?} gate/up of {gu_rows} rows, tuned by {name}"),
+                &tuned_gu.0,
+                &untuned_gu.0,
+                2e-2,
+            );
+            if name != "fastest" {
+                assert!(tuned_gu.1, "{dt:?} gate/up of {gu_rows} rows on cuBLASLt, forced");
+            }
         }
     }
 }

@@ -11,7 +11,7 @@
 //! chosen for more rows serves fewer: its workspace only shrinks), and cublasGemmEx past
 //! the largest or before tuning.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 
@@ -73,10 +73,17 @@ pub(super) struct Gemms {
     /// `out = op(w) · x` in cuBLAS's column-major terms: f32 compute and scale, w transposed.
     desc: lt::cublasLtMatmulDesc_t,
     shapes: RefCell<HashMap<ShapeKey, Shape>>,
+    /// Whether the last GEMM through `gemm_tuned` ran a cuBLASLt algorithm.
+    last_on_lt: Cell<bool>,
 }
 
 fn lt_err(what: &'static str) -> impl Fn(CublasError) -> DeviceError {
     move |e| DeviceError::Other(format!("{what}: {e:?}"))
+}
+
+/// Bytes of one value of a GEMM output type (f32, or a 16-bit type).
+fn value_bytes(t: DataType) -> usize {
+    if t == DataType::CUDA_R_32F { 4 } else { 2 }
 }
 
 fn lt_type(t: DataType) -> Option<lt::cudaDataType_t> {
@@ -101,26 +108,33 @@ impl Gemms {
         }
         .result()
         .map_err(err)?;
-        let mut handle = std::ptr::null_mut();
-        let mut desc = std::ptr::null_mut();
+        // Made before cuBLASLt's objects, so that Drop frees those made if a later one fails.
+        let mut gemms = Self {
+            workspace,
+            ws_ptr,
+            handle: std::ptr::null_mut(),
+            desc: std::ptr::null_mut(),
+            shapes: RefCell::default(),
+            last_on_lt: Cell::new(false),
+        };
         // Without libcublasLt (it ships with libcublas) every GEMM stays on cublasGemmEx.
         // SAFETY: only tries to open the library.
         if !unsafe { lt::is_culib_present() } {
-            return Ok(Self { workspace, ws_ptr, handle, desc, shapes: RefCell::default() });
+            return Ok(gemms);
         }
         let t = Op::CUBLAS_OP_T;
         // SAFETY: out-pointers to fill; the attribute is a cublasOperation_t, as given.
         unsafe {
-            lt::cublasLtCreate(&mut handle).result().map_err(lt_err("cuBLASLt handle"))?;
+            lt::cublasLtCreate(&mut gemms.handle).result().map_err(lt_err("cuBLASLt handle"))?;
             lt::cublasLtMatmulDescCreate(
-                &mut desc,
+                &mut gemms.desc,
                 lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 lt::cudaDataType_t::CUDA_R_32F,
             )
             .result()
             .map_err(lt_err("cuBLASLt matmul descriptor"))?;
             lt::cublasLtMatmulDescSetAttribute(
-                desc,
+                gemms.desc,
                 lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
                 (&t as *const Op).cast(),
                 size_of::<Op>(),
@@ -128,7 +142,7 @@ impl Gemms {
             .result()
             .map_err(lt_err("cuBLASLt transpose"))?;
         }
-        Ok(Self { workspace, ws_ptr, handle, desc, shapes: RefCell::default() })
+        Ok(gemms)
     }
 
     /// The algorithm a GEMM of `m` rows of `key` runs, noting the shape and its rows.
@@ -307,11 +321,19 @@ impl CudaDevice {
         if let Algo::Lt(algo) = self.gemms.algo(key, m) {
             // SAFETY: the caller's operands.
             if unsafe { self.gemms.run(&self.stream, key, &algo, m, (w, x, out), beta) }.is_ok() {
+                self.gemms.last_on_lt.set(true);
                 return Ok(());
             }
         }
+        self.gemms.last_on_lt.set(false);
         // SAFETY: the caller's operands.
         unsafe { self.gemm_raw(ty, Op::CUBLAS_OP_T, (n, m, k), (w, k), (x, k), beta, (out, n, c_ty)) }
+    }
+
+    /// Whether the last 16-bit projection past the GEMV's rows ran a cuBLASLt algorithm (as
+    /// tuned), rather than cublasGemmEx.
+    pub fn last_gemm_on_cublaslt(&self) -> bool {
+        self.gemms.last_on_lt.get()
     }
 
     /// Times every projection shape this device has run at each of `rows` (those past the
@@ -329,7 +351,7 @@ impl CudaDevice {
                 })
                 .collect()
         };
-        points.dedup_by_key(|p| *p);
+        points.dedup();
         let mut report = GemmTuning::default();
         if points.is_empty() {
             return Ok(report);
@@ -350,7 +372,9 @@ impl CudaDevice {
                 filled = Some(key.ty);
             }
             let (algo, timed) = self.tune_point(key, m, &mut ops, (&e0, &e1), pick)?;
-            self.gemms.shapes.borrow_mut().get_mut(&key).expect("listed above").algos.insert(m, algo);
+            if let Some(shape) = self.gemms.shapes.borrow_mut().get_mut(&key) {
+                shape.algos.insert(m, algo);
+            }
             report.points += 1;
             report.lt_chosen += usize::from(matches!(algo, Algo::Lt(_)));
             report.candidates += timed.candidates;
@@ -366,7 +390,7 @@ impl CudaDevice {
         let most = |f: &dyn Fn(&(ShapeKey, usize)) -> usize| points.iter().map(f).max().unwrap_or(1);
         let w = most(&|(k, _)| k.n * k.k);
         let x = most(&|(k, m)| m * k.k);
-        let out = most(&|(k, m)| m * k.n * if k.c_ty == DataType::CUDA_R_32F { 4 } else { 2 });
+        let out = most(&|(k, m)| m * k.n * value_bytes(k.c_ty));
         // SAFETY: filled before any read (`fill_random`, and each GEMM writes its output).
         let ops = unsafe { (self.uninit::<u16>(w), self.uninit::<u16>(x), self.uninit::<u8>(out)) };
         match ops {
@@ -455,7 +479,7 @@ impl CudaDevice {
         let reference = self.output_sample(ptrs.2, out_len, key.c_ty)?;
         let found = self.gemms.candidates(key, m);
         let mut algos = vec![Algo::GemmEx];
-        let out_bytes = out_len * if key.c_ty == DataType::CUDA_R_32F { 4 } else { 2 };
+        let out_bytes = out_len * value_bytes(key.c_ty);
         for a in &found {
             let algo = Algo::Lt(*a);
             // NaNs first, so that a candidate that writes nothing can not pass for one that agrees.
@@ -498,7 +522,7 @@ impl CudaDevice {
 
     /// The first and last [`SAMPLE`] values of an output of `len` values of type `ty`, as f32.
     fn output_sample(&self, out: CUdeviceptr, len: usize, ty: DataType) -> DevResult<Vec<f32>> {
-        let size = if ty == DataType::CUDA_R_32F { 4 } else { 2 };
+        let size = value_bytes(ty);
         // The head, and the tail where it does not overlap the head.
         let tail = len.saturating_sub(SAMPLE).max(SAMPLE.min(len));
         let mut values = Vec::new();

@@ -460,15 +460,6 @@ fn every_kernel_matches_its_cpu_twin() {
     }
 }
 
-/// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
-/// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
-/// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a
-/// 1,100-token prefill in one step, then a decode batch of three sequences of different
-/// lengths whose block tables interleave. Then again, within 16-bit rounding, with
-/// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
-/// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
-/// also over cache blocks of 8 and 32 keys; then a decode batch of 537 rows, and last, one
-/// of short contexts.
 /// GEMMs tuned by timing (cublasGemmEx against cuBLASLt's candidates, tune.rs) give the
 /// values untuned ones give, whichever algorithm wins: the fastest, or cuBLASLt's last
 /// candidate forced at every point. Row counts between the tuned ones take the next one
@@ -536,6 +527,60 @@ fn tuned_gemms_give_the_untuned_values() {
     }
 }
 
+/// Up to the GEMV's 8 rows of 16-bit weights, the gate/up projection applies SiLU·mul in
+/// its own epilogue (gemv.cu's gemv_silu): exactly what the GEMV and silu_mul give apart
+/// on the GPU, kept in f32 and in 16 bits or in 16 bits only, and what the CPU gives; at 9
+/// rows the other path runs. 203 gate rows end in a partial tile.
+#[test]
+fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
+    let Some(g) = gpu() else { return };
+    let c = CpuDevice::default();
+    let up16 = |dt: DType, w: &[f32], shape: [usize; 2]| {
+        let mut bytes = Vec::new();
+        dt.convert_from(DType::F32, bytemuck::cast_slice(w), &mut bytes);
+        let t = || HostTensor { dtype: dt, shape: shape.to_vec(), data: bytes.clone().into() };
+        (c.upload(t()).unwrap(), g.upload(t()).unwrap())
+    };
+    let rounded = |dt: DType, v: &[f32]| -> Vec<f32> {
+        match dt {
+            DType::BF16 => v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+            _ => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+        }
+    };
+    for dt in [DType::BF16, DType::F16] {
+        g.set_activation_dtype(dt);
+        let (hidden, inter) = (264, 203);
+        let (wgu_c, wgu_g) = up16(dt, &rand(2 * inter * hidden, 21), [2 * inter, hidden]);
+        for rows in [1, 3, 8, 9] {
+            let what = format!("{dt:?}, {rows} rows");
+            let x = rand(rows * hidden, 22);
+            let (xc, xg) = (CpuTensor::new(x.clone(), rows, hidden), g.from_host(&x, rows, hidden).unwrap());
+            let fused = g.to_host(&g.gate_up_silu(&xg, &wgu_g, None, false).unwrap()).unwrap();
+            assert_eq!(g.gate_up_on_gemv(), rows <= 8, "{what}: gate/up on the GEMV");
+            let apart = g.to_host(&g.silu_mul(&g.linear(&xg, &wgu_g, None).unwrap()).unwrap()).unwrap();
+            // Past 8 rows a 16-bit projection is written in 16 bits (`gate_up_in_16_bits`).
+            if rows <= 8 {
+                assert_eq!(fused, apart, "{what}: gate/up with SiLU·mul against the two kernels");
+            }
+            let alone = g.gate_up_silu(&xg, &wgu_g, None, true).unwrap();
+            assert!(alone.in_16_bits_only(), "{what}: gate/up kept in 16 bits only");
+            assert_eq!(g.to_host(&alone).unwrap(), rounded(dt, &fused), "{what}: gate/up in 16 bits only");
+            let proj = c.to_host(&c.linear(&xc, &wgu_c, None).unwrap()).unwrap();
+            close_silu_mul(&format!("{what}: gate/up against the CPU"), &fused, &proj, inter, 2e-2);
+        }
+    }
+    g.set_activation_dtype(DType::F32);
+}
+
+/// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
+/// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
+/// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a
+/// 1,100-token prefill in one step, then a decode batch of three sequences of different
+/// lengths whose block tables interleave. Then again, within 16-bit rounding, with
+/// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
+/// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
+/// also over cache blocks of 8 and 32 keys; then a decode batch of 537 rows, and last, one
+/// of short contexts.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some(g) = gpu() else { return };

@@ -6,12 +6,20 @@
 // inside a CUDA graph whose kernel-to-kernel edges are programmatic (graph.rs), a kernel is
 // launched while the one before it still runs, and waits here for it to finish and its
 // writes to land before touching memory; then it lets the next kernel launch in turn.
-// Outside such a graph both are no-ops.
-__device__ __forceinline__ void grid_dep_sync() {
+// Outside such a graph both are no-ops. The GEMV (gemv.cu) issues the two apart.
+__device__ __forceinline__ void grid_dep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_launch() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void grid_dep_sync() {
+    grid_dep_wait();
+    grid_dep_launch();
 }
 
 // Stores v rounded to 16 bits: kind 1 is bf16, 2 is f16 (the dtype of the GEMM's weights).

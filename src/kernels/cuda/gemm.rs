@@ -10,7 +10,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, GateUpPath, WeightBuf, cuda};
 use crate::kernels::LoraRows;
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
@@ -100,7 +100,7 @@ impl CudaDevice {
         let (wp, _w) = w.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
-            if m <= GEMV_ROWS && k % 8 == 0 && self.sm80 && beta == 0.0 {
+            if self.gemv_fits(m, k) && beta == 0.0 {
                 return self.gemv(f16, (wp, xp, op), (m, n, k));
             }
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
@@ -109,7 +109,8 @@ impl CudaDevice {
         })
     }
 
-    /// `Device::gate_up_silu` for 16-bit weights past [`GEMV_ROWS`] rows, with no adapters or
+    /// `Device::gate_up_silu` for 16-bit weights: without adapters up to [`GEMV_ROWS`] rows,
+    /// one GEMV that applies SiLU·mul itself (`gate_up_silu_gemv`); past them, with no adapters or
     /// with bf16 adapters whose deltas come first (`CudaDevice::lora_first`): the deltas and
     /// then the projection are written in the weights' 16-bit type, and silu_mul reads
     /// that, so the projection's values cross memory in half the bytes each way; with
@@ -124,12 +125,14 @@ impl CudaDevice {
     ) -> DevResult<Option<CudaTensor>> {
         use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
-        self.gate_up_16.set(false);
-        let (wb, kind) = match &w.buf {
-            WeightBuf::Bf16(b) => (b, 1),
-            WeightBuf::F16(b) => (b, 2),
-            WeightBuf::F32(_) => return Ok(None),
-        };
+        self.gate_up_path.set(GateUpPath::F32);
+        if lora.is_none()
+            && let Some(act) = self.gate_up_silu_gemv(x, w, half_only)?
+        {
+            self.gate_up_path.set(GateUpPath::Gemv);
+            return Ok(Some(act));
+        }
+        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
         let rows = x.rows;
         let adapters_fit = lora.is_none_or(|(modules, _)| {
             kind == 1 && modules.iter().all(|(l, _)| l.shape.bf16) && Self::lora_first(rows, modules, n)
@@ -137,7 +140,7 @@ impl CudaDevice {
         if rows <= GEMV_ROWS || x.cols != k || !adapters_fit {
             return Ok(None);
         }
-        self.gate_up_16.set(true);
+        self.gate_up_path.set(GateUpPath::In16Bits);
         let ty = if kind == 2 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
         // rows · n 16-bit values.
         let gate_up = self.tensor((rows * n).div_ceil(2), 1)?;
@@ -208,6 +211,16 @@ impl CudaDevice {
         Ok(out)
     }
 
+    /// Whether `m` rows of x with `k` features take the GEMV (gemv.cu) for 16-bit weights.
+    fn gemv_fits(&self, m: usize, k: usize) -> bool {
+        (1..=GEMV_ROWS).contains(&m) && k.is_multiple_of(8) && self.sm80
+    }
+
+    /// Blocks of GEMV_WARPS (8) warps.
+    fn gemv_cfg(blocks: usize) -> LaunchConfig {
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
     /// `out = x @ wᵀ` for up to [`GEMV_ROWS`] rows of 16-bit x and w (gemv.cu): w `[n, k]`,
     /// x `[m, k]`, out `[m, n]` f32, as device addresses; k a multiple of 8.
     fn gemv(
@@ -219,14 +232,9 @@ impl CudaDevice {
         let name = if f16 { "gemv_f16" } else { "gemv_bf16" };
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
-        let cfg = LaunchConfig {
-            // 16 rows of w per block of GEMV_WARPS (8) warps.
-            grid_dim: ((n as u32).div_ceil(16), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
-        // k % 8 == 0 keeps the kernel's 16-byte loads aligned and inside each row.
+        // k % 8 == 0 keeps the kernel's 16-byte loads aligned and inside each row. 16 rows
+        // of w a block.
         unsafe {
             self.stream
                 .launch_builder(self.f(name))
@@ -236,10 +244,69 @@ impl CudaDevice {
                 .arg(&m)
                 .arg(&n)
                 .arg(&k)
-                .launch(cfg)
+                .launch(Self::gemv_cfg((n as usize).div_ceil(16)))
         }
         .map_err(cuda("gemv launch"))?;
         Ok(())
+    }
+
+    /// A 16-bit weight's buffer and kind (1 bf16, 2 f16), None for f32.
+    fn weight16(w: &CudaWeight) -> Option<(&CudaSlice<u16>, i32)> {
+        match &w.buf {
+            WeightBuf::Bf16(b) => Some((b, 1)),
+            WeightBuf::F16(b) => Some((b, 2)),
+            WeightBuf::F32(_) => None,
+        }
+    }
+
+    /// `Device::gate_up_silu` without adapters for up to [`GEMV_ROWS`] rows of 16-bit
+    /// weights: one GEMV whose epilogue applies SiLU·mul (gemv.cu's gemv_silu), so the
+    /// projection is never written; with `half_only`, the result in its 16-bit copy alone
+    /// as `silu_mul_at` keeps it. None where this does not apply.
+    pub(super) fn gate_up_silu_gemv(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        half_only: bool,
+    ) -> DevResult<Option<CudaTensor>> {
+        use cudarc::driver::DevicePtr;
+        let (n, k) = (w.shape[0], w.shape[1]);
+        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        let rows = x.rows;
+        if !self.gemv_fits(rows, k) || x.cols != k || !n.is_multiple_of(2) {
+            return Ok(None);
+        }
+        let inter = n / 2;
+        let mut out = self.tensor(rows, inter)?;
+        let (mut half, half_kind) = self.half(rows, inter)?;
+        let half_only = half_only && half.is_some();
+        let null: CUdeviceptr = 0;
+        let (wp, _w) = wb.device_ptr(&self.stream);
+        let name = if kind == 2 { "gemv_silu_f16" } else { "gemv_silu_bf16" };
+        self.with_x16(x, kind, |xp| {
+            let _t = self.span(name, (n, k), rows);
+            let (m, i, k) = (rows as i32, inter as i32, k as i32);
+            let mut launch = self.stream.launch_builder(self.f(name));
+            launch.arg(&wp).arg(&xp);
+            match half_only {
+                true => launch.arg(&null),
+                false => launch.arg(&mut *out.buf),
+            };
+            match &mut half {
+                Some(h) => launch.arg(&mut *h.buf),
+                None => launch.arg(&null), // not written with kind 0
+            };
+            // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
+            // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0.
+            // 8 gate rows (and their 8 up rows) a block.
+            unsafe {
+                launch.arg(&half_kind).arg(&m).arg(&i).arg(&k).launch(Self::gemv_cfg(inter.div_ceil(8)))
+            }
+            .map_err(cuda("gemv_silu launch"))
+        })?;
+        out.half = half;
+        out.half_only = half_only;
+        Ok(Some(out))
     }
 
     /// Runs `f` with the device address of x's values rounded to 16-bit `kind` (1 bf16,

@@ -60,15 +60,20 @@ __device__ __forceinline__ void gemv_chunk(float (&c)[4], const uint4& a, const 
 #endif
 }
 
+// Where a block's partial sums meet: [warp][C fragment element][lane].
+typedef float GemvRed[GEMV_WARPS][4][32];
+
+// The block's products of weight rows w0 (its rows g) and w1 (its rows g + 8, as the lane's
+// A fragment rows) with token row xr, summed over k into red: after it, red[·][e][l] holds
+// the warps' partial sums of C element e of lane l, and the block has synchronized.
+//
+// The first U chunks' weights are loaded before waiting for the kernel before (PDL,
+// common.cuh): they do not depend on it, so inside a graph their loads overlap its last
+// microseconds. The next kernel is let launch once the block has issued its last loads
+// (`GEMV_LAUNCH_EARLY`: right after the wait).
 template <typename T>
-__device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) {
-    __shared__ float red[GEMV_WARPS][4][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, q = lane & 3;
-    const int row0 = blockIdx.x * 16;
-    const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
-    const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
-    const T* xr = x + (size_t)min(g, m - 1) * k + q * 8;
+__device__ __forceinline__ void gemv_sums(GemvRed& red, const T* w0, const T* w1, const T* xr, int k) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Whole chunks, U at a time with no conditions (so that all their loads issue before the
     // first mma waits), then what is left one chunk at a time: a lane's 8 elements of the
@@ -76,9 +81,6 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
     const int full = k / 32, chunks = (k + 31) / 32;
     int c0 = warp;
     uint4 a[GEMV_UNROLL], b[GEMV_UNROLL];
-    // The first U chunks' weights are loaded before waiting for the kernel before (PDL,
-    // common.cuh): they do not depend on it, so inside a graph their loads overlap its
-    // last microseconds.
     bool ahead = c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full;
     if (ahead) {
 #pragma unroll
@@ -87,7 +89,10 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
             b[u] = ld_stream(w1 + (c0 + u * GEMV_WARPS) * 32);
         }
     }
-    grid_dep_sync();
+    grid_dep_wait();
+#ifdef GEMV_LAUNCH_EARLY
+    grid_dep_launch();
+#endif
     for (; c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full; c0 += GEMV_WARPS * GEMV_UNROLL) {
         uint4 xb[GEMV_UNROLL];
 #pragma unroll
@@ -111,26 +116,80 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
         uint4 a = in ? ld_stream(w0 + off) : zero, b = in ? ld_stream(w1 + off) : zero;
         gemv_chunk<T>(c, a, b, in ? *(const uint4*)(xr + off) : zero);
     }
+#ifndef GEMV_LAUNCH_EARLY
+    grid_dep_launch();
+#endif
 #pragma unroll
     for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
     __syncthreads();
+}
+
+// Thread i < 128's sum: C element e = i / 32 of lane l = i % 32, which is weight row
+// (l / 4) + (e ≥ 2 ? 8 : 0) of the block's 16 and token (l % 4) · 2 + e % 2.
+__device__ __forceinline__ float gemv_sum(const GemvRed& red, int e, int l) {
+    float s = 0.0f;
+#pragma unroll
+    for (int v = 0; v < GEMV_WARPS; v++) s += red[v][e][l];
+    return s;
+}
+
+// y = x @ wᵀ: block b takes weight rows 16b .. 16b + 15.
+template <typename T>
+__device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) {
+    __shared__ GemvRed red;
+    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int row0 = blockIdx.x * 16;
+    const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
+    const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
+    gemv_sums<T>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k);
     if (threadIdx.x < 128) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
-        float s = 0.0f;
-#pragma unroll
-        for (int v = 0; v < GEMV_WARPS; v++) s += red[v][e][l];
         int row = row0 + (l >> 2) + (e >= 2 ? 8 : 0);
         int tok = (l & 3) * 2 + (e & 1);
+        float s = gemv_sum(red, e, l);
         if (row < n && tok < m) y[(size_t)tok * n + row] = s;
+    }
+}
+
+// The gate/up projection (w's rows: gate, then up, `inter` each) followed by SiLU·mul, as
+// silu_mul_f32 would compute it from the f32 projection: block b takes gate rows
+// 8b .. 8b + 7 as its rows g and the same rows of up as its rows g + 8, so each thread
+// of the epilogue holds a gate value and its up value. The result [m, inter] goes to out
+// (unless null) and, rounded to 16 bits, to out16 (kind 1 bf16, 2 f16; none with kind 0).
+template <typename T>
+__device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
+                          int kind, int m, int inter, int k) {
+    __shared__ GemvRed red;
+    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int row0 = blockIdx.x * 8;
+    const size_t gate = min(row0 + g, inter - 1);
+    gemv_sums<T>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k);
+    if (threadIdx.x < 64) {
+        int e = threadIdx.x / 32, l = threadIdx.x % 32;
+        int row = row0 + (l >> 2);
+        int tok = (l & 3) * 2 + e;
+        float gv = gemv_sum(red, e, l), uv = gemv_sum(red, e + 2, l);
+        float r = gv / (1.0f + expf(-gv)) * uv;
+        size_t o = (size_t)tok * inter + row;
+        if (row < inter && tok < m) {
+            if (out) out[o] = r;
+            if (kind) store16(out16, o, r, kind);
+        }
     }
 }
 
 // One tile of 8 tokens: a second one (up to 16 rows) measured slower than cuBLAS at 16
 // rows on the H200 (6.14 against 6.02 ms per 8B decode step).
-#define GEMV(name, T)                                                                                      \
+#define GEMV(SUF, T)                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
-        name(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) { \
-        gemv<T>(w, x, y, m, n, k); /* grid_dep_sync() inside */                                            \
+        gemv_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n,  \
+                   int k) {                                                                                \
+        gemv<T>(w, x, y, m, n, k); /* PDL's wait inside (gemv_sums) */                                     \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
+        gemv_silu_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind, \
+                        int m, int inter, int k) {                                                         \
+        gemv_silu<T>(w, x, out, out16, kind, m, inter, k);                                                 \
     }
-GEMV(gemv_bf16, __nv_bfloat16)
-GEMV(gemv_f16, __half)
+GEMV(bf16, __nv_bfloat16)
+GEMV(f16, __half)

@@ -80,6 +80,15 @@ pub struct CudaTensor {
     half_only: bool,
 }
 
+/// How `Device::gate_up_silu` ran: the projection written in f32 then silu_mul, written in
+/// the weights' 16-bit type then silu_mul, or one GEMV with SiLU·mul in its epilogue.
+#[derive(Clone, Copy, PartialEq)]
+enum GateUpPath {
+    F32,
+    In16Bits,
+    Gemv,
+}
+
 /// 16-bit copy of a tensor's values: `kind` 1 is bf16, 2 is f16 (in f32-sized slots).
 struct Half {
     buf: PooledBuf,
@@ -202,8 +211,8 @@ pub struct CudaDevice {
     attn_shape: std::cell::Cell<Option<AttnShape>>,
     /// Whether the last `linear_lora` wrote the adapters' deltas before the projection.
     lora_deltas_first: std::cell::Cell<bool>,
-    /// Whether the last `gate_up_silu` kept the projection in 16 bits.
-    gate_up_16: std::cell::Cell<bool>,
+    /// How the last `gate_up_silu` ran.
+    gate_up_path: std::cell::Cell<GateUpPath>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
@@ -307,7 +316,7 @@ impl CudaDevice {
             decode_on_tensor_cores: std::cell::Cell::new(false),
             attn_shape: std::cell::Cell::new(None),
             lora_deltas_first: std::cell::Cell::new(false),
-            gate_up_16: std::cell::Cell::new(false),
+            gate_up_path: std::cell::Cell::new(GateUpPath::F32),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
         })
@@ -366,7 +375,13 @@ impl CudaDevice {
     /// Whether the last `Device::gate_up_silu` wrote the projection in the weights' 16-bit
     /// type for silu_mul to read, rather than in f32.
     pub fn gate_up_in_16_bits(&self) -> bool {
-        self.gate_up_16.get()
+        self.gate_up_path.get() == GateUpPath::In16Bits
+    }
+
+    /// Whether the last `Device::gate_up_silu` was one GEMV that applied SiLU·mul itself,
+    /// writing no projection.
+    pub fn gate_up_on_gemv(&self) -> bool {
+        self.gate_up_path.get() == GateUpPath::Gemv
     }
 
     /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 49] = [
+const KERNELS: [&str; 51] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -64,6 +64,8 @@ const KERNELS: [&str; 49] = [
     "flash_decode_h128_f16",
     "gemv_bf16",
     "gemv_f16",
+    "gemv_silu_bf16",
+    "gemv_silu_f16",
     "fill_random_16",
 ];
 

@@ -30,20 +30,63 @@ __device__ float block_sum(float v) {
 // HF LlamaRMSNorm: w * (x * rsqrt(mean(x^2) + eps)). With `residual`, first residual += x
 // and the norm is taken of the sum (written back to residual). With `kind` 1 (bf16) or 2
 // (f16) the output is also written rounded to 16 bits at `out16`, for the next GEMM; with
-// `out` null, only there. float4 loads where the row allows them; blockDim.x up to 1024.
+// `out` null, only there. blockDim.x up to 1024.
+//
+// A decode step of a few sequences waits on this kernel between two GEMVs, so its latency
+// counts: where the row is float4s and each thread has at most NORM_VECS of them (rows up
+// to 16,384 values at 1024 threads), the thread keeps its values in registers between the
+// sum and the output instead of reading them again, and loads its norm weights before
+// waiting for the kernel before (PDL, common.cuh: they do not depend on it). The sum runs
+// in the same order either way.
+#define NORM_VECS 4
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __restrict__ residual, int use_residual,
                                         const float* __restrict__ w, float* __restrict__ out, void* out16, int kind,
                                         int cols, float eps) {
-    grid_dep_sync();
     size_t base = (size_t)blockIdx.x * cols;
     const float* xr = x + base;
     float* rr = use_residual ? residual + base : nullptr;
     float ss = 0.0f;
+    const int n4 = cols / 4;
+    if ((cols & 3) == 0 && n4 <= NORM_VECS * (int)blockDim.x) {
+        const float4* x4 = (const float4*)xr;
+        float4* r4 = (float4*)rr;
+        float4 g[NORM_VECS], v[NORM_VECS];
+#pragma unroll
+        for (int j = 0; j < NORM_VECS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < n4) g[j] = ((const float4*)w)[i];
+        }
+        grid_dep_sync();
+#pragma unroll
+        for (int j = 0; j < NORM_VECS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= n4) continue;
+            v[j] = x4[i];
+            if (r4) {
+                float4 r = r4[i];
+                v[j].x += r.x; v[j].y += r.y; v[j].z += r.z; v[j].w += r.w;
+                r4[i] = v[j];
+            }
+            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        }
+        float rs = rsqrtf(block_sum(ss) / cols + eps);
+#pragma unroll
+        for (int j = 0; j < NORM_VECS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i >= n4) continue;
+            float4 o = make_float4(g[j].x * (v[j].x * rs), g[j].y * (v[j].y * rs), g[j].z * (v[j].z * rs),
+                                   g[j].w * (v[j].w * rs));
+            if (out) ((float4*)(out + base))[i] = o;
+            if (kind) store16x4(out16, base + 4 * i, o.x, o.y, o.z, o.w, kind);
+        }
+        return;
+    }
+    grid_dep_sync();
     bool vec = (cols & 3) == 0;
     if (vec) {
         const float4* x4 = (const float4*)xr;
         float4* r4 = (float4*)rr;
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             float4 v = x4[i];
             if (r4) {
                 float4 r = r4[i];
@@ -66,7 +109,7 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
         const float4* s4 = (const float4*)src;
         const float4* w4 = (const float4*)w;
         float4* o4 = (float4*)(out + base);
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             float4 v = s4[i], g = w4[i];
             float4 o = make_float4(g.x * (v.x * r), g.y * (v.y * r), g.z * (v.z * r), g.w * (v.w * r));
             if (out) o4[i] = o;

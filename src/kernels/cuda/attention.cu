@@ -242,6 +242,45 @@ SPLIT_ENTRIES(f32, float)
 SPLIT_ENTRIES(bf16, __nv_bfloat16)
 SPLIT_ENTRIES(f16, __half)
 
+// paged_attention_reduce_f32 for a (row, head) of at most REDUCE_REGS parts, as the loops
+// below compute it (same order, same values) but with each thread's loads issued at once:
+// at batch 1 the reduction sits between two kernels of the decode step, and three rounds
+// of dependent loads were most of its time.
+#define REDUCE_REGS 16
+__device__ __forceinline__ void reduce_in_registers(const float* part_out, const float* part_max,
+                                                    const float* part_sum, float* out, void* out16, int kind,
+                                                    size_t base, size_t o0, int head_dim, int parts) {
+    float pm[REDUCE_REGS], ps[REDUCE_REGS];
+#pragma unroll
+    for (int p = 0; p < REDUCE_REGS; p++) {
+        pm[p] = p < parts ? part_max[base + p] : 0.0f;
+        ps[p] = p < parts ? part_sum[base + p] : 0.0f;
+    }
+    float m = -3.0e38f;
+#pragma unroll
+    for (int p = 0; p < REDUCE_REGS; p++)
+        if (p < parts) m = fmaxf(m, pm[p]);
+    float total = 0.0f;
+#pragma unroll
+    for (int p = 0; p < REDUCE_REGS; p++)
+        if (p < parts) {
+            pm[p] = expf(pm[p] - m);  // the part's weight from here on
+            total += pm[p] * ps[p];
+        }
+    float inv = 1.0f / total;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float po[REDUCE_REGS];
+#pragma unroll
+        for (int p = 0; p < REDUCE_REGS; p++) po[p] = p < parts ? part_out[(base + p) * head_dim + d] : 0.0f;
+        float acc = 0.0f;
+#pragma unroll
+        for (int p = 0; p < REDUCE_REGS; p++)
+            if (p < parts) acc += pm[p] * po[p];
+        out[o0 + d] = acc * inv;
+        if (kind) store16(out16, o0 + d, acc * inv, kind);
+    }
+}
+
 // Joins the partitions of paged_attention_split (`part` positions each) or of flash_decode
 // (`part` 0: the row's own partition length is at row_meta[3i + 2]; a row of one partition
 // was written by flash_decode). Partial results are indexed by the row's place i in
@@ -264,6 +303,11 @@ extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, con
     int parts = (ctx + part - 1) / part;
     if (flash && parts == 1) return;  // flash_decode wrote the output
     size_t base = ((size_t)i * heads + h) * parts_max;
+    if (parts <= REDUCE_REGS) {
+        reduce_in_registers(part_out, part_max, part_sum, out, out16, kind, base,
+                            ((size_t)t * heads + h) * head_dim, head_dim, parts);
+        return;
+    }
     float m = -3.0e38f;
     for (int p = 0; p < parts; p++) m = fmaxf(m, part_max[base + p]);
     float total = 0.0f;

@@ -14,6 +14,11 @@ group with the most steps (or the one chosen), averaged over its steps: the span
 first kernel's start to the last kernel's end, the time kernels ran, the gaps between
 them, and per kernel name its calls, time per call and per step, and the mean gap before.
 
+Under programmatic dependent launch (sm_90) a kernel starts while the one before it runs
+and waits for it, so durations include that wait and gaps come out negative. Then read the
+`µs/step` of `--ends`: per kernel name, how much each call moved the step's latest end
+(end minus the latest end before it), which sums to the span: the step's critical path.
+
 With `--by-grid NAME`, instead: the total time of the kernels whose name contains NAME over
 the whole trace, per launch shape (grid x, y, z and block x; for the attention kernels
 grid x is the batch's rows, so a throughput run's steps come out by graph size).
@@ -75,6 +80,7 @@ def main():
     parser.add_argument("--group", type=int, help="the group to detail, by its number in the list")
     parser.add_argument("--top", type=int, default=25, help="kernel names (or shapes) to list (default 25)")
     parser.add_argument("--by-grid", metavar="NAME", help="time per launch shape of the kernels named like NAME")
+    parser.add_argument("--ends", action="store_true", help="time by which each kernel moved the step's end")
     args = parser.parse_args()
     if args.by_grid:
         return by_grid(args.trace, args.by_grid, args.top)
@@ -99,12 +105,14 @@ def main():
     for s in chosen:
         spans.append(s[-1][0] + s[-1][1] - s[0][0])
         busies.append(sum(d for _, d, _ in s))
+        last_end = s[0][0]
         for i, (start, duration, name) in enumerate(s):
             gap = start - (s[i - 1][0] + s[i - 1][1]) if i else 0
             entry = per_name[name[:70]]
             entry[0] += 1
-            entry[1] += duration
+            entry[1] += start + duration - last_end if args.ends else duration
             entry[2] += gap
+            last_end = max(last_end, start + duration)
     n = len(chosen)
     span, busy = statistics.mean(spans), statistics.mean(busies)
     print(f"group {pick}: {n} steps of {count} kernels (of {len(steps)} steps)")

@@ -10,8 +10,17 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, GateUpPath, WeightBuf, cuda};
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
 use crate::kernels::LoraRows;
+
+/// How `Device::gate_up_silu` ran: the projection written in f32 then silu_mul, written in
+/// the weights' 16-bit type then silu_mul, or one GEMV with SiLU·mul in its epilogue.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum GateUpPath {
+    F32,
+    In16Bits,
+    Gemv,
+}
 
 /// Rows of x up to which 16-bit GEMMs take the tensor-core GEMV (gemv.cu) instead of cuBLAS:
 /// decode steps of a few sequences, which only stream the weights.
@@ -182,7 +191,6 @@ impl CudaDevice {
         let mut out = self.tensor(rows, inter)?;
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = !f32 && half.is_some();
-        let null: CUdeviceptr = 0;
         let (i, r) = (inter as i32, rows as i32);
         // Columns a thread: elementwise.cu's silu_width.
         let width = if kind != 0 && inter.is_multiple_of(8) { 8 } else { 4 };
@@ -195,17 +203,10 @@ impl CudaDevice {
         let name = ["silu_mul_f32", "silu_mul_bf16", "silu_mul_f16"][kind as usize];
         let mut launch = self.stream.launch_builder(self.f(name));
         launch.arg(&src);
-        match half_only {
-            true => launch.arg(&null),
-            false => launch.arg(&mut *out.buf),
-        };
-        match &mut half {
-            Some(h) => launch.arg(&mut *h.buf),
-            None => launch.arg(&src), // not written with kind 0
-        };
+        push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
         // SAFETY: the caller's src; out (unless null) is [rows, inter], half (kind ≠ 0)
         // rows·inter 16-bit.
-        unsafe { launch.arg(&half_kind).arg(&i).arg(&r).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
+        unsafe { launch.arg(&i).arg(&r).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
         out.half = half;
         out.half_only = half_only;
         Ok(out)
@@ -280,7 +281,6 @@ impl CudaDevice {
         let mut out = self.tensor(rows, inter)?;
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = half_only && half.is_some();
-        let null: CUdeviceptr = 0;
         let (wp, _w) = wb.device_ptr(&self.stream);
         let name = if kind == 2 { "gemv_silu_f16" } else { "gemv_silu_bf16" };
         self.with_x16(x, kind, |xp| {
@@ -288,21 +288,12 @@ impl CudaDevice {
             let (m, i, k) = (rows as i32, inter as i32, k as i32);
             let mut launch = self.stream.launch_builder(self.f(name));
             launch.arg(&wp).arg(&xp);
-            match half_only {
-                true => launch.arg(&null),
-                false => launch.arg(&mut *out.buf),
-            };
-            match &mut half {
-                Some(h) => launch.arg(&mut *h.buf),
-                None => launch.arg(&null), // not written with kind 0
-            };
+            push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
             // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
             // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0.
             // 8 gate rows (and their 8 up rows) a block.
-            unsafe {
-                launch.arg(&half_kind).arg(&m).arg(&i).arg(&k).launch(Self::gemv_cfg(inter.div_ceil(8)))
-            }
-            .map_err(cuda("gemv_silu launch"))
+            unsafe { launch.arg(&m).arg(&i).arg(&k).launch(Self::gemv_cfg(inter.div_ceil(8))) }
+                .map_err(cuda("gemv_silu launch"))
         })?;
         out.half = half;
         out.half_only = half_only;
@@ -449,4 +440,26 @@ impl CudaDevice {
         }
         .map_err(cuda("cuBLAS GemmEx"))
     }
+}
+
+/// Pushes the outputs of a kernel that writes a GEMM's input (RMSNorm, SiLU·mul): its f32
+/// values (`out`, or null with `half_only`: then only the 16-bit copy is written), the
+/// 16-bit copy (null where there is none) and the copy's kind (0: none is written).
+pub(super) fn push_outputs<'a>(
+    launch: &mut cudarc::driver::LaunchArgs<'a>,
+    out: &'a mut CudaTensor,
+    half: &'a mut Option<super::Half>,
+    kind: &'a i32,
+    half_only: bool,
+) {
+    static NULL: CUdeviceptr = 0;
+    match half_only {
+        true => launch.arg(&NULL),
+        false => launch.arg(&mut *out.buf),
+    };
+    match half {
+        Some(h) => launch.arg(&mut *h.buf),
+        None => launch.arg(&NULL),
+    };
+    launch.arg(kind);
 }

@@ -33,6 +33,7 @@ mod sample;
 mod step;
 mod tune;
 
+use gemm::{GateUpPath, push_outputs};
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
 pub use lora::CudaLora;
@@ -78,15 +79,6 @@ pub struct CudaTensor {
     /// that only the GEMM (or GEMV) of a projection without adapters reads, through `half`
     /// (`Device::rms_norm_for_gemm`, `Device::gate_up_silu`). `to_host` reads `half`.
     half_only: bool,
-}
-
-/// How `Device::gate_up_silu` ran: the projection written in f32 then silu_mul, written in
-/// the weights' 16-bit type then silu_mul, or one GEMV with SiLU·mul in its epilogue.
-#[derive(Clone, Copy, PartialEq)]
-enum GateUpPath {
-    F32,
-    In16Bits,
-    Gemv,
 }
 
 /// 16-bit copy of a tensor's values: `kind` 1 is bf16, 2 is f16 (in f32-sized slots).
@@ -421,7 +413,6 @@ impl CudaDevice {
         let mut out = self.tensor(x.rows, x.cols)?;
         let (mut half, kind) = self.half(x.rows, x.cols)?;
         let half_only = half_only && half.is_some();
-        let null: cudarc::driver::sys::CUdeviceptr = 0;
         let cols = x.cols as i32;
         let _t = self.span(if residual.is_some() { "add_rms_norm" } else { "rms_norm" }, (0, 0), x.rows);
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
@@ -433,20 +424,13 @@ impl CudaDevice {
             None => launch.arg(&*x.buf),
         };
         launch.arg(&use_res).arg(w.f32());
-        match half_only {
-            true => launch.arg(&null), // only the 16-bit copy is written
-            false => launch.arg(&mut *out.buf),
-        };
-        match &mut half {
-            Some(h) => launch.arg(&mut *h.buf),
-            None => launch.arg(&*x.buf), // not written with kind 0
-        };
+        push_outputs(&mut launch, &mut out, &mut half, &kind, half_only);
         let threads = (x.cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let cfg =
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values; half (when
         // kind is not 0) holds rows·cols 16-bit values.
-        unsafe { launch.arg(&kind).arg(&cols).arg(&eps).launch(cfg) }.map_err(cuda("rms_norm launch"))?;
+        unsafe { launch.arg(&cols).arg(&eps).launch(cfg) }.map_err(cuda("rms_norm launch"))?;
         out.half = half;
         out.half_only = half_only;
         Ok(out)

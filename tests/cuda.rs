@@ -227,23 +227,26 @@ fn every_kernel_matches_its_cpu_twin() {
         );
     }
     // 16-bit weights: up to 8 rows take the tensor-core GEMV, more take cuBLAS. A 40-row
-    // product matches the CPU, and rows alone give what they give inside it. k = 72 ends in a partial 32-element chunk,
-    // 1032 spreads its chunks over a block's warps; 97 outputs end in a partial tile of 16.
+    // product matches the CPU, and rows alone give what they give inside it. k = 72 ends in a
+    // partial 32-element chunk, 1032 spreads its chunks over a block's warps; 97 outputs end
+    // in a partial tile of 16. 97 outputs are 7 GEMV blocks, which take the 16-warp kernel
+    // (gemv_wide); 6403 are 401, more than any GPU of under 200 SMs holds at two a
+    // multiprocessor, which take the 8-warp one.
     for dt in [DType::BF16, DType::F16] {
-        for k in [72, 1032, 2048] {
-            let w = rand(97 * k, 7);
+        for (n, k) in [(97, 72), (97, 1032), (97, 2048), (6403, 72)] {
+            let w = rand(n * k, 7);
             let mut bytes = Vec::new();
             dt.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut bytes);
-            let t = || HostTensor { dtype: dt, shape: vec![97, k], data: bytes.clone().into() };
+            let t = || HostTensor { dtype: dt, shape: vec![n, k], data: bytes.clone().into() };
             let (wc16, wg16) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
             let x = rand(40 * k, 8);
             let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg16, None).unwrap()).unwrap();
             let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc16, None).unwrap()).unwrap();
-            close(&format!("{dt:?} linear of 40 rows, k {k}"), &all, &cpu, 2e-2);
+            close(&format!("{dt:?} linear of 40 rows, n {n}, k {k}"), &all, &cpu, 2e-2);
             for m in [1, 5, 8, 9, 16] {
                 let xm = g.from_host(&x[..m * k], m, k).unwrap();
                 let part = g.to_host(&g.linear(&xm, &wg16, None).unwrap()).unwrap();
-                close(&format!("{dt:?} linear of {m} rows, k {k}"), &part, &all[..m * 97], 1e-4);
+                close(&format!("{dt:?} linear of {m} rows, n {n}, k {k}"), &part, &all[..m * n], 1e-4);
             }
         }
     }
@@ -530,7 +533,9 @@ fn tuned_gemms_give_the_untuned_values() {
 /// Up to the GEMV's 8 rows of 16-bit weights, the gate/up projection applies SiLU·mul in
 /// its own epilogue (gemv.cu's gemv_silu): exactly what the GEMV and silu_mul give apart
 /// on the GPU, kept in f32 and in 16 bits or in 16 bits only, and what the CPU gives; at 9
-/// rows the other path runs. 203 gate rows end in a partial tile.
+/// rows the other path runs. 203 gate rows end in a partial tile; they take the 16-warp
+/// kernels (gemv.cu's `_wide`), as does the GEMV they are checked against, and 3203 (401
+/// blocks, more than a GPU of under 200 SMs holds at two a multiprocessor) the 8-warp ones.
 #[test]
 fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
     let Some(g) = gpu() else { return };
@@ -547,12 +552,13 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
             _ => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
         }
     };
-    for dt in [DType::BF16, DType::F16] {
+    for (dt, (hidden, inter)) in
+        [DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, (264, 203)), (d, (72, 3203))])
+    {
         g.set_activation_dtype(dt);
-        let (hidden, inter) = (264, 203);
         let (wgu_c, wgu_g) = up16(dt, &rand(2 * inter * hidden, 21), [2 * inter, hidden]);
         for rows in [1, 3, 8, 9] {
-            let what = format!("{dt:?}, {rows} rows");
+            let what = format!("{dt:?}, {inter} gate rows, {rows} rows");
             let x = rand(rows * hidden, 22);
             let (xc, xg) = (CpuTensor::new(x.clone(), rows, hidden), g.from_host(&x, rows, hidden).unwrap());
             let fused = g.to_host(&g.gate_up_silu(&xg, &wgu_g, None, false).unwrap()).unwrap();

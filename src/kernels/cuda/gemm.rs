@@ -217,9 +217,15 @@ impl CudaDevice {
         (1..=GEMV_ROWS).contains(&m) && k.is_multiple_of(8) && self.sm80
     }
 
-    /// Blocks of GEMV_WARPS (8) warps.
-    fn gemv_cfg(blocks: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    /// A GEMV grid of `blocks`: whether it takes the `_wide` kernels (16 warps a block, for
+    /// grids the GPU holds at two blocks an SM; gemv.cu) and its launch.
+    fn gemv_cfg(&self, blocks: usize) -> (bool, LaunchConfig) {
+        let wide = blocks <= 2 * self.sms;
+        let threads = if wide { 512 } else { 256 };
+        (
+            wide,
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
+        )
     }
 
     /// `out = x @ wᵀ` for up to [`GEMV_ROWS`] rows of 16-bit x and w (gemv.cu): w `[n, k]`,
@@ -230,7 +236,13 @@ impl CudaDevice {
         (w, x, out): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
         (m, n, k): (usize, usize, usize),
     ) -> DevResult<()> {
-        let name = if f16 { "gemv_f16" } else { "gemv_bf16" };
+        let (wide, cfg) = self.gemv_cfg(n.div_ceil(16));
+        let name = match (wide, f16) {
+            (false, false) => "gemv_bf16",
+            (false, true) => "gemv_f16",
+            (true, false) => "gemv_wide_bf16",
+            (true, true) => "gemv_wide_f16",
+        };
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
         // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
@@ -245,7 +257,7 @@ impl CudaDevice {
                 .arg(&m)
                 .arg(&n)
                 .arg(&k)
-                .launch(Self::gemv_cfg((n as usize).div_ceil(16)))
+                .launch(cfg)
         }
         .map_err(cuda("gemv launch"))?;
         Ok(())
@@ -282,7 +294,13 @@ impl CudaDevice {
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = half_only && half.is_some();
         let (wp, _w) = wb.device_ptr(&self.stream);
-        let name = if kind == 2 { "gemv_silu_f16" } else { "gemv_silu_bf16" };
+        let (wide, cfg) = self.gemv_cfg(inter.div_ceil(8));
+        let name = match (wide, kind == 2) {
+            (false, false) => "gemv_silu_bf16",
+            (false, true) => "gemv_silu_f16",
+            (true, false) => "gemv_silu_wide_bf16",
+            (true, true) => "gemv_silu_wide_f16",
+        };
         self.with_x16(x, kind, |xp| {
             let _t = self.span(name, (n, k), rows);
             let (m, i, k) = (rows as i32, inter as i32, k as i32);
@@ -292,8 +310,7 @@ impl CudaDevice {
             // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
             // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0.
             // 8 gate rows (and their 8 up rows) a block.
-            unsafe { launch.arg(&m).arg(&i).arg(&k).launch(Self::gemv_cfg(inter.div_ceil(8))) }
-                .map_err(cuda("gemv_silu launch"))
+            unsafe { launch.arg(&m).arg(&i).arg(&k).launch(cfg) }.map_err(cuda("gemv_silu launch"))
         })?;
         out.half = half;
         out.half_only = half_only;

@@ -15,10 +15,11 @@
 // a2 = (g, 2q + 8..), a3 = (g + 8, 2q + 8..); B b0 = (k 2q.., n g), b1 = (k 2q + 8.., n g);
 // C c0, c1 = (g, 2q..2q+1), c2, c3 = (g + 8, 2q..2q+1).
 //
-// A block of 8 warps (the host launches 256 threads) takes turns over the chunks of its 16
-// rows (warp w: chunks w, w + 8, ...), and their partial sums are added through shared
-// memory. Rows of w past n and tokens past m read the last valid one and are not stored.
-// k must be a multiple of 8 (16-byte loads). Needs sm_80 (the host uses cuBLAS below).
+// A block of W warps (8, or 16 for the `_wide` kernels; the host launches 32 · W threads)
+// takes turns over the chunks of its 16 rows (warp w: chunks w, w + W, ...), and their
+// partial sums are added through shared memory. Rows of w past n and tokens past m read the
+// last valid one and are not stored. k must be a multiple of 8 (16-byte loads). Needs
+// sm_80 (the host uses cuBLAS below).
 
 #define GEMV_WARPS 8
 // Chunks a warp loads before it multiplies: 2 · U weight loads (16 bytes) in flight per lane.
@@ -60,8 +61,8 @@ __device__ __forceinline__ void gemv_chunk(float (&c)[4], const uint4& a, const 
 #endif
 }
 
-// Where a block's partial sums meet: [warp][C fragment element][lane].
-typedef float GemvRed[GEMV_WARPS][4][32];
+// Where a block's partial sums meet: [warp][C fragment element][lane], for W warps.
+template <int W> using GemvRed = float[W][4][32];
 
 // The block's products of weight rows w0 (its rows g) and w1 (its rows g + 8, as the lane's
 // A fragment rows) with token row xr, summed over k into red: after it, red[·][e][l] holds
@@ -72,8 +73,8 @@ typedef float GemvRed[GEMV_WARPS][4][32];
 // microseconds. The next kernel is let launch only once the block has issued its last
 // loads: let launch right after the wait, as the other kernels do, the 8B model's batch-1
 // step took 4.27 – 4.29 ms on the H200 against 4.24 – 4.26.
-template <typename T>
-__device__ __forceinline__ void gemv_sums(GemvRed& red, const T* w0, const T* w1, const T* xr, int k) {
+template <typename T, int W>
+__device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T* w1, const T* xr, int k) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Whole chunks, U at a time with no conditions (so that all their loads issue before the
@@ -82,20 +83,20 @@ __device__ __forceinline__ void gemv_sums(GemvRed& red, const T* w0, const T* w1
     const int full = k / 32, chunks = (k + 31) / 32;
     int c0 = warp;
     uint4 a[GEMV_UNROLL], b[GEMV_UNROLL];
-    bool ahead = c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full;
+    bool ahead = c0 + (GEMV_UNROLL - 1) * W < full;
     if (ahead) {
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
-            a[u] = ld_stream(w0 + (c0 + u * GEMV_WARPS) * 32);
-            b[u] = ld_stream(w1 + (c0 + u * GEMV_WARPS) * 32);
+            a[u] = ld_stream(w0 + (c0 + u * W) * 32);
+            b[u] = ld_stream(w1 + (c0 + u * W) * 32);
         }
     }
     grid_dep_wait();
-    for (; c0 + (GEMV_UNROLL - 1) * GEMV_WARPS < full; c0 += GEMV_WARPS * GEMV_UNROLL) {
+    for (; c0 + (GEMV_UNROLL - 1) * W < full; c0 += W * GEMV_UNROLL) {
         uint4 xb[GEMV_UNROLL];
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) {
-            int off = (c0 + u * GEMV_WARPS) * 32;
+            int off = (c0 + u * W) * 32;
             if (!ahead) {
                 a[u] = ld_stream(w0 + off);
                 b[u] = ld_stream(w1 + off);
@@ -107,7 +108,7 @@ __device__ __forceinline__ void gemv_sums(GemvRed& red, const T* w0, const T* w1
         for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk<T>(c, a[u], b[u], xb[u]);
     }
     // Every lane runs the mmas (they are warp-wide): lanes past k bring zeros.
-    for (; c0 < chunks; c0 += GEMV_WARPS) {
+    for (; c0 < chunks; c0 += W) {
         int off = c0 * 32;
         bool in = off + q * 8 < k;
         const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -122,22 +123,23 @@ __device__ __forceinline__ void gemv_sums(GemvRed& red, const T* w0, const T* w1
 
 // Thread i < 128's sum: C element e = i / 32 of lane l = i % 32, which is weight row
 // (l / 4) + (e ≥ 2 ? 8 : 0) of the block's 16 and token (l % 4) · 2 + e % 2.
-__device__ __forceinline__ float gemv_sum(const GemvRed& red, int e, int l) {
+template <int W>
+__device__ __forceinline__ float gemv_sum(const GemvRed<W>& red, int e, int l) {
     float s = 0.0f;
 #pragma unroll
-    for (int v = 0; v < GEMV_WARPS; v++) s += red[v][e][l];
+    for (int v = 0; v < W; v++) s += red[v][e][l];
     return s;
 }
 
 // y = x @ wᵀ: block b takes weight rows 16b .. 16b + 15.
-template <typename T>
+template <typename T, int W>
 __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) {
-    __shared__ GemvRed red;
+    __shared__ GemvRed<W> red;
     const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
     const int row0 = blockIdx.x * 16;
     const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
     const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
-    gemv_sums<T>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k);
+    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k);
     if (threadIdx.x < 128) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2) + (e >= 2 ? 8 : 0);
@@ -152,14 +154,14 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
 // 8b .. 8b + 7 as its rows g and the same rows of up as its rows g + 8, so each thread
 // of the epilogue holds a gate value and its up value. The result [m, inter] goes to out
 // (unless null) and, rounded to 16 bits, to out16 (kind 1 bf16, 2 f16; none with kind 0).
-template <typename T>
+template <typename T, int W>
 __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
                           int kind, int m, int inter, int k) {
-    __shared__ GemvRed red;
+    __shared__ GemvRed<W> red;
     const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
     const int row0 = blockIdx.x * 8;
     const size_t gate = min(row0 + g, inter - 1);
-    gemv_sums<T>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k);
+    gemv_sums<T, W>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k);
     if (threadIdx.x < 64) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2);
@@ -176,16 +178,32 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
 
 // One tile of 8 tokens: a second one (up to 16 rows) measured slower than cuBLAS at 16
 // rows on the H200 (6.14 against 6.02 ms per 8B decode step).
-#define GEMV(SUF, T)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
-        gemv_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n,  \
-                   int k) {                                                                                \
-        gemv<T>(w, x, y, m, n, k); /* PDL's wait inside (gemv_sums) */                                     \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                          \
-        gemv_silu_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind, \
-                        int m, int inter, int k) {                                                         \
-        gemv_silu<T>(w, x, out, out16, kind, m, inter, k);                                                 \
+//
+// Each kernel comes in two widths: GEMV_WARPS warps a block, and twice as many (`_wide`)
+// for grids the GPU holds at two blocks an SM (the host's choice, gemm.rs): at two blocks
+// of 8 warps an SM too few loads were in flight to keep HBM busy. The 8B model's o and
+// down projections (256 blocks on the H200's 132 SMs) took the batch-1 step from
+// 4.21 – 4.22 to 4.16 – 4.20 ms and the batch-8 one from 4.43 to 4.33 – 4.34.
+#define GEMV(SUF, T)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n,   \
+                   int k) {                                                                                 \
+        gemv<T, GEMV_WARPS>(w, x, y, m, n, k); /* PDL's wait inside (gemv_sums) */                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
+        gemv_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m,     \
+                        int n, int k) {                                                                     \
+        gemv<T, 2 * GEMV_WARPS>(w, x, y, m, n, k);                                                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_silu_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind,  \
+                        int m, int inter, int k) {                                                          \
+        gemv_silu<T, GEMV_WARPS>(w, x, out, out16, kind, m, inter, k);                                      \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
+        gemv_silu_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16,     \
+                             int kind, int m, int inter, int k) {                                           \
+        gemv_silu<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, m, inter, k);                                  \
     }
 GEMV(bf16, __nv_bfloat16)
 GEMV(f16, __half)

@@ -170,6 +170,8 @@ pub struct CudaDevice {
     sm80: bool,
     /// The most query heads a flash_prefill block takes on this GPU (its shared memory).
     prefill_heads_max: usize,
+    /// The GPU's multiprocessors.
+    sms: usize,
     /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
     /// move once a graph has been captured (see `graph.rs`).
     inputs: [Inputs; 2],
@@ -283,6 +285,9 @@ impl CudaDevice {
             }
         }
         let prefill_heads_max = attend::allow_flash_smem(&ctx, &funcs)?;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(err)? as usize;
         let prof = profile::Profiler::from_env(&ctx);
         Ok(Self {
             ctx,
@@ -292,6 +297,7 @@ impl CudaDevice {
             funcs,
             sm80: major >= 8,
             prefill_heads_max,
+            sms,
             arch,
             inputs: Default::default(),
             graph: std::cell::Cell::new(GraphMode::Off),

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 51] = [
+const KERNELS: [&str; 55] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -64,8 +64,12 @@ const KERNELS: [&str; 51] = [
     "flash_decode_h128_f16",
     "gemv_bf16",
     "gemv_f16",
+    "gemv_wide_bf16",
+    "gemv_wide_f16",
     "gemv_silu_bf16",
     "gemv_silu_f16",
+    "gemv_silu_wide_bf16",
+    "gemv_silu_wide_f16",
     "fill_random_16",
 ];
 

@@ -20,12 +20,29 @@ use actorllm::request::SamplingParams;
 use actorllm::sampling::{self, SampleInput};
 use common::{greedy, run, tiny_model};
 
-fn gpu() -> Option<CudaDevice> {
+/// A test's turn on the GPU, held to its end. `cargo test` runs a binary's tests in
+/// parallel, but an engine sizes its KV cache by the GPU memory it finds free (the
+/// KV-budget test's takes 90 % of it): run in parallel on the H200, the seeded-sampling
+/// test's engine failed to start. One at a time, every test passes.
+struct GpuTurn {
+    _held: std::sync::MutexGuard<'static, ()>,
+}
+
+/// This test's turn, or None (the test then says SKIPPED and passes) without a CUDA GPU.
+fn gpu_turn() -> Option<GpuTurn> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
     if !CudaDevice::available() {
         eprintln!("SKIPPED: no CUDA GPU on this machine");
         return None;
     }
-    Some(CudaDevice::new(0).expect("CUDA device opens"))
+    // A test that failed in its turn leaves the lock poisoned; the next still gets its turn.
+    Some(GpuTurn { _held: GPU.lock().unwrap_or_else(|e| e.into_inner()) })
+}
+
+/// The GPU with this test's turn on it (see [`gpu_turn`]).
+fn gpu() -> Option<(CudaDevice, GpuTurn)> {
+    let turn = gpu_turn()?;
+    Some((CudaDevice::new(0).expect("CUDA device opens"), turn))
 }
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
@@ -172,7 +189,7 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
 
 #[test]
 fn every_kernel_matches_its_cpu_twin() {
-    let Some(g) = gpu() else { return };
+    let Some((g, _turn)) = gpu() else { return };
     let c = CpuDevice::default();
     let both = |data: &[f32], rows, cols| {
         (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols).unwrap())
@@ -471,7 +488,7 @@ fn every_kernel_matches_its_cpu_twin() {
 /// (where tuning ran it) and cublasGemmEx past them.
 #[test]
 fn tuned_gemms_give_the_untuned_values() {
-    let Some(g) = gpu() else { return };
+    let Some((g, _turn)) = gpu() else { return };
     // gate/up at a tuned row count, so that the forced cuBLASLt algorithm runs it.
     let (n, k, most, gu_rows) = (384, 1032, 300, 256);
     let rows = [9, 40, 64, 200, 256, 300];
@@ -538,7 +555,7 @@ fn tuned_gemms_give_the_untuned_values() {
 /// blocks, more than a GPU of under 200 SMs holds at two a multiprocessor) the 8-warp ones.
 #[test]
 fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
-    let Some(g) = gpu() else { return };
+    let Some((g, _turn)) = gpu() else { return };
     let c = CpuDevice::default();
     let up16 = |dt: DType, w: &[f32], shape: [usize; 2]| {
         let mut bytes = Vec::new();
@@ -589,7 +606,7 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
 /// of short contexts.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some((g, _turn)) = gpu() else { return };
     let c = CpuDevice::default();
     let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32, 16));
     let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32, 16));
@@ -675,7 +692,7 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
 /// allocates no device memory, and seeded sampling repeats exactly.
 #[test]
 fn steps_allocate_nothing_once_their_shapes_were_seen() {
-    let Some(g) = gpu() else { return };
+    let Some((g, _turn)) = gpu() else { return };
     let model = tiny_model(37);
     let loaded = ModelRegistry::<CudaDevice>::default()
         .load(&g, &model, DType::F32, &LoadOptions::default())
@@ -738,9 +755,7 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
 
 #[actix_rt::test]
 async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
-    if gpu().is_none() {
-        return;
-    }
+    let Some(_turn) = gpu_turn() else { return };
     let model = tiny_model(31);
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(4 + 9 * i)).map(|j| (i * 13 + j * 7) % 250 + 3).collect()).collect();
@@ -801,9 +816,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
 /// decode steps replayed from graphs (the graph set that applies adapters) and eager.
 #[actix_rt::test]
 async fn adapters_on_the_gpu_give_the_cpu_tokens() {
-    if gpu().is_none() {
-        return;
-    }
+    let Some(_turn) = gpu_turn() else { return };
     let model = tiny_model(33);
     let cfg = ModelRegistry::<CpuDevice>::read_config(&model).unwrap();
     let root = std::env::temp_dir().join(format!("actorllm-gpu-loras-{}", std::process::id()));
@@ -914,9 +927,7 @@ async fn two_gpus_give_the_one_gpu_tokens() {
 #[actix_rt::test]
 async fn bf16_parts_from_f32_only_at_near_ties() {
     use futures::StreamExt;
-    if gpu().is_none() {
-        return;
-    }
+    let Some(_turn) = gpu_turn() else { return };
     const MARGIN: f32 = 0.5;
     let model = common::default_model();
     let prompts: Vec<Vec<u32>> =
@@ -975,7 +986,7 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 /// that the GEMMs are tuned after the profiling step, in memory that is given back.
 #[actix_rt::test]
 async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
-    let Some(probe) = gpu() else { return };
+    let Some((probe, _turn)) = gpu() else { return };
     // Engines of earlier tests release their devices first.
     actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(30));
     let (_, total) = probe.memory_info().expect("a GPU reports its memory");
@@ -1006,9 +1017,7 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
 /// or among other requests, and the same tokens as the host's sampler on the CPU engine.
 #[actix_rt::test]
 async fn seeded_sampling_on_the_gpu_is_batch_invariant_and_matches_the_host() {
-    if gpu().is_none() {
-        return;
-    }
+    let Some(_turn) = gpu_turn() else { return };
     let model = tiny_model(41);
     let sampled = |seed| actorllm::SamplingParams {
         temperature: 0.9,

@@ -431,10 +431,11 @@ impl CudaDevice {
         };
         launch.arg(&use_res).arg(w.f32());
         push_outputs(&mut launch, &mut out, &mut half, &kind, half_only);
-        // Two float4s a thread (rows up to 8,192 values; past them up to 1,024 threads): with
-        // one, the 8B model's 1,024-thread block at 48 registers found no SM beside a
-        // GEMV's blocks to launch early on (PDL), and its sum spanned 32 warps. On the H200,
-        // batch 1 4.26 / 4.23 ms → 4.16 / 4.18 (four a thread: 4.20 / 4.20).
+        // Two float4s a thread (rows up to 8,192 values; past them up to 1,024 threads). At
+        // one, the 8B model's block of 1,024 threads at 48 registers needs 48 Ki of an SM's
+        // 64 Ki registers, more than an SM running a 16-warp GEMV block (or two 8-warp ones)
+        // has free, so PDL can not launch it beside them; its sum also spans 32 warps. On
+        // the H200, batch 1 4.26 / 4.23 ms → 4.16 / 4.18 (four a thread: 4.20 / 4.20).
         let threads = (x.cols.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let cfg =
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };

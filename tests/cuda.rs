@@ -603,7 +603,8 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
 /// attention on tensor cores (16-bit inputs, f32 accumulation: head_dim 64 and 128, decode
 /// for GQA groups up to 8) over the f32 cache, and as bf16 and f16 models run (16-bit cache),
 /// also over cache blocks of 8 and 32 keys; then a decode batch of 537 rows, and last, one
-/// of short contexts.
+/// of contexts up to 301 keys (over a 16-bit cache, partitions joined by flash_decode's
+/// blocks), then of contexts of at most 16 keys.
 #[test]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
     let Some((g, _turn)) = gpu() else { return };
@@ -682,6 +683,11 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             .flat_map(|(seq, r, by)| r.step_by(by).map(move |p| (seq, p..p + 1)))
             .collect();
         step(&many, 44);
+        // Three rows of contexts up to 301 keys: over a 16-bit cache, partitions of 32 or 48
+        // keys that flash_decode's blocks join themselves.
+        step(&[(0, 200..201), (1, 300..301), (2, 37..38)], 45);
+        let joins = flash && matches!(head_dim, 64 | 128) && act != DType::F32 && heads / kv_heads <= 8;
+        assert_eq!(g.decode_joined(), joins, "{heads}:{kv_heads}x{head_dim} {act:?}: joined in the block");
         // Contexts of at most 16 keys: flash_decode gives each row one warp, which writes
         // the output without the reduction.
         step(&[(0, 5..6), (1, 12..13), (2, 15..16)], 43);

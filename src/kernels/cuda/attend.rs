@@ -103,6 +103,7 @@ impl CudaDevice {
         }
         let tc = self.decode_on_flash(s, b.num_rows);
         self.decode_on_tensor_cores.set(tc);
+        self.decode_joined.set(false);
         // flash_decode gives each row partitions of its own length (`row_meta`; part 0 tells
         // the reduction so), at most `parts_max`; the split kernel cuts the bound into
         // partitions of `part`.
@@ -115,8 +116,16 @@ impl CudaDevice {
             let mut part_out = self.tensor(slots, s.head_dim)?;
             let (mut part_max, mut part_sum) = (self.tensor(slots, 1)?, self.tensor(slots, 1)?);
             let (part_i, parts_i) = (part as i32, parts_max as i32);
+            // Up to DECODE_JOIN_WARPS partitions a row over a 16-bit cache: one block takes
+            // them all and joins them itself (flash.cu's decode_join), no reduction.
+            let hd = usize::from(s.head_dim == 128);
+            let join = kk.decode_join.as_ref().filter(|_| {
+                tc && half_cache && parts_max <= self.decode_join_warps && self.decode_joins(b.num_rows, s)
+            });
+            self.decode_joined.set(join.is_some());
+            let join_i = i32::from(join.is_some());
             let (name, kernel, cfg) = if tc {
-                let warps = parts_max.min(4);
+                let warps = if join.is_some() { parts_max } else { parts_max.min(4) };
                 // A 16-bit cache is staged through two chunk buffers of shared memory a warp.
                 let smem = if half_cache { warps * decode_smem_per_warp(s.head_dim) } else { 0 };
                 let cfg = LaunchConfig {
@@ -126,7 +135,8 @@ impl CudaDevice {
                     block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                ("attention_decode_tc", &kk.decode[usize::from(s.head_dim == 128)], cfg)
+                let kernel = join.map_or(&kk.decode[hd], |j| &j[hd]);
+                ("attention_decode_tc", kernel, cfg)
             } else {
                 let group = s.num_heads / s.num_kv_heads;
                 let cfg = LaunchConfig {
@@ -157,13 +167,17 @@ impl CudaDevice {
                 launch.arg(&part_i);
             }
             launch.arg(&parts_i);
+            if tc {
+                launch.arg(&join_i);
+            }
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out); out (and half)
             // are [rows, heads·head_dim].
             unsafe { launch.launch(cfg) }.map_err(cuda("decode attention launch"))?;
             drop(t);
-            if tc && parts_max == 1 {
-                // One warp took each row's whole context and wrote the output itself.
+            if tc && (parts_max == 1 || join.is_some()) {
+                // One warp took each row's whole context and wrote the output itself, or a
+                // block joined the row's partitions.
                 out.half = half;
                 return Ok(out);
             }
@@ -335,6 +349,27 @@ pub(super) fn split_index(s: AttnShape) -> usize {
     g.trailing_zeros() as usize * 3 + d.trailing_zeros() as usize - 1
 }
 
+/// Up to this many flash_decode partitions of a row over a 16-bit cache (fewer where the
+/// GPU's shared memory holds fewer warps' chunk buffers: `CudaDevice::decode_join_warps`)
+/// are joined by their block (flash.cu's decode_join, `CudaDevice::decode_joins`) instead
+/// of the reduction kernel.
+pub(super) const DECODE_JOIN_WARPS: usize = 8;
+
+/// Contexts (or a graph's context bound) up to which the decode rows of a step that
+/// `CudaDevice::decode_joins` take no more partitions each than a block joins.
+pub(super) const DECODE_JOIN_CTX: usize = 512;
+
+impl CudaDevice {
+    /// Whether flash_decode's blocks join the partitions of `rows` decode rows themselves:
+    /// while the rows' (row, KV head) pairs leave SMs free, the reduction kernel is mostly
+    /// a boundary between two kernels on the decode step's path. On the H200 (8B shape,
+    /// contexts up to 256) batch 1 went 4.15 → 4.10 ms and batch 8 4.32 → 4.25; at batch
+    /// 256 joining in the block took 9.09 → 9.21 ms, so many rows keep the reduction.
+    pub(super) fn decode_joins(&self, rows: usize, s: AttnShape) -> bool {
+        rows * s.num_kv_heads <= self.sms
+    }
+}
+
 /// Shared memory flash_decode takes a warp over a 16-bit cache: two chunks of 16 keys' K and
 /// V rows of `head_dim` 16-bit values.
 pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
@@ -366,22 +401,25 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
 }
 
 /// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
-/// memory a block gets without asking (up to four warps of chunk buffers; the queries of
-/// several heads). Asks for it, once per kernel, with flash_prefill's heads a block bounded
-/// by what the GPU allows ([`prefill_heads_within`]); returns that bound.
+/// memory a block gets without asking (up to four warps of chunk buffers, or
+/// flash_decode_join's warps; the queries of several heads). Asks for it, once per kernel,
+/// with flash_prefill's heads a block ([`prefill_heads_within`]) and flash_decode_join's
+/// warps (up to [`DECODE_JOIN_WARPS`]) bounded by what the GPU allows; returns both bounds.
 pub(super) fn allow_flash_smem(
     ctx: &cudarc::driver::CudaContext,
     funcs: &std::collections::HashMap<String, CudaFunction>,
-) -> DevResult<usize> {
+) -> DevResult<(usize, usize)> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
-    let optin = ctx.attribute(OPTIN).map_err(cuda("shared memory per block"))?;
-    let prefill_heads = prefill_heads_within(optin.max(0) as usize);
+    let optin = ctx.attribute(OPTIN).map_err(cuda("shared memory per block"))?.max(0) as usize;
+    let prefill_heads = prefill_heads_within(optin);
+    let join_warps = DECODE_JOIN_WARPS.min(optin / decode_smem_per_warp(128));
     for (name, f) in funcs {
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
         }
         let hd = if name.contains("_h64_") { 64 } else { 128 };
         let bytes = match name.starts_with("flash_decode_") {
+            true if name.starts_with("flash_decode_join_") => join_warps * decode_smem_per_warp(hd),
             true => 4 * decode_smem_per_warp(hd),
             false => prefill_smem_bytes(hd, prefill_heads),
         };
@@ -391,7 +429,7 @@ pub(super) fn allow_flash_smem(
         )
         .map_err(cuda("flash kernel shared memory"))?;
     }
-    Ok(prefill_heads)
+    Ok((prefill_heads, join_warps))
 }
 
 /// From how many (row, head) pairs the partitions are joined by a warp each rather than a

@@ -447,10 +447,10 @@ __device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float
     const float *q, const T *kc, const T *vc, float *part_out, float *part_max, float *part_sum, float *out,   \
         void *out16, int kind, const unsigned int *rows, const unsigned int *row_meta,                         \
         const unsigned int *tables, int heads, int kv_heads, int head_dim, int block_size, float scale,         \
-        int parts_max
+        int parts_max, int join
 #define DECODE_CALL                                                                                             \
     (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
-     head_dim, block_size, scale, parts_max)
+     head_dim, block_size, scale, parts_max, join)
 
 // An f32 cache: each lane loads its K and V pieces of a chunk straight into registers
 // (rounded to bf16), every load of the chunk issued before the first use.
@@ -559,6 +559,45 @@ __device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
 // bytes, a multiple of the 128 bytes of all banks).
 template <int HD> __device__ __forceinline__ int decode_piece(int r, int seg) {
     return r * (HD / 8) + (seg ^ (r & 7));
+}
+
+// With `join` (a 16-bit cache, all of a row's partitions in one block of up to
+// DECODE_JOIN_WARPS warps: the host launches the `flash_decode_join` kernels so), the block
+// joins its warps' partitions itself, with paged_attention_reduce_f32's arithmetic, and no
+// reduction runs: at batch 1 on the H200 that kernel sat between two others of every
+// layer. The warps with a partition (the first `parts` of the block; the others have
+// returned) have left their results in their stage buffers (ws: [head][HD] unnormalized
+// outputs, then the maxima and the sums of 8 heads) and meet at a barrier of their own.
+#define DECODE_JOIN_WARPS 8
+template <int HD>
+__device__ __forceinline__ void decode_join(const uint4* smem, const DecodeWarp& d, float* __restrict__ out,
+                                            void* __restrict__ out16, int kind, int heads, int group,
+                                            const unsigned int* row_meta) {
+    constexpr int CHUNK = 16 * (HD / 8);
+    const unsigned int* meta = row_meta + 3 * blockIdx.y;
+    const int parts = (meta[0] + meta[2] - 1) / meta[2];
+    asm volatile("bar.sync 1, %0;" ::"r"(parts * 32) : "memory");
+    const float* ws[DECODE_JOIN_WARPS];
+#pragma unroll
+    for (int p = 0; p < DECODE_JOIN_WARPS; p++) ws[p] = (const float*)(smem + (size_t)p * 4 * CHUNK);
+    for (int i = threadIdx.x; i < group * HD; i += parts * 32) {
+        const int head = i / HD, dim = i - head * HD;
+        float m = -3.0e38f;
+#pragma unroll
+        for (int p = 0; p < DECODE_JOIN_WARPS; p++)
+            if (p < parts) m = fmaxf(m, ws[p][8 * HD + head]);
+        float total = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int p = 0; p < DECODE_JOIN_WARPS; p++)
+            if (p < parts) {
+                const float w = expf(ws[p][8 * HD + head] - m);
+                total += w * ws[p][8 * HD + 8 + head];
+                acc += w * ws[p][i];
+            }
+        const size_t o = ((size_t)d.t * heads + d.kvh * group + head) * HD + dim;
+        out[o] = acc * (1.0f / total);
+        if (kind) store16(out16, o, acc * (1.0f / total), kind);
+    }
 }
 
 template <int HD, typename T, bool WHOLE>
@@ -697,11 +736,30 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
 
     // The result: where the warp is its row's only part, the output as the reduction would
     // write it (the reduction leaves such rows alone); else the part's unnormalized output,
-    // maximum (in natural units) and sum at its slot (by place in `rows`).
+    // maximum (in natural units) and sum at its slot (by place in `rows`), or with `join`
+    // in its stage buffers, for the block to join (decode_join).
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
         l0 += __shfl_xor_sync(0xffffffff, l0, off);
         l1 += __shfl_xor_sync(0xffffffff, l1, off);
+    }
+    if (join && !d.alone) {
+        float* ws = (float*)buf;  // [head][HD] outputs, then maxima and sums of 8 heads
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int head = 2 * tq + e;
+            if (head >= group) continue;
+#pragma unroll
+            for (int mt = 0; mt < KT; mt++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) ws[head * HD + mt * 16 + half * 8 + g] = o[mt][2 * half + e];
+            if (g == 0) {
+                ws[8 * HD + head] = (e ? m1 : m0) * 0.6931471805599453f;  // ln 2
+                ws[8 * HD + 8 + head] = e ? l1 : l0;
+            }
+        }
+        decode_join<HD>(decode_smem, d, out, out16, kind, heads, group, row_meta);
+        return;
     }
 #pragma unroll
     for (int e = 0; e < 2; e++) {
@@ -748,12 +806,26 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
         else flash_decode_pipe<HD, T, false> DECODE_CALL;                                                      \
     }
 
+// The same over a 16-bit cache with blocks of up to DECODE_JOIN_WARPS warps, each block
+// every partition of its row, which it joins (decode_join).
+#define DECODE_JOIN_ENTRY(HD, SUF, T)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * DECODE_JOIN_WARPS)                                        \
+        flash_decode_join_h##HD##_##SUF(DECODE_ARGS(T)) {                                                       \
+        grid_dep_sync();                                                                                        \
+        if (block_size >= 16) flash_decode_pipe<HD, T, true> DECODE_CALL;                                      \
+        else flash_decode_pipe<HD, T, false> DECODE_CALL;                                                      \
+    }
+
 DECODE_ENTRY_F32(64)
 DECODE_ENTRY_F32(128)
 DECODE_ENTRY_16(64, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(64, f16, __half)
 DECODE_ENTRY_16(128, f16, __half)
+DECODE_JOIN_ENTRY(64, bf16, __nv_bfloat16)
+DECODE_JOIN_ENTRY(128, bf16, __nv_bfloat16)
+DECODE_JOIN_ENTRY(64, f16, __half)
+DECODE_JOIN_ENTRY(128, f16, __half)
 
 // Prefill attention over a 16-bit cache, pipelined: the same tiles and online softmax as
 // flash_prefill, for `blockDim.x / 128` query heads of one GQA group at once (PREFILL_HEADS,

@@ -62,6 +62,8 @@ struct KvKernels {
     flash: [CudaFunction; 2],
     /// flash_decode for head_dim 64 and 128.
     decode: [CudaFunction; 2],
+    /// flash_decode_join for head_dim 64 and 128 (16-bit caches).
+    decode_join: Option<[CudaFunction; 2]>,
     /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `attend::split_index`).
     split: Vec<CudaFunction>,
 }
@@ -170,6 +172,9 @@ pub struct CudaDevice {
     sm80: bool,
     /// The most query heads a flash_prefill block takes on this GPU (its shared memory).
     prefill_heads_max: usize,
+    /// Warps (partitions of a row) flash_decode_join's blocks take at most: as many as the
+    /// GPU's shared memory holds, up to `attend::DECODE_JOIN_WARPS`.
+    decode_join_warps: usize,
     /// The GPU's multiprocessors.
     sms: usize,
     /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
@@ -200,6 +205,8 @@ pub struct CudaDevice {
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
     decode_on_tensor_cores: std::cell::Cell<bool>,
+    /// Whether flash_decode's blocks joined the last attention's partitions themselves.
+    decode_joined: std::cell::Cell<bool>,
     /// The model's attention shape, from its first attention call: step inputs staged for
     /// a graph replay are shaped by it without an attention call.
     attn_shape: std::cell::Cell<Option<AttnShape>>,
@@ -284,7 +291,7 @@ impl CudaDevice {
                 }
             }
         }
-        let prefill_heads_max = attend::allow_flash_smem(&ctx, &funcs)?;
+        let (prefill_heads_max, decode_join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
@@ -297,6 +304,7 @@ impl CudaDevice {
             funcs,
             sm80: major >= 8,
             prefill_heads_max,
+            decode_join_warps,
             sms,
             arch,
             inputs: Default::default(),
@@ -312,6 +320,7 @@ impl CudaDevice {
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
+            decode_joined: std::cell::Cell::new(false),
             attn_shape: std::cell::Cell::new(None),
             lora_deltas_first: std::cell::Cell::new(false),
             gate_up_path: std::cell::Cell::new(GateUpPath::F32),
@@ -357,6 +366,12 @@ impl CudaDevice {
     /// a prefill took the tensor-core path).
     pub fn tensor_core_tiles(&self) -> usize {
         self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
+    }
+
+    /// Whether the last attention's decode rows were split into partitions that
+    /// flash_decode's blocks joined themselves (no reduction kernel).
+    pub fn decode_joined(&self) -> bool {
+        self.decode_joined.get()
     }
 
     /// Whether the last attention's decode rows ran on tensor cores (flash_decode).
@@ -477,6 +492,9 @@ impl CudaDevice {
             attention: f(format!("paged_attention_{sfx}")),
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
             decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
+            decode_join: (sfx != "f32").then(|| {
+                [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
+            }),
             split: split_names(sfx).map(f).collect(),
         };
         (sfx, kernels)

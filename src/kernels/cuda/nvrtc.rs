@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 55] = [
+const KERNELS: [&str; 59] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -62,6 +62,10 @@ const KERNELS: [&str; 55] = [
     "flash_decode_h128_bf16",
     "flash_decode_h64_f16",
     "flash_decode_h128_f16",
+    "flash_decode_join_h64_bf16",
+    "flash_decode_join_h128_bf16",
+    "flash_decode_join_h64_f16",
+    "flash_decode_join_h128_f16",
     "gemv_bf16",
     "gemv_f16",
     "gemv_wide_bf16",

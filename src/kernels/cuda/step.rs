@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use cudarc::driver::CudaSlice;
 
+use super::attend::DECODE_JOIN_CTX;
 use super::{CudaDevice, DevResult, DeviceError, GraphMode, cuda};
 use crate::kernels::AttnShape;
 use crate::models::attn::AttnMetadata;
@@ -87,7 +88,13 @@ impl CudaDevice {
         let (parts_max, parts) = match self.attn_shape.get().filter(|&s| self.decode_on_flash(s, rows.len()))
         {
             Some(s) => {
-                let parts_max = decode_warps(rows.len(), s, bound.unwrap_or(ctx_max));
+                let ctx = bound.unwrap_or(ctx_max);
+                let mut parts_max = decode_warps(rows.len(), s, ctx);
+                // Short contexts of a few rows over a 16-bit cache: as many partitions as
+                // one block takes and joins.
+                if self.act16.get() != 0 && ctx <= DECODE_JOIN_CTX && self.decode_joins(rows.len(), s) {
+                    parts_max = parts_max.min(self.decode_join_warps);
+                }
                 (parts_max, partitions(&ctxs, s.num_kv_heads, parts_max))
             }
             None => (0, vec![0; rows.len()]),

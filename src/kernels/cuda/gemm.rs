@@ -26,6 +26,14 @@ pub(super) enum GateUpPath {
 /// decode steps of a few sequences, which only stream the weights.
 pub(super) const GEMV_ROWS: usize = 8;
 
+/// gemv.cu's kernels, plain and gate/up with SiLU·mul, by (wide, f16) as `gemv_cfg` picks.
+const GEMV_KERNELS: [(&str, &str); 4] = [
+    ("gemv_bf16", "gemv_silu_bf16"),
+    ("gemv_f16", "gemv_silu_f16"),
+    ("gemv_wide_bf16", "gemv_silu_wide_bf16"),
+    ("gemv_wide_f16", "gemv_silu_wide_f16"),
+];
+
 impl CudaDevice {
     /// `out = x @ wᵀ (+ bias) + beta · out` for `[n, k]` weights w.
     pub(super) fn linear_into(
@@ -217,13 +225,14 @@ impl CudaDevice {
         (1..=GEMV_ROWS).contains(&m) && k.is_multiple_of(8) && self.sm80
     }
 
-    /// A GEMV grid of `blocks`: whether it takes the `_wide` kernels (16 warps a block, for
-    /// grids the GPU holds at two blocks an SM; gemv.cu) and its launch.
-    fn gemv_cfg(&self, blocks: usize) -> (bool, LaunchConfig) {
+    /// A GEMV grid of `blocks` over `f16` (else bf16) weights: its kernels, plain and gate/up
+    /// with SiLU·mul (the `_wide` ones, 16 warps a block, for grids the GPU holds at two
+    /// blocks an SM; gemv.cu), and its launch.
+    fn gemv_cfg(&self, blocks: usize, f16: bool) -> ((&'static str, &'static str), LaunchConfig) {
         let wide = blocks <= 2 * self.sms;
         let threads = if wide { 512 } else { 256 };
         (
-            wide,
+            GEMV_KERNELS[usize::from(wide) * 2 + usize::from(f16)],
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
         )
     }
@@ -236,13 +245,7 @@ impl CudaDevice {
         (w, x, out): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
         (m, n, k): (usize, usize, usize),
     ) -> DevResult<()> {
-        let (wide, cfg) = self.gemv_cfg(n.div_ceil(16));
-        let name = match (wide, f16) {
-            (false, false) => "gemv_bf16",
-            (false, true) => "gemv_f16",
-            (true, false) => "gemv_wide_bf16",
-            (true, true) => "gemv_wide_f16",
-        };
+        let ((name, _), cfg) = self.gemv_cfg(n.div_ceil(16), f16);
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
         // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
@@ -294,13 +297,7 @@ impl CudaDevice {
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = half_only && half.is_some();
         let (wp, _w) = wb.device_ptr(&self.stream);
-        let (wide, cfg) = self.gemv_cfg(inter.div_ceil(8));
-        let name = match (wide, kind == 2) {
-            (false, false) => "gemv_silu_bf16",
-            (false, true) => "gemv_silu_f16",
-            (true, false) => "gemv_silu_wide_bf16",
-            (true, true) => "gemv_silu_wide_f16",
-        };
+        let ((_, name), cfg) = self.gemv_cfg(inter.div_ceil(8), kind == 2);
         self.with_x16(x, kind, |xp| {
             let _t = self.span(name, (n, k), rows);
             let (m, i, k) = (rows as i32, inter as i32, k as i32);

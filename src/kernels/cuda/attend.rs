@@ -6,11 +6,87 @@
 
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
+use super::nvrtc::split_names;
 use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
 use crate::kernels::{AttnShape, DevResult, RopeSpec};
 use crate::models::attn::AttnMetadata;
 
+/// The attention kernels of one KV cache element type, looked up when a cache is made so
+/// that a step's launches find them without building names.
+pub(super) struct KvKernels {
+    pub(super) write_kv: CudaFunction,
+    /// split_qkv_rope writing K and V into the cache.
+    pub(super) split_rope_kv: CudaFunction,
+    pub(super) attention: CudaFunction,
+    /// flash_prefill for head_dim 64 and 128.
+    pub(super) flash: [CudaFunction; 2],
+    /// flash_decode for head_dim 64 and 128.
+    pub(super) decode: [CudaFunction; 2],
+    /// flash_decode_join for head_dim 64 and 128 (16-bit caches).
+    pub(super) decode_join: Option<[CudaFunction; 2]>,
+    /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see [`split_index`]).
+    pub(super) split: Vec<CudaFunction>,
+}
+
 impl CudaDevice {
+    /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as
+    /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
+    pub(super) fn flash_for(&self, s: AttnShape) -> bool {
+        let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
+        on && self.sm80 && matches!(s.head_dim, 64 | 128)
+    }
+
+    /// Whether a step's `rows` decode rows go to flash_decode: tensor-core attention with a
+    /// GQA group of up to 8 query heads, and rows within its grid's y bound (65,535).
+    pub(super) fn decode_on_flash(&self, s: AttnShape, rows: usize) -> bool {
+        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
+    }
+
+    /// How many flash_prefill tiles the current step's attention launched (tests check that
+    /// a prefill took the tensor-core path).
+    pub fn tensor_core_tiles(&self) -> usize {
+        self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
+    }
+
+    /// Whether the last attention's decode rows were split into partitions that
+    /// flash_decode's blocks joined themselves (no reduction kernel).
+    pub fn decode_joined(&self) -> bool {
+        self.decode_joined.get()
+    }
+
+    /// Whether the last attention's decode rows ran on tensor cores (flash_decode).
+    pub fn tensor_core_decode(&self) -> bool {
+        self.decode_on_tensor_cores.get()
+    }
+
+    /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
+    pub fn set_tensor_core_attention(&self, on: bool) {
+        self.tensor_core_attention.set(Some(on));
+    }
+
+    /// The KV cache's element type for caches allocated now (the 16-bit type of the
+    /// weights, else f32) as its kernels' suffix, with those kernels.
+    pub(super) fn kv_kernels(&self) -> (&'static str, KvKernels) {
+        let sfx = match self.act16.get() {
+            1 => "bf16",
+            2 => "f16",
+            _ => "f32",
+        };
+        let f = |name: String| self.f(&name).clone();
+        let kernels = KvKernels {
+            write_kv: f(format!("write_kv_{sfx}")),
+            split_rope_kv: f(format!("split_qkv_rope_kv_{sfx}")),
+            attention: f(format!("paged_attention_{sfx}")),
+            flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
+            decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
+            decode_join: (sfx != "f32").then(|| {
+                [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
+            }),
+            split: split_names(sfx).map(f).collect(),
+        };
+        (sfx, kernels)
+    }
+
     /// The step's attention metadata on the device, uploaded unless it is there already
     /// (every layer passes the same).
     pub(super) fn attention_inputs(&self, s: AttnShape, meta: &AttnMetadata) -> DevResult<()> {
@@ -475,7 +551,7 @@ mod tests {
             head_dim,
             scale: 1.0,
         };
-        let names: Vec<String> = super::super::split_names("bf16").collect();
+        let names: Vec<String> = super::split_names("bf16").collect();
         for (s, want) in [
             (shape(32, 8, 128), "g4_d4"),
             (shape(14, 2, 64), "g8_d2"),

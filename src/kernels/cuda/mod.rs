@@ -33,11 +33,12 @@ mod sample;
 mod step;
 mod tune;
 
+use attend::KvKernels;
 use gemm::{GateUpPath, push_outputs};
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
 pub use lora::CudaLora;
-use nvrtc::{COMMON, SOURCES, kernel_names, split_names};
+use nvrtc::{COMMON, SOURCES, kernel_names};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};
 
@@ -49,23 +50,6 @@ fn err(e: impl std::fmt::Debug) -> DeviceError {
 /// what was being done.
 fn cuda<E: std::fmt::Debug>(what: &'static str) -> impl FnOnce(E) -> DeviceError {
     move |e| DeviceError::Cuda { what, detail: format!("{e:?}") }
-}
-
-/// The attention kernels of one KV cache element type, looked up when a cache is made so
-/// that a step's launches find them without building names.
-struct KvKernels {
-    write_kv: CudaFunction,
-    /// split_qkv_rope writing K and V into the cache.
-    split_rope_kv: CudaFunction,
-    attention: CudaFunction,
-    /// flash_prefill for head_dim 64 and 128.
-    flash: [CudaFunction; 2],
-    /// flash_decode for head_dim 64 and 128.
-    decode: [CudaFunction; 2],
-    /// flash_decode_join for head_dim 64 and 128 (16-bit caches).
-    decode_join: Option<[CudaFunction; 2]>,
-    /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see `attend::split_index`).
-    split: Vec<CudaFunction>,
 }
 
 /// `[rows, cols]` f32 on the device. Its buffer may be longer than `rows · cols` (pooled
@@ -349,36 +333,6 @@ impl CudaDevice {
         big && device::get_name(dev).is_ok_and(|n| !n.contains("A100"))
     }
 
-    /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as
-    /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
-    fn flash_for(&self, s: AttnShape) -> bool {
-        let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
-        on && self.sm80 && matches!(s.head_dim, 64 | 128)
-    }
-
-    /// Whether a step's `rows` decode rows go to flash_decode: tensor-core attention with a
-    /// GQA group of up to 8 query heads, and rows within its grid's y bound (65,535).
-    fn decode_on_flash(&self, s: AttnShape, rows: usize) -> bool {
-        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
-    }
-
-    /// How many flash_prefill tiles the current step's attention launched (tests check that
-    /// a prefill took the tensor-core path).
-    pub fn tensor_core_tiles(&self) -> usize {
-        self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
-    }
-
-    /// Whether the last attention's decode rows were split into partitions that
-    /// flash_decode's blocks joined themselves (no reduction kernel).
-    pub fn decode_joined(&self) -> bool {
-        self.decode_joined.get()
-    }
-
-    /// Whether the last attention's decode rows ran on tensor cores (flash_decode).
-    pub fn tensor_core_decode(&self) -> bool {
-        self.decode_on_tensor_cores.get()
-    }
-
     /// Whether the last projection with adapters wrote their deltas first and let its GEMM
     /// add itself to them (`Device::linear_lora`), rather than adding them after.
     pub fn lora_deltas_first(&self) -> bool {
@@ -395,11 +349,6 @@ impl CudaDevice {
     /// writing no projection.
     pub fn gate_up_on_gemv(&self) -> bool {
         self.gate_up_path.get() == GateUpPath::Gemv
-    }
-
-    /// Forces prefill attention on (or off) tensor cores, whatever the weights' type.
-    pub fn set_tensor_core_attention(&self, on: bool) {
-        self.tensor_core_attention.set(Some(on));
     }
 
     /// An uninitialized 16-bit copy for a `[rows, cols]` output when GEMMs take 16-bit
@@ -475,29 +424,6 @@ impl CudaDevice {
 
     fn f(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
-    }
-
-    /// The KV cache's element type for caches allocated now (the 16-bit type of the
-    /// weights, else f32) as its kernels' suffix, with those kernels.
-    fn kv_kernels(&self) -> (&'static str, KvKernels) {
-        let sfx = match self.act16.get() {
-            1 => "bf16",
-            2 => "f16",
-            _ => "f32",
-        };
-        let f = |name: String| self.f(&name).clone();
-        let kernels = KvKernels {
-            write_kv: f(format!("write_kv_{sfx}")),
-            split_rope_kv: f(format!("split_qkv_rope_kv_{sfx}")),
-            attention: f(format!("paged_attention_{sfx}")),
-            flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
-            decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
-            decode_join: (sfx != "f32").then(|| {
-                [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
-            }),
-            split: split_names(sfx).map(f).collect(),
-        };
-        (sfx, kernels)
     }
 
     /// Rounds activations feeding GEMMs (and KV caches allocated after this) to `dtype`, as

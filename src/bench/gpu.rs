@@ -128,8 +128,9 @@ fn print_breakdown(b: &StepBreakdown) {
     };
     println!(
         "per step, over {} steps (prefill steps included): {:.3} ms = scheduling {:.3} + block \
-         reservation {:.3} + input preparation {:.3} + forward issued {:.3} + device wait {:.3} + \
-         sampling {:.3} + output handling {:.3} + actor messaging {:.3}; device allocations: {}; \
+         reservation {:.3} + input preparation {:.3} + forward issued {:.3} + sampling inputs {:.3} + \
+         device wait (forward and sampling) {:.3} + output handling {:.3} + actor messaging {:.3}; \
+         device allocations: {}; \
          steps replayed from CUDA graphs: {}, {host}device idle before each replayed forward: \
          {:.3} ms; then, while the next step runs, event delivery {:.3} ms; steps planned while \
          another ran: {}",
@@ -139,8 +140,8 @@ fn print_breakdown(b: &StepBreakdown) {
         b.blocks_ms,
         b.prepare_ms,
         b.launch_ms,
-        b.device_ms,
         b.sample_ms,
+        b.device_ms,
         b.output_ms,
         b.messaging_ms,
         b.device_allocations,

@@ -595,6 +595,97 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
     g.set_activation_dtype(DType::F32);
 }
 
+/// A projection added to the residual with the next norm, for a projection without adapters
+/// (`Device::linear_add_rms_norm` with `gemm_only`): up to 8 rows over 16-bit weights one
+/// GEMV does it and leaves each row's 1/rms to the next projection's GEMV. The residual
+/// comes out as the projection and the add kernel make it, and the norm and the two GEMVs
+/// that read it (plain, as qkv; gate/up with SiLU·mul) match the CPU's norm, projection and
+/// SiLU·mul. Hidden sizes of 264 and 4,400 take both GEMV widths on the H200 (17 and 275
+/// blocks of 16 outputs).
+#[test]
+fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
+    let Some((g, _turn)) = gpu() else { return };
+    let c = CpuDevice::default();
+    let up = |dt: DType, w: &[f32], shape: &[usize]| {
+        let mut bytes = Vec::new();
+        dt.convert_from(DType::F32, bytemuck::cast_slice(w), &mut bytes);
+        let t = || HostTensor { dtype: dt, shape: shape.to_vec(), data: bytes.clone().into() };
+        (c.upload(t()).unwrap(), g.upload(t()).unwrap())
+    };
+    let (eps, inputs, outs, inter) = (1e-5, 136, 40, 24);
+    for (dt, hidden) in [DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, 264), (d, 4400)]) {
+        g.set_activation_dtype(dt);
+        // The weights as rounded to dt, so that the CPU multiplies the GPU's weights.
+        let rounded = |v: Vec<f32>| -> Vec<f32> {
+            match dt {
+                DType::BF16 => v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+                _ => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
+            }
+        };
+        let (w, w2) = (rounded(rand(hidden * inputs, 31)), rounded(rand(outs * hidden, 33)));
+        let (wc, wg) = up(dt, &w, &[hidden, inputs]);
+        let (nc, ng) =
+            up(DType::F32, &rand(hidden, 32).iter().map(|v| v + 1.0).collect::<Vec<_>>(), &[hidden]);
+        let (w2c, w2g) = up(dt, &w2, &[outs, hidden]);
+        let (_, w3g) = up(dt, &rand(2 * inter * hidden, 34), &[2 * inter, hidden]);
+        for rows in [1, 3, 8, 9] {
+            let what = format!("{dt:?}, hidden {hidden}, {rows} rows");
+            let (x, r) = (rand(rows * inputs, 35), rand(rows * hidden, 36));
+            let xg = g.from_host(&x, rows, inputs).unwrap();
+            let mut rg = g.from_host(&r, rows, hidden).unwrap();
+            let h = g.linear_add_rms_norm(&xg, &wg, &mut rg, &ng, eps, true).unwrap();
+            assert_eq!(g.norm_left_to_gemv(), rows <= 8, "{what}: the norm left to the next GEMV");
+            assert!(h.in_16_bits_only(), "{what}: the norm kept in 16 bits only");
+            // The residual as the projection and the norm kernel's add leave it.
+            let mut r2 = g.from_host(&r, rows, hidden).unwrap();
+            let apart = g.add_rms_norm(&g.linear(&xg, &wg, None).unwrap(), &mut r2, &ng, eps).unwrap();
+            assert_eq!(g.to_host(&rg).unwrap(), g.to_host(&r2).unwrap(), "{what}: residual");
+            // Against the CPU: the norm, and a projection that reads it (x and the norm are
+            // rounded to 16 bits on the GPU: each product off by up to 2⁻⁸ of its size).
+            let mut rc = CpuTensor::new(r.clone(), rows, hidden);
+            let xc = CpuTensor::new(x.clone(), rows, inputs);
+            let hc = c.add_rms_norm(&c.linear(&xc, &wc, None).unwrap(), &mut rc, &nc, eps).unwrap();
+            let products = |x: &CpuTensor, w: &[f32], n: usize| {
+                let ax = CpuTensor::new(x.data.iter().map(|v| v.abs()).collect(), x.rows, x.cols);
+                let aw =
+                    c.upload(host(&w.iter().map(|v| v.abs()).collect::<Vec<_>>(), &[n, x.cols])).unwrap();
+                c.to_host(&c.linear(&ax, &aw, None).unwrap()).unwrap()
+            };
+            let within = |what: &str, gpu: &[f32], cpu: &[f32], sizes: &[f32]| {
+                for (i, ((a, b), s)) in gpu.iter().zip(cpu).zip(sizes).enumerate() {
+                    assert!(
+                        (a - b).abs() <= s / 128.0 + 1e-4,
+                        "{what}[{i}]: gpu {a} vs cpu {b}, products' size {s}"
+                    );
+                }
+            };
+            let rcv = c.to_host(&rc).unwrap();
+            within(&format!("{what}: residual"), &g.to_host(&rg).unwrap(), &rcv, &products(&xc, &w, hidden));
+            close(&format!("{what}: norm"), &g.to_host(&h).unwrap(), &c.to_host(&hc).unwrap(), 2e-2);
+            let y2 = g.to_host(&g.linear(&h, &w2g, None).unwrap()).unwrap();
+            let want = c.to_host(&c.linear(&hc, &w2c, None).unwrap()).unwrap();
+            within(&format!("{what}: next GEMV"), &y2, &want, &products(&hc, &w2, outs));
+            // The gate/up GEMV applies the same scale: SiLU·mul of the plain GEMV's values
+            // (past 8 rows the projection is written in 16 bits first).
+            let y3 = g.to_host(&g.gate_up_silu(&h, &w3g, None, false).unwrap()).unwrap();
+            let apart3 = g.to_host(&g.silu_mul(&g.linear(&h, &w3g, None).unwrap()).unwrap()).unwrap();
+            if rows <= 8 {
+                assert_eq!(y3, apart3, "{what}: next gate/up GEMV against the plain GEMV and silu_mul");
+            }
+            // Hidden states (not only a GEMM's input): the norm kernel's, in full.
+            let mut r3 = g.from_host(&r, rows, hidden).unwrap();
+            let full = g.linear_add_rms_norm(&xg, &wg, &mut r3, &ng, eps, false).unwrap();
+            assert!(!g.norm_left_to_gemv() && !full.in_16_bits_only(), "{what}: hidden states");
+            assert_eq!(
+                g.to_host(&full).unwrap(),
+                g.to_host(&apart).unwrap(),
+                "{what}: hidden states' values"
+            );
+        }
+    }
+    g.set_activation_dtype(DType::F32);
+}
+
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
 /// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a

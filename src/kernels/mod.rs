@@ -232,6 +232,25 @@ pub trait Device: Send + Unpin + 'static {
             None => self.rms_norm(x, w, eps),
         }
     }
+    /// `residual += x @ wᵀ`, then the norm (weights `norm`) of the sum: [`Device::add_rms_norm`]
+    /// of [`Device::linear`], or with `gemm_only` [`Device::rms_norm_for_gemm`] of it. A
+    /// device may do both in one pass, and with `gemm_only` leave part of the norm to the
+    /// GEMM that reads it.
+    fn linear_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        residual: &mut Self::Tensor,
+        norm: &Self::Weight,
+        eps: f32,
+        gemm_only: bool,
+    ) -> DevResult<Self::Tensor> {
+        let y = self.linear(x, w, None)?;
+        match gemm_only {
+            true => self.rms_norm_for_gemm(&y, Some(residual), norm, eps),
+            false => self.add_rms_norm(&y, residual, norm, eps),
+        }
+    }
     fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> DevResult<()>;
     /// `[n, 2·i]` holding gate then up → `silu(gate) · up` of shape `[n, i]`.
     fn silu_mul(&self, gate_up: &Self::Tensor) -> DevResult<Self::Tensor>;

@@ -141,12 +141,18 @@ impl<D: Device> LlamaMlp<D> {
             down_proj: RowParallelLinear::load(dev, &w.pp("down_proj"), i, h)?,
         })
     }
-    fn forward(
+    /// The MLP of `x` added to `residual`, then `norm` of the sum for the next projection
+    /// (with `gemm_only`, that projection applies no adapters).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_add_norm(
         &self,
         dev: &D,
         x: &D::Tensor,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
+        residual: &mut D::Tensor,
+        norm: &RMSNorm<D>,
+        gemm_only: bool,
     ) -> DevResult<D::Tensor> {
         let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
         let (gate_up_lora, down_lora) = (modules(GATE_UP), modules(DOWN));
@@ -157,7 +163,7 @@ impl<D: Device> LlamaMlp<D> {
             proj_lora::<D>(&gate_up_lora, meta),
             down.is_none(),
         )?; // [n, intermediate]
-        self.down_proj.forward(dev, &act, down) // [n, hidden]
+        self.down_proj.forward_add_norm(dev, &act, down, residual, norm, gemm_only) // [n, hidden]
     }
 }
 
@@ -178,22 +184,25 @@ impl<D: Device> LlamaAttention<D> {
             o_proj: RowParallelLinear::load(dev, &w.pp("o_proj"), q_size, cfg.hidden_size)?,
         })
     }
+    /// Attention over `x` added to `residual`, then `norm` of the sum for the MLP (with
+    /// `gemm_only`, its gate/up projection applies no adapters).
     #[allow(clippy::too_many_arguments)]
-    fn forward(
+    fn forward_add_norm(
         &self,
         dev: &D,
         x: &D::Tensor,
-        positions: &[u32],
-        rope: &RotaryEmbedding,
+        (positions, rope): (&[u32], &RotaryEmbedding),
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
+        (residual, norm, gemm_only): (&mut D::Tensor, &RMSNorm<D>, bool),
     ) -> DevResult<D::Tensor> {
         let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
         let (qkv_lora, o_lora) = (modules(QKV), modules(O));
         let qkv = self.qkv_proj.forward(dev, x, proj_lora::<D>(&qkv_lora, meta))?; // [n, (heads + 2·kv_heads)·head_dim]
         let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, heads·head_dim]
-        self.o_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta)) // [n, hidden]
+        let o_lora = proj_lora::<D>(&o_lora, meta);
+        self.o_proj.forward_add_norm(dev, &attn, o_lora, residual, norm, gemm_only) // [n, hidden]
     }
 }
 
@@ -276,21 +285,21 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         let first = &self.layers[0];
         let mut x =
             first.input_layernorm.forward_to_proj(dev, &residual, None, plain(first.lora.as_ref(), QKV))?;
+        // Each projection into the residual comes with the norm after it: the next layer's
+        // input norm, and after the last layer the model's (hidden states, not only a GEMM's
+        // input).
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             let lora = layer.lora.as_ref();
-            if i > 0 {
-                x = layer.input_layernorm.forward_to_proj(dev, &x, Some(&mut residual), plain(lora, QKV))?;
-            }
-            let attn = layer.self_attn.forward(dev, &x, positions, &self.rotary_emb, cache, lora, meta)?;
-            let h = layer.post_attention_layernorm.forward_to_proj(
-                dev,
-                &attn,
-                Some(&mut residual),
-                plain(lora, GATE_UP),
-            )?;
-            x = layer.mlp.forward(dev, &h, lora, meta)?;
+            let post = (&mut residual, &layer.post_attention_layernorm, plain(lora, GATE_UP));
+            let rope = (positions, &self.rotary_emb);
+            let h = layer.self_attn.forward_add_norm(dev, &x, rope, cache, lora, meta, post)?;
+            let (next_norm, gemm_only) = match self.layers.get(i + 1) {
+                Some(next) => (&next.input_layernorm, plain(next.lora.as_ref(), QKV)),
+                None => (&self.norm, false),
+            };
+            x = layer.mlp.forward_add_norm(dev, &h, lora, meta, &mut residual, next_norm, gemm_only)?;
         }
-        self.norm.forward_residual(dev, &x, &mut residual)
+        Ok(x)
     }
 
     fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> DevResult<D::Tensor> {

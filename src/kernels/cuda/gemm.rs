@@ -10,7 +10,7 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, WeightBuf, cuda};
+use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, RowScale, WeightBuf, cuda};
 use crate::kernels::LoraRows;
 
 /// How `Device::gate_up_silu` ran: the projection written in f32 then silu_mul, written in
@@ -26,13 +26,25 @@ pub(super) enum GateUpPath {
 /// decode steps of a few sequences, which only stream the weights.
 pub(super) const GEMV_ROWS: usize = 8;
 
-/// gemv.cu's kernels, plain and gate/up with SiLU·mul, by (wide, f16) as `gemv_cfg` picks.
-const GEMV_KERNELS: [(&str, &str); 4] = [
-    ("gemv_bf16", "gemv_silu_bf16"),
-    ("gemv_f16", "gemv_silu_f16"),
-    ("gemv_wide_bf16", "gemv_silu_wide_bf16"),
-    ("gemv_wide_f16", "gemv_silu_wide_f16"),
+/// gemv.cu's kernels by (wide, f16) as `gemv_cfg` picks them.
+const GEMV_KERNELS: [GemvKernels; 4] = [
+    GemvKernels { plain: "gemv_bf16", silu: "gemv_silu_bf16", res_norm: "gemv_res_norm_bf16" },
+    GemvKernels { plain: "gemv_f16", silu: "gemv_silu_f16", res_norm: "gemv_res_norm_f16" },
+    GemvKernels { plain: "gemv_wide_bf16", silu: "gemv_silu_wide_bf16", res_norm: "gemv_res_norm_wide_bf16" },
+    GemvKernels { plain: "gemv_wide_f16", silu: "gemv_silu_wide_f16", res_norm: "gemv_res_norm_wide_f16" },
 ];
+
+/// The GEMV kernels of one width and weight type: plain, gate/up with SiLU·mul, and the
+/// projection added to the residual with the next norm left to the GEMV after it.
+pub(super) struct GemvKernels {
+    plain: &'static str,
+    silu: &'static str,
+    res_norm: &'static str,
+}
+
+/// A GEMV's last three arguments (gemv.cu's `NormScale`): where x's norm left its sums of
+/// squares, how many a row, and its epsilon; a null address where x is final.
+pub(super) type ScaleArgs = (CUdeviceptr, i32, f32);
 
 impl CudaDevice {
     /// `out = x @ wᵀ (+ bias) + beta · out` for `[n, k]` weights w.
@@ -116,10 +128,12 @@ impl CudaDevice {
         let ty = if f16 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
         let (wp, _w) = w.device_ptr(&self.stream);
         let (op, _o) = out.device_ptr_mut(&self.stream);
+        let scale = self.scale_args(x);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
             if self.gemv_fits(m, k) && beta == 0.0 {
-                return self.gemv(f16, (wp, xp, op), (m, n, k));
+                return self.gemv(f16, (wp, xp, op), (m, n, k), &scale);
             }
+            x.final_values("a GEMM")?;
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
             unsafe { self.gemm_tuned((ty, DataType::CUDA_R_32F), (wp, xp, op), (n, m, k), beta) }
@@ -221,31 +235,34 @@ impl CudaDevice {
     }
 
     /// Whether `m` rows of x with `k` features take the GEMV (gemv.cu) for 16-bit weights.
-    fn gemv_fits(&self, m: usize, k: usize) -> bool {
+    pub(super) fn gemv_fits(&self, m: usize, k: usize) -> bool {
         (1..=GEMV_ROWS).contains(&m) && k.is_multiple_of(8) && self.sm80
     }
 
-    /// A GEMV grid of `blocks` over `f16` (else bf16) weights: its kernels, plain and gate/up
-    /// with SiLU·mul (the `_wide` ones, 16 warps a block, for grids the GPU holds at two
-    /// blocks an SM; gemv.cu), and its launch.
-    fn gemv_cfg(&self, blocks: usize, f16: bool) -> ((&'static str, &'static str), LaunchConfig) {
+    /// A GEMV grid of `blocks` over `f16` (else bf16) weights: its kernels (the `_wide` ones,
+    /// 16 warps a block, for grids the GPU holds at two blocks an SM; gemv.cu), and its
+    /// launch.
+    pub(super) fn gemv_cfg(&self, blocks: usize, f16: bool) -> (&'static GemvKernels, LaunchConfig) {
         let wide = blocks <= 2 * self.sms;
         let threads = if wide { 512 } else { 256 };
         (
-            GEMV_KERNELS[usize::from(wide) * 2 + usize::from(f16)],
+            &GEMV_KERNELS[usize::from(wide) * 2 + usize::from(f16)],
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
         )
     }
 
     /// `out = x @ wᵀ` for up to [`GEMV_ROWS`] rows of 16-bit x and w (gemv.cu): w `[n, k]`,
-    /// x `[m, k]`, out `[m, n]` f32, as device addresses; k a multiple of 8.
+    /// x `[m, k]`, out `[m, n]` f32, as device addresses; k a multiple of 8; x's pending
+    /// norm scale, if any, as `scale`.
     fn gemv(
         &self,
         f16: bool,
         (w, x, out): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
         (m, n, k): (usize, usize, usize),
+        scale: &ScaleArgs,
     ) -> DevResult<()> {
-        let ((name, _), cfg) = self.gemv_cfg(n.div_ceil(16), f16);
+        let (kernels, cfg) = self.gemv_cfg(n.div_ceil(16), f16);
+        let name = kernels.plain;
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
         // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
@@ -260,6 +277,9 @@ impl CudaDevice {
                 .arg(&m)
                 .arg(&n)
                 .arg(&k)
+                .arg(&scale.0)
+                .arg(&scale.1)
+                .arg(&scale.2)
                 .launch(cfg)
         }
         .map_err(cuda("gemv launch"))?;
@@ -267,7 +287,7 @@ impl CudaDevice {
     }
 
     /// A 16-bit weight's buffer and kind (1 bf16, 2 f16), None for f32.
-    fn weight16(w: &CudaWeight) -> Option<(&CudaSlice<u16>, i32)> {
+    pub(super) fn weight16(w: &CudaWeight) -> Option<(&CudaSlice<u16>, i32)> {
         match &w.buf {
             WeightBuf::Bf16(b) => Some((b, 1)),
             WeightBuf::F16(b) => Some((b, 2)),
@@ -297,21 +317,82 @@ impl CudaDevice {
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = half_only && half.is_some();
         let (wp, _w) = wb.device_ptr(&self.stream);
-        let ((_, name), cfg) = self.gemv_cfg(inter.div_ceil(8), kind == 2);
+        let (kernels, cfg) = self.gemv_cfg(inter.div_ceil(8), kind == 2);
+        let name = kernels.silu;
+        let scale = self.scale_args(x);
         self.with_x16(x, kind, |xp| {
             let _t = self.span(name, (n, k), rows);
             let (m, i, k) = (rows as i32, inter as i32, k as i32);
             let mut launch = self.stream.launch_builder(self.f(name));
             launch.arg(&wp).arg(&xp);
             push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
+            launch.arg(&m).arg(&i).arg(&k).arg(&scale.0).arg(&scale.1).arg(&scale.2);
             // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
-            // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0.
-            // 8 gate rows (and their 8 up rows) a block.
-            unsafe { launch.arg(&m).arg(&i).arg(&k).launch(cfg) }.map_err(cuda("gemv_silu launch"))
+            // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0;
+            // a scale's sums hold rows · parts values. 8 gate rows (and their 8 up rows) a
+            // block.
+            unsafe { launch.launch(cfg) }.map_err(cuda("gemv_silu launch"))
         })?;
         out.half = half;
         out.half_only = half_only;
         Ok(Some(out))
+    }
+
+    /// `Device::linear_add_rms_norm` of up to [`GEMV_ROWS`] rows over 16-bit weights, for a
+    /// norm that only the next projection's GEMM reads where that GEMM is the GEMV too: one
+    /// GEMV (gemv.cu's gemv_res_norm) adds the projection to the residual and writes the
+    /// norm's weights times the sum, in 16 bits, leaving each row's 1/rms to the next GEMV
+    /// (`RowScale`). No norm kernel runs. None where this does not apply.
+    pub(super) fn linear_res_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        residual: &mut CudaTensor,
+        nw: &CudaWeight,
+        eps: f32,
+    ) -> DevResult<Option<CudaTensor>> {
+        use cudarc::driver::DevicePtr;
+        let (n, k) = (w.shape[0], w.shape[1]);
+        let m = x.rows;
+        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        // The next projection reads n values a row: fits the GEMV too, so it applies the scale.
+        let fits = self.gemv_fits(m, k) && self.gemv_fits(m, n) && x.cols == k && x.scale.is_none();
+        if !fits || self.act16.get() != kind || (residual.rows, residual.cols) != (m, n) {
+            return Ok(None);
+        }
+        let (Some(mut half), _) = self.half(m, n)? else { return Ok(None) };
+        let parts = n.div_ceil(16);
+        let mut sums = self.tensor(m, parts)?.buf;
+        let out = self.tensor(m, n)?;
+        let (kernels, cfg) = self.gemv_cfg(parts, kind == 2);
+        let (wp, _w) = wb.device_ptr(&self.stream);
+        self.with_x16(x, kind, |xp| {
+            let _t = self.span(kernels.res_norm, (n, k), m);
+            let (mi, ni, ki) = (m as i32, n as i32, k as i32);
+            let mut launch = self.stream.launch_builder(self.f(kernels.res_norm));
+            launch.arg(&wp).arg(&xp).arg(&mut *residual.buf).arg(nw.f32()).arg(&mut *half.buf).arg(&kind);
+            launch.arg(&mut *sums).arg(&mi).arg(&ni).arg(&ki);
+            // SAFETY: w holds n rows of k 16-bit values, x m·k of them; the residual is
+            // [m, n] f32 and nw n values; half holds m·n 16-bit values and sums m · parts
+            // floats (one per row and block of 16 outputs); k % 8 == 0.
+            unsafe { launch.launch(cfg) }.map_err(cuda("gemv_res_norm launch"))
+        })?;
+        Ok(Some(CudaTensor {
+            half: Some(half),
+            half_only: true,
+            scale: Some(RowScale { sums, parts, eps }),
+            ..out
+        }))
+    }
+
+    /// The GEMV arguments for x's pending norm scale (see [`ScaleArgs`]).
+    pub(super) fn scale_args(&self, x: &CudaTensor) -> ScaleArgs {
+        use cudarc::driver::DevicePtr;
+        match &x.scale {
+            // The address stays valid while x (which owns the sums) lives: through the launch.
+            Some(s) => (s.sums.device_ptr(&self.stream).0, s.parts as i32, s.eps),
+            None => (0, 0, 0.0),
+        }
     }
 
     /// Runs `f` with the device address of x's values rounded to 16-bit `kind` (1 bf16,

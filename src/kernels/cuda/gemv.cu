@@ -61,6 +61,49 @@ __device__ __forceinline__ void gemv_chunk(float (&c)[4], const uint4& a, const 
 #endif
 }
 
+// 4 bytes from global to shared memory without a register (cp.async, sm_80).
+__device__ __forceinline__ void cp_async4(float* smem, const float* p) {
+#if __CUDA_ARCH__ >= 800
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(a), "l"(p) : "memory");
+#endif
+}
+
+// Tokens (rows of x) a GEMV takes: the 8 columns of the mma's B operand.
+#define GEMV_TOKENS 8
+
+// An RMSNorm whose 1/rms is applied by the GEMV that reads it (gemv_res_norm writes such
+// norms): x holds w ⊙ v, rounded to T, and token t's products are to be multiplied by
+// rsqrt(Σ v² / k + eps), whose sum of squares `parts` blocks of the GEMV that wrote v left
+// at sums[t · parts ..]. A null `sums`: x is final.
+struct NormScale {
+    const float* sums;
+    int parts;
+    float eps;
+};
+
+// Token t's 1/rms from its `parts` sums (a whole warp): every lane adds the sums j ≡ lane
+// (mod 32) in order of j, eight loads at a time, then the lanes meet by xor shuffles, so
+// every lane of every block that asks gets the same value.
+__device__ __forceinline__ float row_rscale(NormScale s, int t, int cols) {
+    const int lane = threadIdx.x & 31;
+    const float* p = s.sums + (size_t)t * s.parts;
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < s.parts; j0 += 8 * 32) {
+        float v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int j = j0 + u * 32 + lane;
+            v[u] = j < s.parts ? __ldcg(p + j) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc += v[u];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return rsqrtf(acc / cols + s.eps);
+}
+
 // Where a block's partial sums meet: [warp][C fragment element][lane], for W warps.
 template <int W> using GemvRed = float[W][4][32];
 
@@ -73,8 +116,13 @@ template <int W> using GemvRed = float[W][4][32];
 // microseconds. The next kernel is let launch only once the block has issued its last
 // loads: let launch right after the wait, as the other kernels do, the 8B model's batch-1
 // step took 4.27 – 4.29 ms on the H200 against 4.24 – 4.26.
+//
+// With `scale.sums` (x is a norm's output whose 1/rms is still to apply, `NormScale`), warp t
+// of the first m computes token t's scale into rs[t] once the kernel before has finished;
+// the caller multiplies its sums by it.
 template <typename T, int W>
-__device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T* w1, const T* xr, int k) {
+__device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T* w1, const T* xr, int k,
+                                          NormScale scale, int m, float (&rs)[GEMV_TOKENS]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Whole chunks, U at a time with no conditions (so that all their loads issue before the
@@ -92,6 +140,10 @@ __device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T*
         }
     }
     grid_dep_wait();
+    if (scale.sums != nullptr && warp < m) {
+        float r = row_rscale(scale, warp, k);
+        if (lane == 0) rs[warp] = r;
+    }
     for (; c0 + (GEMV_UNROLL - 1) * W < full; c0 += W * GEMV_UNROLL) {
         uint4 xb[GEMV_UNROLL];
 #pragma unroll
@@ -133,19 +185,73 @@ __device__ __forceinline__ float gemv_sum(const GemvRed<W>& red, int e, int l) {
 
 // y = x @ wᵀ: block b takes weight rows 16b .. 16b + 15.
 template <typename T, int W>
-__device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k) {
+__device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k,
+                     NormScale scale) {
     __shared__ GemvRed<W> red;
+    __shared__ float rs[GEMV_TOKENS];
     const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
     const int row0 = blockIdx.x * 16;
     const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
     const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
-    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k);
+    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k, scale, m, rs);
     if (threadIdx.x < 128) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2) + (e >= 2 ? 8 : 0);
         int tok = (l & 3) * 2 + (e & 1);
         float s = gemv_sum(red, e, l);
-        if (row < n && tok < m) y[(size_t)tok * n + row] = s;
+        if (row < n && tok < m) y[(size_t)tok * n + row] = scale.sums ? s * rs[tok] : s;
+    }
+}
+
+// y = x @ wᵀ added to the residual stream, and the RMSNorm (weights nw) of the sum made
+// ready for the next projection's GEMV: residual += y; out16 = nw ⊙ residual, rounded to
+// 16 bits (kind 1 bf16, 2 f16), with each token's 1/rms left to that GEMV (NormScale): the
+// block writes the sums of squares of its rows' new residual values to sums[t · gridDim.x
+// + block]. No kernel between the projection and the next one, and no block waits for
+// another: the sums meet in the next GEMV, which needs them only for its epilogue.
+//
+// The residual and the norm weights are loaded before PDL's wait: the residual was last
+// written two kernels before at least (the projection that wrote it was done before the
+// kernel before this one passed its own wait, which it did before this one could launch).
+template <typename T, int W>
+__device__ void gemv_res_norm(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ residual,
+                              const float* __restrict__ nw, void* out16, int kind, float* __restrict__ sums, int m,
+                              int n, int k) {
+    __shared__ GemvRed<W> red;
+    __shared__ float rs[GEMV_TOKENS];
+    // Copied to shared memory, so that no register holds them through the products.
+    __shared__ float res[GEMV_TOKENS][16], nws[16], sq[GEMV_TOKENS][17];
+    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int row0 = blockIdx.x * 16;
+    // Epilogue thread i < 128: C element e = i / 32 of lane l = i % 32 (gemv_sum's).
+    auto row_of = [&] { return row0 + ((threadIdx.x & 31) >> 2) + (threadIdx.x >= 64 ? 8 : 0); };
+    auto tok_of = [&] { return (threadIdx.x & 3) * 2 + ((threadIdx.x >> 5) & 1); };
+    if (threadIdx.x < 128 && row_of() < n && tok_of() < m) {
+        cp_async4(&res[tok_of()][row_of() - row0], residual + (size_t)tok_of() * n + row_of());
+        cp_async4(&nws[row_of() - row0], nw + row_of());
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
+    const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
+    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k, NormScale{nullptr, 0, 0.0f}, m, rs);
+    asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own copies
+    if (threadIdx.x < 128) {
+        const int row = row_of(), tok = tok_of();
+        float v = 0.0f;
+        if (row < n && tok < m) {
+            const size_t at = (size_t)tok * n + row;
+            v = gemv_sum(red, threadIdx.x / 32, threadIdx.x % 32) + res[tok][row - row0];
+            residual[at] = v;
+            store16(out16, at, nws[row - row0] * v, kind);
+        }
+        sq[tok][row - row0] = v * v;
+    }
+    __syncthreads();
+    if (threadIdx.x < m) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) s += sq[threadIdx.x][i];
+        sums[(size_t)threadIdx.x * gridDim.x + blockIdx.x] = s;
     }
 }
 
@@ -156,17 +262,23 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
 // (unless null) and, rounded to 16 bits, to out16 (kind 1 bf16, 2 f16; none with kind 0).
 template <typename T, int W>
 __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
-                          int kind, int m, int inter, int k) {
+                          int kind, int m, int inter, int k, NormScale scale) {
     __shared__ GemvRed<W> red;
+    __shared__ float rs[GEMV_TOKENS];
     const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
     const int row0 = blockIdx.x * 8;
     const size_t gate = min(row0 + g, inter - 1);
-    gemv_sums<T, W>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k);
+    gemv_sums<T, W>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k,
+                    scale, m, rs);
     if (threadIdx.x < 64) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2);
         int tok = (l & 3) * 2 + e;
         float gv = gemv_sum(red, e, l), uv = gemv_sum(red, e + 2, l);
+        if (scale.sums) {
+            gv *= rs[tok];
+            uv *= rs[tok];
+        }
         float r = gv / (1.0f + expf(-gv)) * uv;
         size_t o = (size_t)tok * inter + row;
         if (row < inter && tok < m) {
@@ -184,26 +296,39 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
 // of 8 warps an SM too few loads were in flight to keep HBM busy. The 8B model's o and
 // down projections (256 blocks on the H200's 132 SMs) took the batch-1 step from
 // 4.21 – 4.22 to 4.16 – 4.20 ms and the batch-8 one from 4.43 to 4.33 – 4.34.
+// The plain and gate/up kernels end with a NormScale's three fields (a null `sums` where x is
+// final); gemv_res_norm writes such norms.
+#define GEMV_SCALE const float *sums, int parts, float eps
 #define GEMV(SUF, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n,   \
-                   int k) {                                                                                 \
-        gemv<T, GEMV_WARPS>(w, x, y, m, n, k); /* PDL's wait inside (gemv_sums) */                          \
+                   int k, GEMV_SCALE) {                                                                     \
+        gemv<T, GEMV_WARPS>(w, x, y, m, n, k, NormScale{sums, parts, eps}); /* PDL's wait: gemv_sums */     \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
         gemv_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m,     \
-                        int n, int k) {                                                                     \
-        gemv<T, 2 * GEMV_WARPS>(w, x, y, m, n, k);                                                          \
+                        int n, int k, GEMV_SCALE) {                                                         \
+        gemv<T, 2 * GEMV_WARPS>(w, x, y, m, n, k, NormScale{sums, parts, eps});                             \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_silu_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind,  \
-                        int m, int inter, int k) {                                                          \
-        gemv_silu<T, GEMV_WARPS>(w, x, out, out16, kind, m, inter, k);                                      \
+                        int m, int inter, int k, GEMV_SCALE) {                                              \
+        gemv_silu<T, GEMV_WARPS>(w, x, out, out16, kind, m, inter, k, NormScale{sums, parts, eps});         \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
         gemv_silu_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16,     \
-                             int kind, int m, int inter, int k) {                                           \
-        gemv_silu<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, m, inter, k);                                  \
+                             int kind, int m, int inter, int k, GEMV_SCALE) {                               \
+        gemv_silu<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, m, inter, k, NormScale{sums, parts, eps});     \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_res_norm_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* residual,              \
+                            const float* nw, void* out16, int kind, float* sums, int m, int n, int k) {     \
+        gemv_res_norm<T, GEMV_WARPS>(w, x, residual, nw, out16, kind, sums, m, n, k);                       \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
+        gemv_res_norm_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* residual,         \
+                                 const float* nw, void* out16, int kind, float* sums, int m, int n, int k) {\
+        gemv_res_norm<T, 2 * GEMV_WARPS>(w, x, residual, nw, out16, kind, sums, m, n, k);                   \
     }
 GEMV(bf16, __nv_bfloat16)
 GEMV(f16, __half)

@@ -65,6 +65,18 @@ pub struct CudaTensor {
     /// that only the GEMM (or GEMV) of a projection without adapters reads, through `half`
     /// (`Device::rms_norm_for_gemm`, `Device::gate_up_silu`). `to_host` reads `half`.
     half_only: bool,
+    /// A norm whose 1/rms is still to apply (`Device::linear_add_rms_norm`): `half` holds
+    /// the norm's weights times the residual, and only the GEMV of the next projection
+    /// (which scales its products) or `to_host` reads it.
+    scale: Option<RowScale>,
+}
+
+/// What a norm left to the GEMV that reads it (gemv.cu's `NormScale`): row t of the tensor
+/// is to be multiplied by rsqrt(Σ sums[t · parts .. (t + 1) · parts] / cols + eps).
+struct RowScale {
+    sums: PooledBuf,
+    parts: usize,
+    eps: f32,
 }
 
 /// 16-bit copy of a tensor's values: `kind` 1 is bf16, 2 is f16 (in f32-sized slots).
@@ -90,6 +102,17 @@ impl CudaTensor {
         match self.half_only {
             true => Err(DeviceError::Other(format!("{what} was given values kept in 16 bits only"))),
             false => Ok(()),
+        }
+    }
+
+    /// An error where a norm's scale is still to apply (`scale`), for the GEMMs that can
+    /// not apply it: only the GEMV does.
+    fn final_values(&self, what: &str) -> DevResult<()> {
+        match self.scale {
+            Some(_) => {
+                Err(DeviceError::Other(format!("{what} was given a norm whose scale only a GEMV applies")))
+            }
+            None => Ok(()),
         }
     }
 }
@@ -198,6 +221,8 @@ pub struct CudaDevice {
     lora_deltas_first: std::cell::Cell<bool>,
     /// How the last `gate_up_silu` ran.
     gate_up_path: std::cell::Cell<GateUpPath>,
+    /// Whether the last `linear_add_rms_norm` left its norm's scale to the next GEMV.
+    norm_in_gemv: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
@@ -308,6 +333,7 @@ impl CudaDevice {
             attn_shape: std::cell::Cell::new(None),
             lora_deltas_first: std::cell::Cell::new(false),
             gate_up_path: std::cell::Cell::new(GateUpPath::F32),
+            norm_in_gemv: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
         })
@@ -343,6 +369,12 @@ impl CudaDevice {
     /// type for silu_mul to read, rather than in f32.
     pub fn gate_up_in_16_bits(&self) -> bool {
         self.gate_up_path.get() == GateUpPath::In16Bits
+    }
+
+    /// Whether the last `Device::linear_add_rms_norm` was one GEMV that left the norm's
+    /// scale to the GEMV of the next projection (no norm kernel).
+    pub fn norm_left_to_gemv(&self) -> bool {
+        self.norm_in_gemv.get()
     }
 
     /// Whether the last `Device::gate_up_silu` was one GEMV that applied SiLU·mul itself,
@@ -451,7 +483,7 @@ impl CudaDevice {
             None => unsafe { self.uninit::<f32>(len) }?,
         };
         let buf = PooledBuf { slice: std::mem::ManuallyDrop::new(slice), pool: Some(pool) };
-        Ok(CudaTensor { buf, rows, cols, half: None, half_only: false })
+        Ok(CudaTensor { buf, rows, cols, half: None, half_only: false, scale: None })
     }
 
     /// A new zeroed device buffer. Every allocation goes through this, [`Self::uninit`] or
@@ -498,6 +530,7 @@ impl CudaDevice {
             cols,
             half: None,
             half_only: false,
+            scale: None,
         })
     }
 

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 59] = [
+const KERNELS: [&str; 63] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -74,6 +74,10 @@ const KERNELS: [&str; 59] = [
     "gemv_silu_f16",
     "gemv_silu_wide_bf16",
     "gemv_silu_wide_f16",
+    "gemv_res_norm_bf16",
+    "gemv_res_norm_f16",
+    "gemv_res_norm_wide_bf16",
+    "gemv_res_norm_wide_f16",
     "fill_random_16",
 ];
 

@@ -134,13 +134,25 @@ impl Device for CudaDevice {
         let words =
             self.stream.clone_dtoh(&h.buf.slice(0..n.div_ceil(2))).map_err(cuda("device to host copy"))?;
         let bits: &[u16] = bytemuck::cast_slice(&words);
-        Ok(bits[..n]
+        let mut values: Vec<f32> = bits[..n]
             .iter()
             .map(|&b| match h.kind {
                 1 => half::bf16::from_bits(b).to_f32(),
                 _ => half::f16::from_bits(b).to_f32(),
             })
-            .collect())
+            .collect();
+        if let Some(s) = &t.scale {
+            // The scale the GEMV would apply, row by row.
+            let sums = self
+                .stream
+                .clone_dtoh(&s.sums.slice(0..t.rows * s.parts))
+                .map_err(cuda("device to host copy"))?;
+            for (row, sums) in values.chunks_mut(t.cols).zip(sums.chunks(s.parts)) {
+                let r = 1.0 / (sums.iter().sum::<f32>() / t.cols as f32 + s.eps).sqrt();
+                row.iter_mut().for_each(|v| *v *= r);
+            }
+        }
+        Ok(values)
     }
 
     fn synchronize(&self) -> DevResult<()> {
@@ -217,6 +229,26 @@ impl Device for CudaDevice {
         eps: f32,
     ) -> DevResult<CudaTensor> {
         self.norm(x, Some(residual), w, eps, false)
+    }
+
+    /// Up to 8 rows over 16-bit weights, for a norm only the next projection's GEMV reads:
+    /// one GEMV, the norm's scale left to that GEMV (`CudaDevice::linear_res_norm`).
+    fn linear_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        residual: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        gemm_only: bool,
+    ) -> DevResult<CudaTensor> {
+        if gemm_only && let Some(t) = self.linear_res_norm(x, w, residual, norm, eps)? {
+            self.norm_in_gemv.set(true);
+            return Ok(t);
+        }
+        self.norm_in_gemv.set(false);
+        let y = self.linear(x, w, None)?;
+        self.norm(&y, Some(residual), norm, eps, gemm_only)
     }
 
     /// The norm in the 16-bit copy alone where there is one (16-bit weights): every GEMM

@@ -6,6 +6,7 @@
 
 use std::ops::Range;
 
+use super::RMSNorm;
 use crate::kernels::{DevResult, Device, LoraRows, TpRank};
 use crate::models::ModelError;
 use crate::models::loader::{ParamView, Part};
@@ -162,5 +163,23 @@ impl<D: Device> RowParallelLinear<D> {
         let mut out = dev.project(x, &self.weight, None, lora)?;
         dev.all_reduce(&mut out)?;
         Ok(out)
+    }
+    /// [`Self::forward`] added to `residual`, then `norm` of the sum for the next projection
+    /// ([`RMSNorm::forward_to_proj`]). Without adapters on one rank the device does both in
+    /// one call ([`Device::linear_add_rms_norm`]).
+    pub fn forward_add_norm(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        lora: ProjLora<D>,
+        residual: &mut D::Tensor,
+        norm: &RMSNorm<D>,
+        gemm_only: bool,
+    ) -> DevResult<D::Tensor> {
+        if lora.is_none() && dev.tp().world == 1 {
+            return dev.linear_add_rms_norm(x, &self.weight, residual, &norm.weight, norm.eps, gemm_only);
+        }
+        let out = self.forward(dev, x, lora)?;
+        norm.forward_to_proj(dev, &out, Some(residual), gemm_only)
     }
 }

@@ -686,6 +686,89 @@ fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
     g.set_activation_dtype(DType::F32);
 }
 
+/// The qkv projection without adapters (`Device::project_qkv_attention`): up to 8 rows over
+/// 16-bit weights and cache, one GEMV applies RoPE and writes k and v into the cache. The
+/// attention it leads to matches the projection, RoPE kernel and attention run apart, over
+/// a prefill, a decode step with a padding row (no slot: no cache write), an input whose
+/// norm's scale the GEMV applies (`linear_add_rms_norm`), and past 8 rows (not fused).
+/// Head dims 128 and 64 (384 and 60 blocks: both GEMV widths on the H200).
+#[test]
+fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
+    let Some((g, _turn)) = gpu() else { return };
+    let (hidden, bs) = (256, 16);
+    for (dt, (heads, kv_heads, hd)) in
+        [DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, (32, 8, 128)), (d, (9, 3, 64))])
+    {
+        g.set_activation_dtype(dt);
+        let what = format!("{dt:?}, {heads}:{kv_heads}x{hd}");
+        let s = AttnShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let rope = RopeSpec {
+            inv_freq: (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect(),
+            head_dim: hd,
+        };
+        let n = (heads + 2 * kv_heads) * hd;
+        let up = |w: &[f32], shape: &[usize], dt: DType| {
+            let mut bytes = Vec::new();
+            dt.convert_from(DType::F32, bytemuck::cast_slice(w), &mut bytes);
+            g.upload(HostTensor { dtype: dt, shape: shape.to_vec(), data: bytes.into() }).unwrap()
+        };
+        let wg = up(&rand(n * hidden, 51), &[n, hidden], dt);
+        let (w0, nw) =
+            (up(&rand(hidden * 64, 52), &[hidden, 64], dt), up(&vec![1.0; hidden], &[hidden], DType::F32));
+        let shape = CacheShape { num_blocks: 12, block_size: bs, num_kv_heads: kv_heads, head_dim: hd };
+        let (mut fused, mut apart) = (g.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
+        let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..4).map(|b| b * 3 + i).collect()).collect();
+        type Step<'a> = (&'a [(u32, std::ops::Range<u32>)], bool);
+        let steps: [Step; 4] = [
+            (&[(0, 0..6)], false),
+            (&[(0, 6..7), (1, 0..1), (2, 0..1)], false),
+            (&[(0, 7..8), (1, 1..2), (2, 1..2)], true),
+            (&[(0, 8..9), (1, 2..10)], false),
+        ];
+        for (i, (seq_pos, scaled)) in steps.into_iter().enumerate() {
+            let mut meta = AttnMetadata { block_tables: tables.clone(), ..Default::default() };
+            for (seq, range) in seq_pos {
+                for p in range.clone() {
+                    meta.positions.push(p);
+                    meta.token_seq.push(*seq);
+                    let slot =
+                        tables[*seq as usize][p as usize / bs] as i64 * bs as i64 + (p as usize % bs) as i64;
+                    meta.slot_mapping.push(slot);
+                }
+            }
+            if i == 1 {
+                // A graph's padding row: position 0 of sequence 0's first block, no slot.
+                meta.positions.push(0);
+                meta.token_seq.push(0);
+                meta.slot_mapping.push(-1);
+            }
+            let m = meta.positions.len();
+            let x = match scaled {
+                false => g.from_host(&rand(m * hidden, 53 + i as u64), m, hidden).unwrap(),
+                true => {
+                    let x0 = g.from_host(&rand(m * 64, 54), m, 64).unwrap();
+                    let mut r = g.from_host(&rand(m * hidden, 55), m, hidden).unwrap();
+                    let h = g.linear_add_rms_norm(&x0, &w0, &mut r, &nw, 1e-5, true).unwrap();
+                    assert!(g.norm_left_to_gemv(), "{what}: step {i}'s input carries its norm's scale");
+                    h
+                }
+            };
+            let pos = meta.positions.clone();
+            let a = g.project_qkv_attention(&x, &wg, None, (s, &rope, &pos), &mut fused, &meta).unwrap();
+            assert_eq!(g.qkv_rope_on_gemv(), m <= 8, "{what}, step {i}: RoPE in the GEMV");
+            let qkv = g.linear(&x, &wg, None).unwrap();
+            let b = g.qkv_attention(&qkv, s, &rope, &pos, &mut apart, &meta).unwrap();
+            close(&format!("{what}, step {i}"), &g.to_host(&a).unwrap(), &g.to_host(&b).unwrap(), 2e-3);
+        }
+    }
+    g.set_activation_dtype(DType::F32);
+}
+
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
 /// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a

@@ -288,6 +288,21 @@ pub trait Device: Send + Unpin + 'static {
         let (q, k, v) = self.split_qkv_rope(qkv, shape, rope, positions)?;
         self.paged_attention(&q, &k, &v, cache, shape, meta)
     }
+    /// [`Device::qkv_attention`] of the fused qkv projection of `x` (weights `w`, `bias`,
+    /// no adapters) for attention of shape `shape` with rotary `rope` at `positions`: a
+    /// device may apply RoPE and write k and v into the cache as it projects.
+    fn project_qkv_attention(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        bias: Option<&Self::Weight>,
+        (shape, rope, positions): (AttnShape, &RopeSpec, &[u32]),
+        cache: &mut Self::Cache,
+        meta: &AttnMetadata,
+    ) -> DevResult<Self::Tensor> {
+        let qkv = self.linear(x, w, bias)?;
+        self.qkv_attention(&qkv, shape, rope, positions, cache, meta)
+    }
     /// Records the forward `forward` runs on inputs `ids` and `meta` (returning its hidden
     /// states) as a graph to replay, with attention shaped for contexts up to `ctx_bound`.
     /// None on a device without graphs.

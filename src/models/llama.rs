@@ -199,8 +199,16 @@ impl<D: Device> LlamaAttention<D> {
     ) -> DevResult<D::Tensor> {
         let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
         let (qkv_lora, o_lora) = (modules(QKV), modules(O));
-        let qkv = self.qkv_proj.forward(dev, x, proj_lora::<D>(&qkv_lora, meta))?; // [n, (heads + 2·kv_heads)·head_dim]
-        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, heads·head_dim]
+        let attn = match proj_lora::<D>(&qkv_lora, meta) {
+            None => {
+                let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
+                self.attn.forward_projecting(dev, x, w, positions, rope, cache, meta)?
+            }
+            lora => {
+                let qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
+                self.attn.forward(dev, &qkv, positions, rope, cache, meta)?
+            }
+        }; // [n, heads·head_dim]
         let o_lora = proj_lora::<D>(&o_lora, meta);
         self.o_proj.forward_add_norm(dev, &attn, o_lora, residual, norm, gemm_only) // [n, hidden]
     }

@@ -28,18 +28,40 @@ pub(super) const GEMV_ROWS: usize = 8;
 
 /// gemv.cu's kernels by (wide, f16) as `gemv_cfg` picks them.
 const GEMV_KERNELS: [GemvKernels; 4] = [
-    GemvKernels { plain: "gemv_bf16", silu: "gemv_silu_bf16", res_norm: "gemv_res_norm_bf16" },
-    GemvKernels { plain: "gemv_f16", silu: "gemv_silu_f16", res_norm: "gemv_res_norm_f16" },
-    GemvKernels { plain: "gemv_wide_bf16", silu: "gemv_silu_wide_bf16", res_norm: "gemv_res_norm_wide_bf16" },
-    GemvKernels { plain: "gemv_wide_f16", silu: "gemv_silu_wide_f16", res_norm: "gemv_res_norm_wide_f16" },
+    GemvKernels {
+        plain: "gemv_bf16",
+        silu: "gemv_silu_bf16",
+        res_norm: "gemv_res_norm_bf16",
+        qkv_rope: "gemv_qkv_rope_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_f16",
+        silu: "gemv_silu_f16",
+        res_norm: "gemv_res_norm_f16",
+        qkv_rope: "gemv_qkv_rope_f16",
+    },
+    GemvKernels {
+        plain: "gemv_wide_bf16",
+        silu: "gemv_silu_wide_bf16",
+        res_norm: "gemv_res_norm_wide_bf16",
+        qkv_rope: "gemv_qkv_rope_wide_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_wide_f16",
+        silu: "gemv_silu_wide_f16",
+        res_norm: "gemv_res_norm_wide_f16",
+        qkv_rope: "gemv_qkv_rope_wide_f16",
+    },
 ];
 
-/// The GEMV kernels of one width and weight type: plain, gate/up with SiLU·mul, and the
-/// projection added to the residual with the next norm left to the GEMV after it.
+/// The GEMV kernels of one width and weight type: plain, gate/up with SiLU·mul, the
+/// projection added to the residual with the next norm left to the GEMV after it, and the
+/// qkv projection with RoPE into the cache.
 pub(super) struct GemvKernels {
     plain: &'static str,
     silu: &'static str,
     res_norm: &'static str,
+    pub(super) qkv_rope: &'static str,
 }
 
 /// A GEMV's last three arguments (gemv.cu's `NormScale`): where x's norm left its sums of

@@ -69,6 +69,13 @@ __device__ __forceinline__ void cp_async4(float* smem, const float* p) {
 #endif
 }
 
+__device__ __forceinline__ void cp_async8(long long* smem, const long long* p) {
+#if __CUDA_ARCH__ >= 800
+    unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(a), "l"(p) : "memory");
+#endif
+}
+
 // Tokens (rows of x) a GEMV takes: the 8 columns of the mma's B operand.
 #define GEMV_TOKENS 8
 
@@ -288,6 +295,69 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
     }
 }
 
+// The fused qkv projection with RoPE applied, q written out and k and v written into the
+// cache at each token's slot (none for a negative one), as split_qkv_rope_kv computes them
+// from the projection, which is never written. Block b takes, of head slot h = b / (hd / 16)
+// (q heads, then k, then v), the rows of dims 8j .. 8j + 7 as its rows g and those of dims
+// half + 8j .. as its rows g + 8 (j = b % (hd / 16), half = hd / 2), so that each thread of
+// the epilogue holds a pair the rotation mixes. Needs the rotation over the whole head, hd a
+// multiple of 16. The tokens' positions and slots and the block's frequencies do not depend
+// on the kernel before: they are copied to shared memory before PDL's wait.
+template <typename T, int W>
+__device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ q,
+                              T* __restrict__ kc, T* __restrict__ vc, const long long* __restrict__ slots,
+                              const unsigned* __restrict__ positions, const float* __restrict__ inv_freq, int heads,
+                              int kv_heads, int hd, int m, int k, NormScale scale) {
+    __shared__ GemvRed<W> red;
+    __shared__ float rs[GEMV_TOKENS], freq[8];
+    __shared__ unsigned pos[GEMV_TOKENS];
+    __shared__ long long at[GEMV_TOKENS];
+    const int g = (threadIdx.x & 31) >> 2, q4 = threadIdx.x & 3;
+    const int per_head = hd / 16, half = hd / 2;
+    const int slot = blockIdx.x / per_head, d0 = (blockIdx.x % per_head) * 8;
+    if (threadIdx.x < m) {
+        cp_async4((float*)&pos[threadIdx.x], (const float*)(positions + threadIdx.x));
+        cp_async8(&at[threadIdx.x], slots + threadIdx.x);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 40) {
+        cp_async4(&freq[threadIdx.x - 32], inv_freq + d0 + threadIdx.x - 32);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const size_t lo = (size_t)slot * hd + d0;
+    gemv_sums<T, W>(red, w + (lo + g) * k + q4 * 8, w + (lo + half + g) * k + q4 * 8,
+                    x + (size_t)min(g, m - 1) * k + q4 * 8, k, scale, m, rs);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();  // the copies of other threads
+    if (threadIdx.x >= 64) return;
+    const int e = threadIdx.x / 32, l = threadIdx.x % 32;
+    const int d = d0 + (l >> 2), tok = (l & 3) * 2 + e;
+    if (tok >= m) return;
+    float a = gemv_sum(red, e, l), b = gemv_sum(red, e + 2, l);
+    if (scale.sums) {
+        a *= rs[tok];
+        b *= rs[tok];
+    }
+    const size_t kn = (size_t)kv_heads * hd;
+    if (slot >= heads + kv_heads) {
+        if (at[tok] < 0) return;
+        T* c = vc + at[tok] * kn + (slot - heads - kv_heads) * hd;
+        st(c + d, a);
+        st(c + d + half, b);
+        return;
+    }
+    float sn, cs;
+    sincosf((float)pos[tok] * freq[d - d0], &sn, &cs);
+    const float ra = a * cs - b * sn, rb = b * cs + a * sn;
+    if (slot < heads) {
+        float* o = q + (size_t)tok * heads * hd + slot * hd;
+        o[d] = ra;
+        o[d + half] = rb;
+    } else if (at[tok] >= 0) {
+        T* c = kc + at[tok] * kn + (slot - heads) * hd;
+        st(c + d, ra);
+        st(c + d + half, rb);
+    }
+}
+
 // One tile of 8 tokens: a second one (up to 16 rows) measured slower than cuBLAS at 16
 // rows on the H200 (6.14 against 6.02 ms per 8B decode step).
 //
@@ -330,5 +400,19 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
                                  const float* nw, void* out16, int kind, float* sums, int m, int n, int k) {\
         gemv_res_norm<T, 2 * GEMV_WARPS>(w, x, residual, nw, out16, kind, sums, m, n, k);                   \
     }
+#define GEMV_QKV_ROPE(NAME, BOUNDS, WARPS, T)                                                               \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                     \
+        NAME(const T* __restrict__ w, const T* __restrict__ x, float* q, T* kc, T* vc, const long long* slots, \
+             const unsigned* positions, const float* inv_freq, int heads, int kv_heads, int hd, int m, int k, \
+             GEMV_SCALE) {                                                                                  \
+        gemv_qkv_rope<T, WARPS>(w, x, q, kc, vc, slots, positions, inv_freq, heads, kv_heads, hd, m, k,     \
+                                NormScale{sums, parts, eps});                                               \
+    }
 GEMV(bf16, __nv_bfloat16)
 GEMV(f16, __half)
+// The wide kernel held to 64 registers, two blocks an SM as the other wide ones (its
+// epilogue took it to 72).
+GEMV_QKV_ROPE(gemv_qkv_rope_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16)
+GEMV_QKV_ROPE(gemv_qkv_rope_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half)

@@ -223,6 +223,8 @@ pub struct CudaDevice {
     gate_up_path: std::cell::Cell<GateUpPath>,
     /// Whether the last `linear_add_rms_norm` left its norm's scale to the next GEMV.
     norm_in_gemv: std::cell::Cell<bool>,
+    /// Whether the last `project_qkv_attention` projected with RoPE in one GEMV.
+    qkv_on_gemv: std::cell::Cell<bool>,
     /// Device buffers allocated so far (`Device::allocations`).
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
@@ -334,6 +336,7 @@ impl CudaDevice {
             lora_deltas_first: std::cell::Cell::new(false),
             gate_up_path: std::cell::Cell::new(GateUpPath::F32),
             norm_in_gemv: std::cell::Cell::new(false),
+            qkv_on_gemv: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
         })
@@ -375,6 +378,12 @@ impl CudaDevice {
     /// scale to the GEMV of the next projection (no norm kernel).
     pub fn norm_left_to_gemv(&self) -> bool {
         self.norm_in_gemv.get()
+    }
+
+    /// Whether the last `Device::project_qkv_attention` projected in one GEMV that applied
+    /// RoPE and wrote k and v into the cache (no projection written, no RoPE kernel).
+    pub fn qkv_rope_on_gemv(&self) -> bool {
+        self.qkv_on_gemv.get()
     }
 
     /// Whether the last `Device::gate_up_silu` was one GEMV that applied SiLU·mul itself,

@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 63] = [
+const KERNELS: [&str; 67] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -78,6 +78,10 @@ const KERNELS: [&str; 63] = [
     "gemv_res_norm_f16",
     "gemv_res_norm_wide_bf16",
     "gemv_res_norm_wide_f16",
+    "gemv_qkv_rope_bf16",
+    "gemv_qkv_rope_f16",
+    "gemv_qkv_rope_wide_bf16",
+    "gemv_qkv_rope_wide_f16",
     "fill_random_16",
 ];
 

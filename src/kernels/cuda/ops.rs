@@ -333,6 +333,29 @@ impl Device for CudaDevice {
         self.attend_cached(&q, cache, s)
     }
 
+    /// Up to 8 rows of 16-bit weights over a cache of their type: one GEMV that applies
+    /// RoPE and writes k and v into the cache (`CudaDevice::qkv_rope_gemv`), then attention.
+    fn project_qkv_attention(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        bias: Option<&CudaWeight>,
+        (s, rope, positions): (AttnShape, &RopeSpec, &[u32]),
+        cache: &mut CudaCache,
+        meta: &AttnMetadata,
+    ) -> DevResult<CudaTensor> {
+        let q = match bias {
+            None => self.qkv_rope_gemv(x, w, s, rope, positions, cache, meta)?,
+            Some(_) => None,
+        };
+        self.qkv_on_gemv.set(q.is_some());
+        if let Some(q) = q {
+            return self.attend_cached(&q, cache, s);
+        }
+        let qkv = self.linear(x, w, bias)?;
+        self.qkv_attention(&qkv, s, rope, positions, cache, meta)
+    }
+
     fn paged_attention(
         &self,
         q: &CudaTensor,

@@ -38,4 +38,19 @@ impl PagedAttention {
     ) -> DevResult<D::Tensor> {
         dev.qkv_attention(qkv, self.shape, &rope.spec, positions, cache, meta)
     }
+    /// [`Self::forward`] of the projection of `x` by a fused qkv weight `w` (with `bias`)
+    /// that applies no adapters: the device may project, rotate and write the cache at once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_projecting<D: Device>(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        (w, bias): (&D::Weight, Option<&D::Weight>),
+        positions: &[u32],
+        rope: &RotaryEmbedding,
+        cache: &mut D::Cache,
+        meta: &AttnMetadata,
+    ) -> DevResult<D::Tensor> {
+        dev.project_qkv_attention(x, w, bias, (self.shape, &rope.spec, positions), cache, meta)
+    }
 }

@@ -6,9 +6,10 @@
 // inside a CUDA graph whose kernel-to-kernel edges are programmatic (graph.rs), a kernel is
 // launched while the one before it still runs, and waits here for it to finish and its
 // writes to land before touching memory; then it lets the next kernel launch in turn.
-// Outside such a graph both are no-ops. Two kernels load what does not depend on the
-// kernel before first: rms_norm_f32 its norm weights, the GEMV (gemv.cu) its first weight
-// chunks, which also issues the two apart.
+// Outside such a graph both are no-ops. Some kernels load what does not depend on the
+// kernel before first: rms_norm_f32 its norm weights, the GEMVs (gemv.cu) their first
+// weight chunks (and gemv_res_norm its residual and norm weights, gemv_qkv_rope the step's
+// positions, slots and frequencies); the GEMVs also issue the two apart.
 __device__ __forceinline__ void grid_dep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -6,12 +6,15 @@
 //! bf16/f16 multiplied by cublasGemmEx with f32 accumulation, the kernels that feed a GEMM
 //! also writing their output in the weights' type, and a 16-bit MLP's gate/up projection
 //! kept in that type for silu_mul), 1-D weights (norms, biases) are f32. A norm or SiLU·mul
-//! output that only such a GEMM reads is written in the weights' type alone.
+//! output that only such a GEMM reads is written in the weights' type alone. Decode steps of
+//! up to 8 rows run their projections on our own GEMV (gemv.cu), which also takes over the
+//! small kernels around it: SiLU·mul, the residual add and RMSNorm (its 1/rms left to the
+//! next GEMV), and RoPE with the cache write.
 //! The KV cache is f32 for an f32 model and the weights' type for a 16-bit one, written by
-//! the RoPE kernel; prefill and decode attention of 16-bit models run on tensor cores
-//! (flash.cu). Sampling runs here too
-//! (sample.rs, sampling.cu), and so do batched LoRA adapters (lora.rs, lora.cu); decode
-//! steps can be recorded as CUDA graphs (graph.rs).
+//! the RoPE kernel (or that GEMV); prefill and decode attention of 16-bit models run on
+//! tensor cores (flash.cu). Sampling runs here too (sample.rs, sampling.cu), and so do
+//! batched LoRA adapters (lora.rs, lora.cu); decode steps can be recorded as CUDA graphs
+//! (graph.rs).
 //! Every operation runs on the device's one stream; a failed one is a `DeviceError`.
 
 use std::sync::Arc;

@@ -45,6 +45,21 @@ fn gpu() -> Option<(CudaDevice, GpuTurn)> {
     Some((CudaDevice::new(0).expect("CUDA device opens"), turn))
 }
 
+/// A step's attention metadata: rows at the positions `seq_pos` gives for each sequence, in
+/// that order, their slots in the sequences' blocks of `bs` tokens (block tables `tables`).
+fn step_meta(tables: &[Vec<u32>], bs: usize, seq_pos: &[(u32, std::ops::Range<u32>)]) -> AttnMetadata {
+    let mut meta = AttnMetadata { block_tables: tables.to_vec(), ..Default::default() };
+    for (seq, range) in seq_pos {
+        for p in range.clone() {
+            meta.positions.push(p);
+            meta.token_seq.push(*seq);
+            let slot = tables[*seq as usize][p as usize / bs] as i64 * bs as i64 + (p as usize % bs) as i64;
+            meta.slot_mapping.push(slot);
+        }
+    }
+    meta
+}
+
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
@@ -731,16 +746,7 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
             (&[(0, 8..9), (1, 2..10)], false),
         ];
         for (i, (seq_pos, scaled)) in steps.into_iter().enumerate() {
-            let mut meta = AttnMetadata { block_tables: tables.clone(), ..Default::default() };
-            for (seq, range) in seq_pos {
-                for p in range.clone() {
-                    meta.positions.push(p);
-                    meta.token_seq.push(*seq);
-                    let slot =
-                        tables[*seq as usize][p as usize / bs] as i64 * bs as i64 + (p as usize % bs) as i64;
-                    meta.slot_mapping.push(slot);
-                }
-            }
+            let mut meta = step_meta(&tables, bs, seq_pos);
             if i == 1 {
                 // A graph's padding row: position 0 of sequence 0's first block, no slot.
                 meta.positions.push(0);
@@ -808,16 +814,7 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         // Three sequences; their blocks interleave: sequence i owns blocks i, i+3, i+6, ...
         let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
         let mut step = |seq_pos: &[(u32, std::ops::Range<u32>)], seed: u64| {
-            let mut meta = AttnMetadata { block_tables: tables.clone(), ..Default::default() };
-            for (seq, range) in seq_pos {
-                for p in range.clone() {
-                    meta.positions.push(p);
-                    meta.token_seq.push(*seq);
-                    let slot =
-                        tables[*seq as usize][p as usize / bs] as i64 * bs as i64 + (p as usize % bs) as i64;
-                    meta.slot_mapping.push(slot);
-                }
-            }
+            let meta = step_meta(&tables, bs, seq_pos);
             let n = meta.positions.len();
             let (q, k, v) = (
                 rand(n * heads * head_dim, seed),

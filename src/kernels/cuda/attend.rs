@@ -1,5 +1,5 @@
-//! Paged attention launches: K/V written into the cache (by write_kv, or by the RoPE
-//! kernel as it splits q, k and v: `rope_launch`), then prefill tiles on tensor cores
+//! Paged attention launches: K/V written into the cache (by write_kv, or as q, k and v are
+//! split and rotated: rope.rs), then prefill tiles on tensor cores
 //! (flash_prefill) and the other rows on tensor cores too where the shape allows
 //! (flash_decode, flash.cu), else through the split (PagedAttention v2) or the
 //! one-block-per-head kernel (attention.cu); partitions joined by one reduction.
@@ -7,8 +7,8 @@
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 use super::nvrtc::split_names;
-use super::{CudaCache, CudaDevice, CudaTensor, CudaWeight, Half, StepBufs, cuda};
-use crate::kernels::{AttnShape, DevResult, RopeSpec};
+use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
+use crate::kernels::{AttnShape, DevResult};
 use crate::models::attn::AttnMetadata;
 
 /// The attention kernels of one KV cache element type, looked up when a cache is made so
@@ -307,136 +307,6 @@ impl CudaDevice {
         unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
         out.half = half;
         Ok(out)
-    }
-}
-
-/// Where split_qkv_rope puts a step's q, k and v: three tensors, or q and the KV cache (at
-/// the step's slots, uploaded by `CudaDevice::attention_inputs`).
-pub(super) enum RopeOut<'a> {
-    Tensors(&'a mut CudaTensor, &'a mut CudaTensor, &'a mut CudaTensor),
-    Cache(&'a mut CudaTensor, &'a mut CudaCache),
-}
-
-impl CudaDevice {
-    /// Splits the fused qkv projection and applies RoPE at `positions`, into `out`.
-    pub(super) fn rope_launch(
-        &self,
-        qkv: &CudaTensor,
-        s: AttnShape,
-        rope: &RopeSpec,
-        positions: &[u32],
-        out: RopeOut,
-    ) -> DevResult<()> {
-        let n = qkv.rows;
-        self.rope_positions(positions)?;
-        let pos_guard = self.inputs().rope_positions.borrow();
-        let pos = &pos_guard.as_ref().expect("uploaded above").1;
-        self.inv_freq(rope)?;
-        let inv_guard = self.inv_freq.borrow();
-        let inv = &inv_guard.as_ref().expect("uploaded above").1;
-        let step = self.inputs().step.borrow();
-        let (h, kvh, hd, half) =
-            (s.num_heads as i32, s.num_kv_heads as i32, s.head_dim as i32, rope.inv_freq.len() as i32);
-        let _t = self.span("split_qkv_rope", (0, 0), n);
-        let func = match &out {
-            RopeOut::Tensors(..) => self.f("split_qkv_rope_f32").clone(),
-            RopeOut::Cache(_, cache) => cache.kernels.split_rope_kv.clone(),
-        };
-        let mut launch = self.stream.launch_builder(&func);
-        launch.arg(&*qkv.buf);
-        match out {
-            RopeOut::Tensors(q, k, v) => {
-                launch.arg(&mut *q.buf).arg(&mut *k.buf).arg(&mut *v.buf);
-            }
-            RopeOut::Cache(q, cache) => {
-                launch.arg(&mut *q.buf);
-                cache.k.arg().push(&mut launch);
-                cache.v.arg().push(&mut launch);
-                launch.arg(&step.as_ref().expect("uploaded by attention_inputs").slots);
-            }
-        }
-        // Threads over a head (four pairs each where elementwise.cu's split_qkv_rope takes
-        // them by four), and head slots to fill about 256 threads.
-        let by4 = s.head_dim == 2 * rope.inv_freq.len() && rope.inv_freq.len().is_multiple_of(4);
-        let threads = match by4 {
-            true => (s.head_dim / 8).clamp(1, 256),
-            false => (s.head_dim.div_ceil(2).div_ceil(32) * 32).min(256),
-        };
-        let slots = (256 / threads).max(1);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(slots) as u32, 1),
-            block_dim: (threads as u32, slots as u32, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a cache's
-        // slots index inside it (checked by the scheduler), its rows kvh·hd wide.
-        unsafe { launch.arg(pos).arg(inv).arg(&h).arg(&kvh).arg(&hd).arg(&half).launch(cfg) }
-            .map_err(cuda("rope launch"))?;
-        Ok(())
-    }
-}
-
-impl CudaDevice {
-    /// `Device::project_qkv_attention`'s projection for up to [`super::gemm::GEMV_ROWS`]
-    /// rows of 16-bit weights without a bias, over a cache of their type, where the
-    /// rotation covers whole heads of a multiple of 16 dims: one GEMV (gemv.cu's
-    /// gemv_qkv_rope) that applies RoPE, writes q and puts k and v into the cache; no
-    /// projection and no RoPE kernel. The step's attention inputs are uploaded as for
-    /// [`Self::rope_launch`]. q, or None where this does not apply.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn qkv_rope_gemv(
-        &self,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        s: AttnShape,
-        rope: &RopeSpec,
-        positions: &[u32],
-        cache: &mut CudaCache,
-        meta: &AttnMetadata,
-    ) -> DevResult<Option<CudaTensor>> {
-        use cudarc::driver::DevicePtr;
-        let (n, k, m) = (w.shape[0], w.shape[1], x.rows);
-        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
-        let (heads, kv_heads, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
-        let whole_heads = hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd;
-        let fits = self.gemv_fits(m, k) && x.cols == k && n == (heads + 2 * kv_heads) * hd;
-        if !fits || !whole_heads || !cache.k.is_half() || self.act16.get() != kind {
-            return Ok(None);
-        }
-        self.attention_inputs(s, meta)?;
-        self.rope_positions(positions)?;
-        self.inv_freq(rope)?;
-        let pos_guard = self.inputs().rope_positions.borrow();
-        let pos = &pos_guard.as_ref().expect("uploaded above").1;
-        let inv_guard = self.inv_freq.borrow();
-        let inv = &inv_guard.as_ref().expect("uploaded above").1;
-        let step = self.inputs().step.borrow();
-        let slots = &step.as_ref().expect("uploaded by attention_inputs").slots;
-        let mut q = self.tensor(m, heads * hd)?;
-        let (kernels, cfg) = self.gemv_cfg(n / 16, kind == 2);
-        let name = kernels.qkv_rope;
-        let scale = self.scale_args(x);
-        let (wp, _w) = wb.device_ptr(&self.stream);
-        let dims = [heads as i32, kv_heads as i32, hd as i32, m as i32, k as i32];
-        self.with_x16(x, kind, |xp| {
-            let _t = self.span(name, (n, k), m);
-            let mut launch = self.stream.launch_builder(self.f(name));
-            launch.arg(&wp).arg(&xp).arg(&mut *q.buf);
-            cache.k.arg().push(&mut launch);
-            cache.v.arg().push(&mut launch);
-            launch.arg(slots).arg(pos).arg(inv);
-            for d in &dims {
-                launch.arg(d);
-            }
-            launch.arg(&scale.0).arg(&scale.1).arg(&scale.2);
-            // SAFETY: w holds n = (heads + 2 · kv_heads) · hd rows of k 16-bit values, x m·k
-            // of them (k % 8 == 0); q is [m, heads · hd]; the cache's rows are kv_heads · hd
-            // wide and the slots (one per row) index inside it or are negative; positions
-            // hold m values and inv_freq hd / 2; a scale's sums m · parts. hd / 16 blocks a
-            // head slot.
-            unsafe { launch.launch(cfg) }.map_err(cuda("gemv_qkv_rope launch"))
-        })?;
-        Ok(Some(q))
     }
 }
 

@@ -32,6 +32,7 @@ mod nvrtc;
 mod ops;
 mod pool;
 mod profile;
+mod rope;
 mod sample;
 mod step;
 mod tune;

@@ -3,8 +3,8 @@
 
 use cudarc::driver::{DevicePtr, PushKernelArg};
 
-use super::attend::RopeOut;
 use super::lora::GemmOut;
+use super::rope::RopeOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
     AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor, LoraRows,

@@ -318,21 +318,28 @@ impl DeviceRows {
         rows
     }
 
-    /// The sampled tokens, with their logprobs where asked, from the device's output words
+    /// The logprobs each row asked for, all that [`Self::decode`] needs of the inputs: a
+    /// sampling whose results are read later keeps this instead of the inputs.
+    pub fn logprob_counts(inputs: &[SampleInput]) -> Vec<Option<usize>> {
+        inputs.iter().map(|inp| inp.params.logprobs).collect()
+    }
+
+    /// The sampled tokens, with their logprobs where asked (`logprobs[i]` for row i, as
+    /// [`Self::logprob_counts`] gives them), from the device's output words
     /// (`logprob_words` empty when no row asked).
     pub fn decode(
-        inputs: &[SampleInput],
+        logprobs: &[Option<usize>],
         tokens: &[u32],
         logprob_words: &[u32],
         vocab: usize,
     ) -> Vec<(u32, Option<TokenLogprobs>)> {
         let f = f32::from_bits;
-        inputs
+        logprobs
             .iter()
             .zip(tokens)
             .enumerate()
-            .map(|(i, (inp, &token))| {
-                let logprobs = inp.params.logprobs.map(|n| {
+            .map(|(i, (asked, &token))| {
+                let logprobs = asked.map(|n| {
                     let w = &logprob_words[i * LOGPROB_WORDS..(i + 1) * LOGPROB_WORDS];
                     let n = n.min(crate::request::MAX_LOGPROBS).min(vocab);
                     let top = (0..n).map(|j| (w[1 + 2 * j], f(w[2 + 2 * j]))).collect();

@@ -135,6 +135,19 @@ pub type DevResult<T> = Result<T, DeviceError>;
 /// A sampled token with its logprobs when they were asked for.
 pub type Sampled = (u32, Option<TokenLogprobs>);
 
+/// A sampling issued by [`Device::sample_rows_issue`]: its rows' results already on the
+/// host, or the device's number for one still running.
+#[derive(Debug)]
+pub enum SampleTicket {
+    Done(Vec<Sampled>),
+    Issued(u64),
+}
+
+/// A forward's token id `FED_TOKEN | i` stands for the token that the last sampling issued
+/// (and not yet collected) picked for its row i, on a device that
+/// [feeds sampled tokens](Device::feeds_sampled_tokens). Vocabularies stay below it.
+pub const FED_TOKEN: u32 = 1 << 31;
+
 /// What `Device::tune_gemms` did.
 #[derive(Debug, Clone, Default)]
 pub struct GemmTuning {
@@ -324,6 +337,28 @@ pub trait Device: Send + Unpin + 'static {
     /// by the rules of [`crate::sampling`]. A GPU samples the rows itself, so that only
     /// token ids (and requested logprobs) come back.
     fn sample_rows(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>>;
+    /// [`Device::sample_rows`] without waiting for the device: its results are collected
+    /// later with [`Device::sample_rows_collect`], and until then the device may take its
+    /// tokens as the next forward's inputs ([`FED_TOKEN`]). A device that samples on the
+    /// host returns them at once.
+    fn sample_rows_issue(&self, logits: Self::Tensor, inputs: &[SampleInput]) -> DevResult<SampleTicket> {
+        self.sample_rows(logits, inputs).map(SampleTicket::Done)
+    }
+    /// The rows' tokens (and logprobs) of an issued sampling, once the device has them.
+    fn sample_rows_collect(&self, ticket: SampleTicket) -> DevResult<Vec<Sampled>> {
+        match ticket {
+            SampleTicket::Done(rows) => Ok(rows),
+            SampleTicket::Issued(_) => {
+                Err(DeviceError::Other("no sampling was issued on this device".into()))
+            }
+        }
+    }
+    /// Whether a forward's token ids may name tokens of the last sampling issued and not
+    /// yet collected (`FED_TOKEN | row`): the device puts them in place itself, so that the
+    /// next step is issued before the host has the tokens.
+    fn feeds_sampled_tokens(&self) -> bool {
+        false
+    }
     /// Picks rows (the last token of each sequence) → `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> DevResult<Self::Tensor>;
 

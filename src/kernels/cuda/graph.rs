@@ -62,7 +62,7 @@ impl CudaDevice {
     /// Copies a step's ids and metadata into the buffers its operations read (the same
     /// uploads the forward would make).
     fn stage_inputs(&self, ids: &[u32], meta: &AttnMetadata) -> DevResult<()> {
-        let ids = self.stage("embedding ids", ids)?;
+        let ids = self.stage_ids(ids)?;
         self.restage("embedding ids", ids);
         self.rope_positions(&meta.positions)?;
         if !meta.lora_slots.is_empty() {

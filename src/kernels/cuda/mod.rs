@@ -233,6 +233,8 @@ pub struct CudaDevice {
     allocs: std::cell::Cell<u64>,
     /// Where adapter weights are carved from (lora.rs).
     lora_arena: std::cell::RefCell<lora::LoraArena>,
+    /// Samplings issued and not yet collected, and the host buffers their results go to.
+    sampled: std::cell::RefCell<sample::SampledHost>,
 }
 
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
@@ -343,6 +345,7 @@ impl CudaDevice {
             qkv_on_gemv: std::cell::Cell::new(false),
             allocs: std::cell::Cell::new(0),
             lora_arena: std::cell::RefCell::default(),
+            sampled: std::cell::RefCell::default(),
         })
     }
 

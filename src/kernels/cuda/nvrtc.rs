@@ -15,7 +15,7 @@ pub(super) const SOURCES: [(&str, &str); 6] = [
     ("gemv", include_str!("gemv.cu")),
 ];
 
-const KERNELS: [&str; 67] = [
+const KERNELS: [&str; 68] = [
     "embedding_f32",
     "embedding_bf16",
     "embedding_f16",
@@ -33,6 +33,7 @@ const KERNELS: [&str; 67] = [
     "sample_max",
     "sample_race",
     "sample_pick",
+    "feed_tokens",
     "split_qkv_rope_f32",
     "split_qkv_rope_kv_f32",
     "split_qkv_rope_kv_bf16",

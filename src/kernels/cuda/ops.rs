@@ -8,7 +8,7 @@ use super::rope::RopeOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
     AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor, LoraRows,
-    LoraShape, LoraSlotWeights, RopeSpec, Sampled, TpRank,
+    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -166,7 +166,7 @@ impl Device for CudaDevice {
     fn embedding(&self, table: &CudaWeight, ids: &[u32]) -> DevResult<CudaTensor> {
         let hidden = table.shape[1];
         let mut out = self.tensor(ids.len(), hidden)?;
-        let ids = self.stage("embedding ids", ids)?;
+        let ids = self.stage_ids(ids)?;
         let _t = self.span("embedding", (0, 0), ids.len());
         let h = hidden as i32;
         let cfg = Self::rows(out.rows);
@@ -389,6 +389,18 @@ impl Device for CudaDevice {
 
     fn sample_rows(&self, logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
         self.sample(logits, inputs)
+    }
+
+    fn sample_rows_issue(&self, logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<SampleTicket> {
+        self.sample_issue(logits, inputs)
+    }
+
+    fn sample_rows_collect(&self, ticket: SampleTicket) -> DevResult<Vec<Sampled>> {
+        self.sample_collect(ticket)
+    }
+
+    fn feeds_sampled_tokens(&self) -> bool {
+        true
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[usize]) -> DevResult<CudaTensor> {

@@ -1,18 +1,53 @@
 //! Sampling on the GPU (sampling.cu): the rows' parameters and penalty entries go up, one
-//! block per row picks its token, and only the tokens (and logprobs where asked) come back.
+//! block per row picks its token, and only the tokens (and logprobs where asked) come back,
+//! copied in stream order into page-locked memory that the host reads once an event says
+//! they are there. Until then the next step's token ids may name them (`FED_TOKEN`):
+//! `feed_tokens` puts them in place on the device.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
 
-use super::{CudaDevice, CudaTensor, cuda};
-use crate::kernels::{DevResult, Sampled};
+use super::{CudaDevice, CudaTensor, DeviceError, cuda};
+use crate::kernels::{DevResult, FED_TOKEN, SampleTicket, Sampled};
 use crate::sampling::{DeviceRows, LOGPROB_WORDS, SampleInput};
 
+/// Samplings issued and not yet collected: their results go to two page-locked buffers in
+/// turn, so that one step's can be read while the next step's are on their way.
+#[derive(Default)]
+pub(super) struct SampledHost {
+    bufs: [Option<PinnedHostSlice<u32>>; 2],
+    /// Recorded behind each buffer's copy.
+    copied: [Option<CudaEvent>; 2],
+    issued: Vec<IssuedSample>,
+    next: u64,
+}
+
+/// What collecting an issued sampling needs: its buffer is `bufs[id % 2]`.
+struct IssuedSample {
+    id: u64,
+    rows: usize,
+    cols: usize,
+    /// Words copied: the tokens, then each row's logprob words where any row asked.
+    words: usize,
+    logprobs: Vec<Option<usize>>,
+}
+
 impl CudaDevice {
-    pub(super) fn sample(&self, mut logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
+    pub(super) fn sample(&self, logits: CudaTensor, inputs: &[SampleInput]) -> DevResult<Vec<Sampled>> {
+        let ticket = self.sample_issue(logits, inputs)?;
+        self.sample_collect(ticket)
+    }
+
+    /// Issues the sampling of `logits` and the copy of its results to the host, without
+    /// waiting: [`Self::sample_collect`] reads them.
+    pub(super) fn sample_issue(
+        &self,
+        mut logits: CudaTensor,
+        inputs: &[SampleInput],
+    ) -> DevResult<SampleTicket> {
         let (rows, cols) = (logits.rows, logits.cols);
         assert_eq!(rows, inputs.len(), "one sampling input per row of logits");
         if rows == 0 {
-            return Ok(Vec::new());
+            return Ok(SampleTicket::Done(Vec::new()));
         }
         let enc = DeviceRows::encode(inputs, cols);
         let params = self.stage("sample params", &enc.params)?;
@@ -92,13 +127,92 @@ impl CudaDevice {
             self.restage("sample scratch", scratch);
         }
         drop(t);
-        let copy_len = if enc.logprobs { out_len } else { rows };
-        let words = self.stream.clone_dtoh(&out.slice(0..copy_len)).map_err(cuda("device to host copy"))?;
+        let words = if enc.logprobs { out_len } else { rows };
+        let id = self.copy_sampled(&out, words)?;
         self.restage("sample params", params);
         self.restage("sample entries", entries);
         self.restage("sample out", out);
-        let (tokens, logprobs) = words.split_at(rows);
-        Ok(DeviceRows::decode(inputs, tokens, logprobs, cols))
+        let logprobs = DeviceRows::logprob_counts(inputs);
+        self.sampled.borrow_mut().issued.push(IssuedSample { id, rows, cols, words, logprobs });
+        Ok(SampleTicket::Issued(id))
+    }
+
+    /// Queues the copy of the first `words` of `out` into the next page-locked buffer and
+    /// an event behind it; the number of the sampling they belong to.
+    fn copy_sampled(&self, out: &CudaSlice<u32>, words: usize) -> DevResult<u64> {
+        let mut host = self.sampled.borrow_mut();
+        let id = host.next;
+        let slot = (id % 2) as usize;
+        if host.issued.iter().any(|s| s.id % 2 == id % 2) {
+            return Err(DeviceError::Other("two samplings are already waiting to be collected".into()));
+        }
+        let mut buf = match host.bufs[slot].take() {
+            Some(b) if b.len() >= words => b,
+            // SAFETY: page-locked memory the copy below writes before anything reads it;
+            // not write-combined, since the host reads it.
+            _ => unsafe { self.ctx.alloc_pinned_with_flags::<u32>(words.next_power_of_two(), 0) }
+                .map_err(cuda("page-locked allocation"))?,
+        };
+        self.stream.memcpy_dtoh(&out.slice(0..words), &mut buf).map_err(cuda("device to host copy"))?;
+        let event = match host.copied[slot].take() {
+            Some(e) => e,
+            None => self.ctx.new_event(None).map_err(cuda("event"))?,
+        };
+        event.record(&self.stream).map_err(cuda("event record"))?;
+        host.bufs[slot] = Some(buf);
+        host.copied[slot] = Some(event);
+        host.next += 1;
+        Ok(id)
+    }
+
+    /// Waits for an issued sampling's results and reads them.
+    pub(super) fn sample_collect(&self, ticket: SampleTicket) -> DevResult<Vec<Sampled>> {
+        let id = match ticket {
+            SampleTicket::Done(rows) => return Ok(rows),
+            SampleTicket::Issued(id) => id,
+        };
+        let mut host = self.sampled.borrow_mut();
+        let at = host.issued.iter().position(|s| s.id == id);
+        let s = at.map(|i| host.issued.remove(i)).ok_or_else(|| {
+            DeviceError::Other(format!("sampling {id} was never issued or was collected already"))
+        })?;
+        let slot = (id % 2) as usize;
+        let (Some(event), Some(buf)) = (&host.copied[slot], &host.bufs[slot]) else {
+            return Err(DeviceError::Other(format!("sampling {id} has no results buffer")));
+        };
+        event.synchronize().map_err(cuda("waiting for the sampled tokens"))?;
+        let words = buf.as_slice().map_err(cuda("reading the sampled tokens"))?;
+        let (tokens, logprobs) = words[..s.words].split_at(s.rows);
+        Ok(DeviceRows::decode(&s.logprobs, tokens, logprobs, s.cols))
+    }
+
+    /// Puts in place the ids of `ids` (uploaded to `buf`) that name a row of the last
+    /// sampling issued (`FED_TOKEN | row`), from that sampling's output on the device, in
+    /// stream order before anything reads them.
+    pub(super) fn feed_tokens(&self, buf: &mut CudaSlice<u32>, ids: &[u32]) -> DevResult<()> {
+        let host = self.sampled.borrow();
+        let rows = host.issued.iter().max_by_key(|s| s.id).map_or(0, |s| s.rows);
+        if let Some(&bad) = ids.iter().find(|&&t| t >= FED_TOKEN && ((t - FED_TOKEN) as usize) >= rows) {
+            return Err(DeviceError::Other(format!(
+                "token id {bad:#x} names row {} of a sampling of {rows} rows waiting to be collected",
+                bad - FED_TOKEN
+            )));
+        }
+        let staging = self.inputs[0].staging.borrow();
+        let out = staging
+            .get("sample out")
+            .ok_or_else(|| DeviceError::Other("no sampled tokens to feed a step from".into()))?;
+        let n = ids.len() as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (ids.len().div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: buf holds n ids; each fed one names a row below the sampling's rows, whose
+        // tokens lead `out`.
+        unsafe { self.stream.launch_builder(self.f("feed_tokens")).arg(buf).arg(out).arg(&n).launch(cfg) }
+            .map_err(cuda("feed_tokens launch"))?;
+        Ok(())
     }
 }
 

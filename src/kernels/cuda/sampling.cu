@@ -479,3 +479,12 @@ extern "C" __global__ void sample_pick(const unsigned int* params, const unsigne
     }
     if (lane == 0) out[row] = (unsigned int)i;
 }
+
+// A step's token ids that name a row of the sampling before it (FED_TOKEN | row, the host's
+// kernels::FED_TOKEN) take that row's token from its output: the step was issued before the
+// host had the tokens.
+extern "C" __global__ void feed_tokens(unsigned int* ids, const unsigned int* sampled, int n) {
+    grid_dep_sync();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && (ids[i] & 0x80000000u)) ids[i] = sampled[ids[i] & 0x7fffffffu];
+}

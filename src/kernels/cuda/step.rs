@@ -9,7 +9,7 @@ use cudarc::driver::CudaSlice;
 
 use super::attend::DECODE_JOIN_CTX;
 use super::{CudaDevice, DevResult, DeviceError, GraphMode, cuda};
-use crate::kernels::AttnShape;
+use crate::kernels::{AttnShape, FED_TOKEN};
 use crate::models::attn::AttnMetadata;
 
 /// One set of a step's inputs on the device, kept from step to step.
@@ -223,6 +223,20 @@ impl CudaDevice {
             (Some(b), true) => Ok(b),
             (old, _) => self.refill(old, v),
         }
+    }
+
+    /// Uploads a forward's token ids (staging buffer "embedding ids"), with those that name
+    /// a row of the last sampling issued (`FED_TOKEN`) put in place from its output.
+    pub(super) fn stage_ids(&self, ids: &[u32]) -> DevResult<CudaSlice<u32>> {
+        let mut buf = self.stage("embedding ids", ids)?;
+        if !self.capturing()
+            && ids.iter().any(|&t| t >= FED_TOKEN)
+            && let Err(e) = self.feed_tokens(&mut buf, ids)
+        {
+            self.restage("embedding ids", buf);
+            return Err(e);
+        }
+        Ok(buf)
     }
 
     pub(super) fn restage(&self, name: &'static str, buf: CudaSlice<u32>) {

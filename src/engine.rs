@@ -380,10 +380,7 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
             }
         })
         .collect();
-    (
-        ExecuteBatch { seqs: batch, dropped: Vec::new(), lora_loads: Vec::new(), follows: false },
-        next_block as usize,
-    )
+    (ExecuteBatch { seqs: batch, ..ExecuteBatch::flush() }, next_block as usize)
 }
 
 /// The decode steps recorded as graphs. Batch sizes: powers of two up to 32, multiples of

@@ -114,6 +114,9 @@ pub struct StepProfile {
     /// the device's idle time before their forwards (see `RunnerTiming::idle_ns`).
     pub graph_idle_steps: AtomicU64,
     pub graph_idle_ns: AtomicU64,
+    /// Steps issued before the tokens of the step before them were back on the host: the
+    /// device took them from that step's sampling itself.
+    pub fed_steps: AtomicU64,
 }
 
 /// Per-step milliseconds of each phase between two snapshots of a [`StepProfile`].
@@ -146,10 +149,13 @@ pub struct StepBreakdown {
     pub events_ms: f64,
     /// Steps planned and sent while another was still running (`--async-scheduling`).
     pub pipelined_steps: u64,
+    /// Steps whose input tokens the device took from the step before's sampling, issued
+    /// before the host had them.
+    pub fed_steps: u64,
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 17] {
+    pub fn snapshot(&self) -> [u64; 18] {
         [
             &self.steps,
             &self.step_ns,
@@ -168,12 +174,13 @@ impl StepProfile {
             &self.graph_idle_steps,
             &self.graph_idle_ns,
             &self.graph_host_steps,
+            &self.fed_steps,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 17], b: [u64; 17]) -> StepBreakdown {
+    pub fn between(a: [u64; 18], b: [u64; 18]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -195,6 +202,7 @@ impl StepProfile {
             events_ms: ms(d[12]),
             pipelined_steps: d[13],
             graph_idle_ms: d[15] as f64 / d[14].max(1) as f64 / 1e6,
+            fed_steps: d[17],
         }
     }
 }

@@ -913,7 +913,7 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
                 .collect();
             let dropped = if step == 0 { (0..first_id).collect() } else { Vec::new() };
             let out = runner
-                .execute(ExecuteBatch { seqs, dropped, lora_loads: Vec::new(), follows: step > 0 })
+                .execute(ExecuteBatch { seqs, dropped, follows: step > 0, ..ExecuteBatch::flush() })
                 .expect("step runs");
             for s in &out.sampled {
                 tokens[(s.seq - first_id) as usize].push(s.token);
@@ -937,8 +937,13 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(4 + 9 * i)).map(|j| (i * 13 + j * 7) % 250 + 3).collect()).collect();
     let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(40) };
+    // Penalties count the tokens themselves: the runner then waits for a step's tokens
+    // before it issues the next, instead of letting the device feed them.
+    let penalized = actorllm::SamplingParams { repetition_penalty: 1.3, ..params.clone() };
     let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
     let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
+    let want_penalized =
+        futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), penalized.clone()))).await;
     drop(cpu);
     for (label, args) in [
         (
@@ -960,7 +965,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
             EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) },
         ),
     ] {
-        let eager = args.enforce_eager;
+        let (eager, pipelined) = (args.enforce_eager, args.async_scheduling);
         // The engine before this one releases its device first: a KV cache still held
         // would leave this one's profiling little memory.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -979,6 +984,18 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
         // Replayed decode steps that followed another report the device's wait for them.
         let idle = gpu.metrics().profile.graph_idle_steps.load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(idle > 0, !eager, "{label}: {idle} replayed steps with the device's idle time");
+        // With async scheduling a decode step is issued before the last one's tokens are
+        // back, and the device feeds them (graphs and eager alike); one step at a time, never.
+        let fed = gpu.metrics().profile.fed_steps.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(fed > 0, pipelined, "{label}: {fed} steps fed their tokens on the device");
+        if pipelined && !eager {
+            let got =
+                futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), penalized.clone())))
+                    .await;
+            for (w, g) in want_penalized.iter().zip(&got) {
+                assert_eq!(g.tokens, w.tokens, "{label}, repetition penalty");
+            }
+        }
         let (free, total) = common::wait_all_blocks_free(&gpu).await;
         assert_eq!(free, total, "{label}");
         eprintln!(

@@ -4,6 +4,8 @@
 mod common;
 
 use actorllm::config::EngineArgs;
+use actorllm::kernels::cpu::CpuDevice;
+use actorllm::models::registry::ModelRegistry;
 use actorllm::request::{AbortReason, FinishReason, StopReason};
 use actorllm::{Engine, SamplingParams};
 use common::{Outcome, collect, greedy, run, tiny_model, wait_all_blocks_free};
@@ -368,6 +370,12 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
     let params: Vec<SamplingParams> = (0..p.len())
         .map(|i| match i % 3 {
+            0 if i == 3 => SamplingParams {
+                repetition_penalty: 1.3,
+                presence_penalty: 0.5,
+                logprobs: Some(2),
+                ..long(25)
+            },
             0 => long(12 + 9 * i),
             1 => SamplingParams { n: 2, temperature: 1.0, seed: Some(i as u64), ..long(20 + i) },
             _ => SamplingParams {
@@ -397,6 +405,24 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
     assert!(preempted > 0, "the small pool preempted");
     for e in [&sync, &pipelined] {
         let (free, total) = wait_all_blocks_free(e).await;
+        assert_eq!(free, total);
+    }
+    // A device that takes a step's sampled tokens as the next step's inputs itself (as a
+    // GPU does): the runner answers each step at the next message, and the outputs stay
+    // the same, with penalties (whose steps wait for their tokens) among them.
+    for async_scheduling in [true, false] {
+        let args = EngineArgs {
+            async_scheduling,
+            num_gpu_blocks_override: Some(12),
+            max_model_len: Some(128),
+            ..common::args(&model)
+        };
+        let feeding = || Ok(vec![CpuDevice::feeding_sampled_tokens()]);
+        let fed = Engine::start_on(args, ModelRegistry::<CpuDevice>::default(), feeding).await.unwrap();
+        assert_eq!(work(&fed, &p, &params).await, a, "async scheduling {async_scheduling}");
+        let fed_steps = fed.metrics().profile.fed_steps.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(fed_steps > 0, async_scheduling, "{fed_steps} steps took their tokens on the device");
+        let (free, total) = wait_all_blocks_free(&fed).await;
         assert_eq!(free, total);
     }
 }

@@ -16,12 +16,14 @@
 //! done yet.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use actix::dev::{MessageResponse, OneshotSender};
 use actix::{Actor, Addr, Handler, Message, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
-use crate::kernels::{Device, DeviceError, GemmTuning};
+use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
 use crate::models::CausalLM;
 use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
@@ -52,6 +54,11 @@ pub struct BatchSeq {
     pub lora_slot: i32,
 }
 
+/// One step. A step sent with `followed` (the Scheduler's) on a device that feeds sampled
+/// tokens to the next step ([`Device::feeds_sampled_tokens`]) is answered only once the
+/// next message has arrived and issued its own work, so that the device never waits for
+/// the host between steps: its sender follows every such step with another message, an
+/// [`ExecuteBatch::flush`] when it has no step to send.
 #[derive(Message)]
 #[rtype(result = "Result<StepOutput, RunnerError>")]
 pub struct ExecuteBatch {
@@ -63,6 +70,22 @@ pub struct ExecuteBatch {
     /// Whether the step was planned while the one before it ran or as soon as it ended
     /// (the scheduler had work throughout): the device's wait for it is then host overhead.
     pub follows: bool,
+    /// Whether the sender sends another message after this one in any case: the runner
+    /// may then answer this step when that message comes (see above).
+    pub followed: bool,
+}
+
+impl ExecuteBatch {
+    /// A message with no work: the runner answers the step before it.
+    pub fn flush() -> Self {
+        Self {
+            seqs: Vec::new(),
+            dropped: Vec::new(),
+            lora_loads: Vec::new(),
+            follows: false,
+            followed: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -94,8 +117,12 @@ pub struct RunnerTiming {
     pub device_allocs: u64,
     /// Whether the forward was a graph replay.
     pub graph: bool,
+    /// Whether the step was issued before the tokens of the step before it were back on
+    /// the host (the device put them in place).
+    pub fed: bool,
     /// For a step that follows another: from the end of that step's work (its sampled
-    /// tokens back on the host) to this forward's issue, the time the device sat idle.
+    /// tokens back on the host) to this forward's issue, the time the device sat idle; 0
+    /// when it was issued before that step's tokens were back (fed on the device).
     pub idle_ns: Option<u64>,
 }
 
@@ -182,8 +209,21 @@ impl RunnerSeq {
         }
     }
 
-    fn push(&mut self, token: u32) {
-        self.tokens.push(token);
+    /// Holds the place of the token that row `row` of a step's sampling picks, until it
+    /// is back on the host ([`Self::fill`]): the place holder, `FED_TOKEN | row`, is what a
+    /// device that feeds sampled tokens reads as that token. Returns its index.
+    fn hold(&mut self, row: usize) -> usize {
+        self.tokens.push(FED_TOKEN | row as u32);
+        self.tokens.len() - 1
+    }
+
+    /// Puts the token sampled for the place held at `at` (for row `row`), unless the
+    /// sequence was registered anew since.
+    fn fill(&mut self, at: usize, row: usize, token: u32) {
+        if self.tokens.get(at) != Some(&(FED_TOKEN | row as u32)) {
+            return;
+        }
+        self.tokens[at] = token;
         if let Some(h) = &mut self.history {
             h.push(token);
         }
@@ -223,6 +263,11 @@ pub struct ModelRunner<D: Device> {
     graphs: Vec<((bool, usize, usize), D::Graph)>,
     /// When the last step's work on the device was done (its results read back).
     last_done: Option<std::time::Instant>,
+    /// The step issued last, whose sampled tokens are still on the device, and where its
+    /// answer goes (filled by [`StepReply`] once its handler has returned): it is answered
+    /// once the next message has issued its own work.
+    deferred: Option<Deferred>,
+    reply: ReplySlot,
     /// Last, so that it drops after the device.
     _live: LiveRunner,
 }
@@ -277,6 +322,8 @@ impl<D: Device> ModelRunner<D> {
             peers: Vec::new(),
             graphs: Vec::new(),
             last_done: None,
+            deferred: None,
+            reply: ReplySlot::default(),
             _live: LiveRunner::new(),
         };
         runner.allocate_cache(cfg.num_blocks)?;
@@ -381,10 +428,47 @@ impl<D: Device> ModelRunner<D> {
         self.model.compute_logits(&self.dev, hidden, meta).map(Some)
     }
 
-    /// Runs one step. Public so that benchmarks can drive a runner without actors.
+    /// Runs one step and waits for its tokens. Public so that benchmarks can drive a runner
+    /// without actors.
     pub fn execute(&mut self, batch: ExecuteBatch) -> Result<StepOutput, RunnerError> {
-        let ns = |a: std::time::Instant, b: std::time::Instant| (b - a).as_nanos() as u64;
-        let (t0, allocs) = (std::time::Instant::now(), self.dev.allocations());
+        self.answer_deferred();
+        match self.issue(batch)? {
+            Issued::Done(out) => Ok(out),
+            Issued::Sampling(d) => self.finish(d),
+        }
+    }
+
+    /// Whether a step's sampled tokens may stay on the device until the next message: the
+    /// device puts them into that step's inputs itself. Not under tensor parallelism: the
+    /// other ranks take their token ids from the host.
+    fn defers(&self) -> bool {
+        self.peers.is_empty() && self.dev.feeds_sampled_tokens()
+    }
+
+    /// Whether `batch` may be issued before the deferred step's tokens are back: none of
+    /// its sequences applies penalties, whose counts need the tokens themselves.
+    fn may_feed(&self, batch: &ExecuteBatch) -> bool {
+        batch
+            .seqs
+            .iter()
+            .all(|s| s.new.is_some() || self.seqs.get(&s.seq).is_none_or(|rs| rs.history.is_none()))
+    }
+
+    /// Answers the deferred step, if any: waits for its tokens.
+    fn answer_deferred(&mut self) {
+        let Some(d) = self.deferred.take() else { return };
+        let result = self.finish(d);
+        let tx = self.reply.lock().map(|mut slot| slot.take()).unwrap_or_default();
+        if let Some(tx) = tx {
+            let _ = tx.send(result);
+        }
+    }
+
+    /// Issues one step: its forward and, where it samples, its sampling, without waiting
+    /// for the device.
+    fn issue(&mut self, batch: ExecuteBatch) -> Result<Issued, RunnerError> {
+        let ns = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
+        let (t0, allocs) = (Instant::now(), self.dev.allocations());
         for id in &batch.dropped {
             self.seqs.remove(id);
         }
@@ -405,6 +489,7 @@ impl<D: Device> ModelRunner<D> {
             if end > rs.tokens.len() {
                 return Err(RunnerError::Range { seq: s.seq, start: s.start, end, have: rs.tokens.len() });
             }
+            // A token still on the device (its place holder) is put in place there.
             ids.extend_from_slice(&rs.tokens[s.start..end]);
             for pos in s.start..end {
                 meta.positions.push(pos as u32);
@@ -422,7 +507,7 @@ impl<D: Device> ModelRunner<D> {
             }
         }
         if ids.is_empty() && batch_lora_loads.is_empty() {
-            return Ok(StepOutput::default());
+            return Ok(Issued::Done(StepOutput::default()));
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
         if !self.peers.is_empty() {
@@ -438,10 +523,14 @@ impl<D: Device> ModelRunner<D> {
         if ids.is_empty() {
             // A batch of adapter loads only (start-up preloading): every rank placed them.
             join_peers(peer_steps)?;
-            return Ok(StepOutput::default());
+            return Ok(Issued::Done(StepOutput::default()));
         }
-        let t1 = std::time::Instant::now();
-        let idle_ns = self.last_done.filter(|_| batch.follows).map(|d| ns(d, t1));
+        let t1 = Instant::now();
+        // Issued behind a step whose tokens are still on the device, the device had no wait.
+        let idle_ns = match self.deferred {
+            Some(_) => batch.follows.then_some(0),
+            None => self.last_done.filter(|_| batch.follows).map(|d| ns(d, t1)),
+        };
         // A device error fails the step (its requests get it); the other ranks of a group
         // may then wait in a collective this rank never joined (see the module doc).
         let replayed = self.replay(&mut ids, &mut meta)?;
@@ -450,7 +539,7 @@ impl<D: Device> ModelRunner<D> {
             Some(logits) => Some(logits),
             None => self.forward(&ids, &meta)?,
         };
-        let t2 = std::time::Instant::now();
+        let t2 = Instant::now();
         let mut timing = RunnerTiming {
             prepare_ns: ns(t0, t1),
             launch_ns: ns(t1, t2),
@@ -458,16 +547,17 @@ impl<D: Device> ModelRunner<D> {
             sample_ns: 0,
             device_allocs: 0,
             graph,
+            fed: self.deferred.is_some(),
             idle_ns,
         };
         let Some(logits) = logits else {
             self.dev.synchronize()?;
             join_peers(peer_steps)?;
-            let t3 = std::time::Instant::now();
+            let t3 = Instant::now();
             self.last_done = Some(t3);
             timing.device_ns = ns(t2, t3);
             timing.device_allocs = self.dev.allocations() - allocs;
-            return Ok(StepOutput { sampled: Vec::new(), timing });
+            return Ok(Issued::Done(StepOutput { sampled: Vec::new(), timing }));
         };
         join_peers(peer_steps)?;
         // The device samples (a GPU sends back only token ids and requested logprobs),
@@ -476,22 +566,81 @@ impl<D: Device> ModelRunner<D> {
         // launch, with the GPU idle).
         let eos = self.eos_ids.clone();
         let inputs: Vec<SampleInput> = sampled_seqs.iter().map(|s| self.seqs[s].sample_input(&eos)).collect();
-        let t3 = std::time::Instant::now();
-        let results = self.dev.sample_rows(logits, &inputs)?;
+        let t3 = Instant::now();
+        let ticket = self.dev.sample_rows_issue(logits, &inputs)?;
         drop(inputs);
-        let t4 = std::time::Instant::now();
-        self.last_done = Some(t4);
         timing.sample_ns = ns(t2, t3);
-        timing.device_ns = ns(t3, t4);
+        let held = sampled_seqs
+            .into_iter()
+            .enumerate()
+            .map(|(row, seq)| (seq, self.seqs.get_mut(&seq).map_or(0, |rs| rs.hold(row))))
+            .collect();
         timing.device_allocs = self.dev.allocations() - allocs;
+        Ok(Issued::Sampling(Deferred { ticket, held, timing, issued: Instant::now() }))
+    }
+
+    /// Waits for an issued step's tokens and puts them in the places held for them.
+    fn finish(&mut self, d: Deferred) -> Result<StepOutput, RunnerError> {
+        let results = self.dev.sample_rows_collect(d.ticket)?;
+        let done = Instant::now();
+        self.last_done = Some(done);
+        let mut timing = d.timing;
+        timing.device_ns = (done - d.issued).as_nanos() as u64;
         let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
-        for (seq, (token, logprobs)) in sampled_seqs.into_iter().zip(results) {
+        for (row, ((seq, at), (token, logprobs))) in d.held.into_iter().zip(results).enumerate() {
             if let Some(rs) = self.seqs.get_mut(&seq) {
-                rs.push(token);
+                rs.fill(at, row, token);
             }
             out.sampled.push(Sampled { seq, token, logprobs });
         }
         Ok(out)
+    }
+}
+
+/// A step as [`ModelRunner::issue`] left it.
+enum Issued {
+    /// Nothing to sample: done.
+    Done(StepOutput),
+    /// Sampling issued: its tokens are collected by [`ModelRunner::finish`].
+    Sampling(Deferred),
+}
+
+/// A step whose sampling was issued and not yet collected.
+struct Deferred {
+    ticket: SampleTicket,
+    /// Each sampled row's sequence and the index of the token place held for it.
+    held: Vec<(SeqId, usize)>,
+    timing: RunnerTiming,
+    /// When its sampling was issued: the wait for the device counts from here.
+    issued: Instant,
+}
+
+type Answer = Result<StepOutput, RunnerError>;
+
+/// Where a deferred step's answer goes: the sender actix hands [`StepReply`].
+type ReplySlot = Arc<Mutex<Option<OneshotSender<Answer>>>>;
+
+/// A step's answer: now, or (`Later`) sent through the runner's reply slot once the next
+/// message has issued its work, the step's tokens having stayed on the device meanwhile.
+pub enum StepReply {
+    Now(Answer),
+    Later(ReplySlot),
+}
+
+impl<D: Device> MessageResponse<ModelRunner<D>, ExecuteBatch> for StepReply {
+    fn handle(self, _: &mut SyncContext<ModelRunner<D>>, tx: Option<OneshotSender<Answer>>) {
+        match self {
+            StepReply::Now(answer) => {
+                if let Some(tx) = tx {
+                    let _ = tx.send(answer);
+                }
+            }
+            StepReply::Later(slot) => {
+                if let Ok(mut slot) = slot.lock() {
+                    *slot = tx;
+                }
+            }
+        }
     }
 }
 
@@ -525,6 +674,7 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
 impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
     type Result = Result<Option<(usize, usize)>, RunnerError>;
     fn handle(&mut self, _: ReleaseCache, _: &mut SyncContext<Self>) -> Self::Result {
+        self.answer_deferred();
         self.caches.clear();
         self.seqs.clear();
         self.dev.synchronize()?;
@@ -539,6 +689,7 @@ impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
 impl<D: Device> Handler<TuneGemms> for ModelRunner<D> {
     type Result = Result<GemmTuning, RunnerError>;
     fn handle(&mut self, msg: TuneGemms, _: &mut SyncContext<Self>) -> Self::Result {
+        self.answer_deferred();
         Ok(self.dev.tune_gemms(&msg.rows)?)
     }
 }
@@ -546,6 +697,7 @@ impl<D: Device> Handler<TuneGemms> for ModelRunner<D> {
 impl<D: Device> Handler<CaptureGraphs> for ModelRunner<D> {
     type Result = Result<usize, RunnerError>;
     fn handle(&mut self, msg: CaptureGraphs, _: &mut SyncContext<Self>) -> Self::Result {
+        self.answer_deferred();
         Ok(self.capture_graphs(&msg.sizes, &msg.bounds)?)
     }
 }
@@ -553,13 +705,30 @@ impl<D: Device> Handler<CaptureGraphs> for ModelRunner<D> {
 impl<D: Device> Handler<AllocateCache> for ModelRunner<D> {
     type Result = Result<(), RunnerError>;
     fn handle(&mut self, msg: AllocateCache, _: &mut SyncContext<Self>) -> Self::Result {
+        self.answer_deferred();
         Ok(self.allocate_cache(msg.num_blocks)?)
     }
 }
 
 impl<D: Device> Handler<ExecuteBatch> for ModelRunner<D> {
-    type Result = Result<StepOutput, RunnerError>;
-    fn handle(&mut self, msg: ExecuteBatch, _: &mut SyncContext<Self>) -> Self::Result {
-        self.execute(msg)
+    type Result = StepReply;
+    /// Issues the step, then answers the one before it (deferred: its tokens feed this
+    /// step on the device); this step is deferred in turn where the device allows.
+    fn handle(&mut self, msg: ExecuteBatch, _: &mut SyncContext<Self>) -> StepReply {
+        if !self.may_feed(&msg) {
+            self.answer_deferred();
+        }
+        let followed = msg.followed;
+        let issued = self.issue(msg);
+        self.answer_deferred();
+        match issued {
+            Ok(Issued::Sampling(d)) if followed && self.defers() => {
+                self.deferred = Some(d);
+                StepReply::Later(self.reply.clone())
+            }
+            Ok(Issued::Sampling(d)) => StepReply::Now(self.finish(d)),
+            Ok(Issued::Done(out)) => StepReply::Now(Ok(out)),
+            Err(e) => StepReply::Now(Err(e)),
+        }
     }
 }

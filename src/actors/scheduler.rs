@@ -114,8 +114,13 @@ pub struct SchedulerActor {
     next_group: u64,
     /// Adapters of live requests: load id → (weights, live requests using it).
     adapters: HashMap<u64, (Arc<LoraAdapter>, usize)>,
-    /// Steps sent and not yet answered.
+    /// Steps planned and not yet answered.
     in_flight: usize,
+    /// Of those, the ones still waiting for their blocks (not yet sent to the runner).
+    planning: usize,
+    /// Whether the last message to the runner was a step: the runner may hold its answer
+    /// until another message comes (`ExecuteBatch`'s doc), so one must.
+    unfollowed: bool,
     /// Steps that may be in flight at once: 2 with `--async-scheduling` (the next step is
     /// planned and queued at the runner while one runs), else 1.
     max_in_flight: usize,
@@ -152,6 +157,8 @@ impl SchedulerActor {
             next_group: 0,
             adapters: HashMap::new(),
             in_flight: 0,
+            planning: 0,
+            unfollowed: false,
             max_in_flight: 1,
             chained: false,
             last_step: None,
@@ -350,7 +357,8 @@ impl SchedulerActor {
             .iter()
             .filter_map(|(slot, id)| self.adapters.get(id).map(|(a, _)| (*slot, a.clone())))
             .collect();
-        ExecuteBatch { seqs, dropped, lora_loads, follows }
+        // Every step is followed by another message (`maybe_step`).
+        ExecuteBatch { seqs, dropped, lora_loads, follows, followed: true }
     }
 
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
@@ -420,8 +428,19 @@ impl SchedulerActor {
         self.metrics.on_step(scheduled.iter().map(|s| s.len).sum(), applied);
     }
 
-    /// Starts a step unless one is running or there is nothing to do.
+    /// Starts a step unless one is running or there is nothing to do. When no step follows
+    /// the last one sent and nothing else will make one (no other step is answered first,
+    /// none waits for blocks), the runner is told that none comes, so that it answers that
+    /// step.
     fn maybe_step(&mut self, ctx: &mut Context<Self>) {
+        self.plan_step(ctx);
+        if self.unfollowed && self.planning == 0 && self.in_flight == 1 {
+            self.unfollowed = false;
+            self.runner.do_send(ExecuteBatch::flush());
+        }
+    }
+
+    fn plan_step(&mut self, ctx: &mut Context<Self>) {
         if self.in_flight >= self.max_in_flight {
             return;
         }
@@ -434,6 +453,7 @@ impl SchedulerActor {
         }
         let follows = overlapped || self.chained;
         self.in_flight += 1;
+        self.planning += 1;
         // Counted as computed now, with pending tokens, so that the next plan may follow.
         let fresh: Vec<bool> =
             plan.seqs.iter().map(|s| self.core.seq(s.seq).is_some_and(|q| !q.registered)).collect();
@@ -447,6 +467,7 @@ impl SchedulerActor {
         let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
         let scheduled_at = Instant::now();
         let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, ctx| {
+            act.planning -= 1;
             let reserved_at = Instant::now();
             let reserved = match res {
                 Ok(Ok(r)) => r,
@@ -458,6 +479,7 @@ impl SchedulerActor {
             p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
             p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
             let sent = act.runner.send(batch);
+            act.unfollowed = true;
             // The runner has the step: the last step's events go out while it runs, and
             // with async scheduling the next step is planned behind it.
             act.flush_events();
@@ -494,6 +516,7 @@ impl SchedulerActor {
                     p.sample_ns.fetch_add(t.sample_ns, Relaxed);
                     p.device_allocs.fetch_add(t.device_allocs, Relaxed);
                     p.graph_steps.fetch_add(u64::from(t.graph), Relaxed);
+                    p.fed_steps.fetch_add(u64::from(t.fed), Relaxed);
                     p.output_ns.fetch_add(nanos(applying, Instant::now()), Relaxed);
                     let step = nanos(start, Instant::now());
                     p.step_ns.fetch_add(step, Relaxed);

@@ -133,7 +133,7 @@ fn print_breakdown(b: &StepBreakdown) {
          device allocations: {}; \
          steps replayed from CUDA graphs: {}, {host}device idle before each replayed forward: \
          {:.3} ms; then, while the next step runs, event delivery {:.3} ms; steps planned while \
-         another ran: {}",
+         another ran: {}; steps issued before the last one's tokens were back (fed on the device): {}",
         b.steps,
         b.step_ms,
         b.schedule_ms,
@@ -148,7 +148,8 @@ fn print_breakdown(b: &StepBreakdown) {
         b.graph_steps,
         b.graph_idle_ms,
         b.events_ms,
-        b.pipelined_steps
+        b.pipelined_steps,
+        b.fed_steps
     );
 }
 

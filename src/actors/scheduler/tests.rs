@@ -101,6 +101,10 @@ impl Actor for SlowRunner {
 impl Handler<ExecuteBatch> for SlowRunner {
     type Result = ResponseActFuture<Self, Result<StepOutput, super::super::model_runner::RunnerError>>;
     fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
+        if b.seqs.is_empty() {
+            // A flush: no work.
+            return Box::pin(actix::fut::ready(Ok(StepOutput::default())));
+        }
         let sampled = token_fives(&b);
         let now = actix_rt::time::Instant::now();
         let end = self.busy_until.map_or(now, |t| t.max(now)) + Duration::from_millis(150);
@@ -139,4 +143,81 @@ async fn async_scheduling_sends_a_token_when_its_step_ends() {
     let ends = ended.lock().unwrap().clone();
     assert_eq!(ends.len(), 2, "two steps for two tokens");
     assert!(at < ends[1], "the first token came before the second step ended");
+}
+
+/// A runner that answers each step only when its next message arrives, as a GPU runner
+/// whose sampled tokens feed the next step does; it counts the flushes it gets.
+#[derive(Default)]
+struct DeferringRunner {
+    held: Option<(tokio::sync::oneshot::Sender<StepOutput>, StepOutput)>,
+    flushes: Arc<Mutex<usize>>,
+}
+impl Actor for DeferringRunner {
+    type Context = Context<Self>;
+}
+impl Handler<ExecuteBatch> for DeferringRunner {
+    type Result = ResponseFuture<Result<StepOutput, super::super::model_runner::RunnerError>>;
+    fn handle(&mut self, b: ExecuteBatch, _: &mut Context<Self>) -> Self::Result {
+        if let Some((tx, out)) = self.held.take() {
+            let _ = tx.send(out);
+        }
+        if b.seqs.is_empty() {
+            *self.flushes.lock().unwrap() += 1;
+            return Box::pin(async { Ok(StepOutput::default()) });
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.held = Some((tx, StepOutput { sampled: token_fives(&b), ..Default::default() }));
+        Box::pin(async move {
+            rx.await.map_err(|_| super::super::model_runner::RunnerError::Device("runner stopped".into()))
+        })
+    }
+}
+
+/// Against a runner that holds each step's answer until its next message, every request
+/// still ends, with and without async scheduling: the scheduler follows its last step
+/// with a flush whenever nothing else would come.
+#[actix_rt::test]
+async fn a_runner_that_answers_a_step_at_the_next_message_is_always_sent_one() {
+    for async_scheduling in [true, false] {
+        let flushes = Arc::new(Mutex::new(0));
+        let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
+        let runner = DeferringRunner { held: None, flushes: flushes.clone() }.start();
+        let name = format!("defer-{async_scheduling}");
+        let sched = start_scheduler(&name, blocks.recipient(), runner.recipient(), async_scheduling);
+        let mut streams = Vec::new();
+        for (i, max_tokens) in [3usize, 5].into_iter().enumerate() {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let params = Arc::new(SamplingParams {
+                max_tokens: Some(max_tokens),
+                ignore_eos: true,
+                ..Default::default()
+            });
+            let add = AddRequest {
+                id: format!("r{i}").into(),
+                prompt_ids: vec![1, 2, 3],
+                params,
+                events: tx,
+                lora: None,
+            };
+            sched.send(add).await.unwrap().unwrap();
+            streams.push((rx, max_tokens));
+        }
+        for (mut rx, max_tokens) in streams {
+            let mut tokens = 0;
+            let done = actix_rt::time::timeout(Duration::from_secs(10), async {
+                while let Some(ev) = rx.recv().await {
+                    match ev {
+                        TokenEvent::Token { .. } => tokens += 1,
+                        TokenEvent::Done { .. } => return true,
+                        _ => {}
+                    }
+                }
+                false
+            })
+            .await;
+            assert_eq!(done, Ok(true), "a request never ended (async scheduling {async_scheduling})");
+            assert_eq!(tokens, max_tokens);
+        }
+        assert!(*flushes.lock().unwrap() > 0, "the last step was answered without a flush");
+    }
 }

@@ -15,8 +15,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{
-    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, HostTensor, LoraShape, LoraSlotWeights,
-    RopeSpec, Sampled, TpRank,
+    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor, LoraShape,
+    LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -118,6 +118,15 @@ pub struct CpuCache {
 #[derive(Clone, Default)]
 pub struct CpuDevice {
     group: Option<Arc<Member>>,
+    /// With [`CpuDevice::feeding_sampled_tokens`]: samplings issued and not yet collected.
+    fed: Option<Arc<std::sync::Mutex<FedSamples>>>,
+}
+
+/// A feeding CPU device's samplings issued and not yet collected, by number.
+#[derive(Default)]
+struct FedSamples {
+    issued: Vec<(u64, Vec<Sampled>)>,
+    next: u64,
 }
 
 /// One rank's membership of a group; when its last handle goes (the rank's runner is
@@ -141,8 +150,37 @@ impl CpuDevice {
         }
         let g = Arc::new(CpuGroup::new(world));
         (0..world)
-            .map(|rank| CpuDevice { group: Some(Arc::new(Member { group: g.clone(), rank })) })
+            .map(|rank| CpuDevice { group: Some(Arc::new(Member { group: g.clone(), rank })), fed: None })
             .collect()
+    }
+
+    /// A CPU device that, as a GPU does, leaves a step's sampled tokens to be collected
+    /// later and takes them as the next step's token ids itself ([`FED_TOKEN`]): the
+    /// runner then answers each step of the Scheduler's at the next message, as on a GPU.
+    /// The CPU gains nothing by it (its forward runs as it is issued); it lets machines
+    /// without a GPU test that protocol.
+    pub fn feeding_sampled_tokens() -> Self {
+        CpuDevice { group: None, fed: Some(Arc::default()) }
+    }
+
+    /// `ids` with those that name a row of the last sampling issued put in place.
+    fn fed_ids<'a>(&self, ids: &'a [u32]) -> DevResult<std::borrow::Cow<'a, [u32]>> {
+        let Some(fed) = self.fed.as_ref().filter(|_| ids.iter().any(|&t| t >= FED_TOKEN)) else {
+            return Ok(ids.into());
+        };
+        let fed = fed.lock().map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        let last = fed.issued.iter().max_by_key(|(id, _)| *id).map_or(&[][..], |(_, rows)| rows.as_slice());
+        ids.iter()
+            .map(|&t| match t.checked_sub(FED_TOKEN) {
+                None => Ok(t),
+                Some(row) => last.get(row as usize).map(|&(token, _)| token).ok_or_else(|| {
+                    DeviceError::Other(format!(
+                        "token id {t:#x} names no row of a sampling waiting to be collected"
+                    ))
+                }),
+            })
+            .collect::<DevResult<Vec<u32>>>()
+            .map(Into::into)
     }
 }
 
@@ -239,8 +277,9 @@ impl Device for CpuDevice {
 
     fn embedding(&self, table: &CpuWeight, ids: &[u32]) -> DevResult<CpuTensor> {
         let hidden = table.shape[1];
+        let ids = self.fed_ids(ids)?;
         let mut out = CpuTensor::zeros(ids.len(), hidden);
-        for (row, &id) in out.data.chunks_mut(hidden).zip(ids) {
+        for (row, &id) in out.data.chunks_mut(hidden).zip(ids.iter()) {
             table.row_f32(id as usize, row);
         }
         Ok(out)
@@ -415,6 +454,37 @@ impl Device for CpuDevice {
             .zip(inputs)
             .map(|(row, inp)| crate::sampling::sample(row, inp))
             .collect())
+    }
+
+    fn sample_rows_issue(&self, logits: CpuTensor, inputs: &[SampleInput]) -> DevResult<SampleTicket> {
+        let rows = self.sample_rows(logits, inputs)?;
+        let Some(fed) = &self.fed else { return Ok(SampleTicket::Done(rows)) };
+        let mut fed = fed.lock().map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        let id = fed.next;
+        fed.next += 1;
+        fed.issued.push((id, rows));
+        Ok(SampleTicket::Issued(id))
+    }
+
+    fn sample_rows_collect(&self, ticket: SampleTicket) -> DevResult<Vec<Sampled>> {
+        let id = match ticket {
+            SampleTicket::Done(rows) => return Ok(rows),
+            SampleTicket::Issued(id) => id,
+        };
+        let mut fed = self
+            .fed
+            .as_ref()
+            .ok_or_else(|| DeviceError::Other("no sampling was issued on this device".into()))?
+            .lock()
+            .map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        let at = fed.issued.iter().position(|(i, _)| *i == id);
+        at.map(|i| fed.issued.remove(i).1).ok_or_else(|| {
+            DeviceError::Other(format!("sampling {id} was never issued or was collected already"))
+        })
+    }
+
+    fn feeds_sampled_tokens(&self) -> bool {
+        self.fed.is_some()
     }
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> DevResult<CpuTensor> {

@@ -311,8 +311,21 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
     }
 
     fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> DevResult<D::Tensor> {
-        let last = dev.gather_rows(hidden, &meta.last_token_rows)?; // [num_seqs, hidden]
-        self.lm_head.forward(dev, &last, &self.embed_tokens, self.cfg.vocab_size) // [num_seqs, vocab]
+        // Every row in order (decode steps not padded, such as batch 1's): the hidden states
+        // as they are, with the 16-bit copy the final norm wrote for the GEMM. Gathered, they
+        // would be copied, and converted again for a 16-bit lm_head: on the H200 two kernels
+        // between the last layer and lm_head at batch 1.
+        let rows = &meta.last_token_rows;
+        let all = dev.shape(hidden).0 == rows.len() && rows.iter().enumerate().all(|(i, &r)| i == r);
+        let gathered;
+        let last = match all {
+            true => hidden,
+            false => {
+                gathered = dev.gather_rows(hidden, rows)?; // [num_seqs, hidden]
+                &gathered
+            }
+        };
+        self.lm_head.forward(dev, last, &self.embed_tokens, self.cfg.vocab_size) // [num_seqs, vocab]
     }
 
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape) {

@@ -9,7 +9,8 @@
 // Outside such a graph both are no-ops. Some kernels load what does not depend on the
 // kernel before first: rms_norm_f32 its norm weights, the GEMVs (gemv.cu) their first
 // weight chunks (and gemv_res_norm its residual and norm weights, gemv_qkv_rope the step's
-// positions, slots and frequencies); the GEMVs also issue the two apart.
+// positions, slots and frequencies), flash_decode's 16-bit kernels the rows' metadata and
+// block tables; the GEMVs also issue the two apart.
 __device__ __forceinline__ void grid_dep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -380,7 +380,7 @@ fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
             }
         })
         .collect();
-    (ExecuteBatch { seqs: batch, ..ExecuteBatch::flush() }, next_block as usize)
+    (ExecuteBatch { seqs: batch, ..Default::default() }, next_block as usize)
 }
 
 /// The decode steps recorded as graphs. Batch sizes: powers of two up to 32, multiples of

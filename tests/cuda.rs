@@ -913,7 +913,7 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
                 .collect();
             let dropped = if step == 0 { (0..first_id).collect() } else { Vec::new() };
             let out = runner
-                .execute(ExecuteBatch { seqs, dropped, follows: step > 0, ..ExecuteBatch::flush() })
+                .execute(ExecuteBatch { seqs, dropped, follows: step > 0, ..Default::default() })
                 .expect("step runs");
             for s in &out.sampled {
                 tokens[(s.seq - first_id) as usize].push(s.token);

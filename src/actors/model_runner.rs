@@ -2,7 +2,10 @@
 //! weights, KV cache and the per-sequence state sampling needs (token ids for penalties,
 //! seeds). The Scheduler sends it one [`ExecuteBatch`] per step; it turns the batch into
 //! flat inputs and attention metadata, runs the model's forward, samples, and returns token
-//! ids (and logprobs when asked).
+//! ids (and logprobs when asked). On a device that feeds sampled tokens (a GPU) it answers
+//! a Scheduler's step only once the next message has issued its own step, whose token ids
+//! name the places of the tokens still on the device: the device never waits for the host
+//! between steps.
 //!
 //! Under tensor parallelism there is one ModelRunner per rank, each on its own thread with
 //! its shard of the weights and KV cache. Rank 0 receives the Scheduler's batch, turns it
@@ -59,7 +62,7 @@ pub struct BatchSeq {
 /// next message has arrived and issued its own work, so that the device never waits for
 /// the host between steps: its sender follows every such step with another message, an
 /// [`ExecuteBatch::flush`] when it has no step to send.
-#[derive(Message)]
+#[derive(Message, Default)]
 #[rtype(result = "Result<StepOutput, RunnerError>")]
 pub struct ExecuteBatch {
     pub seqs: Vec<BatchSeq>,
@@ -78,13 +81,7 @@ pub struct ExecuteBatch {
 impl ExecuteBatch {
     /// A message with no work: the runner answers the step before it.
     pub fn flush() -> Self {
-        Self {
-            seqs: Vec::new(),
-            dropped: Vec::new(),
-            lora_loads: Vec::new(),
-            follows: false,
-            followed: false,
-        }
+        Self::default()
     }
 }
 

@@ -38,7 +38,7 @@ impl Handler<PreloadLoras> for SchedulerActor {
             msg.0.into_iter().filter_map(|a| self.core.preload_lora(a.id).map(|slot| (slot, a))).collect();
         let loaded = lora_loads.len();
         // A batch of loads only: the runner places them (on every rank) and runs nothing.
-        let batch = ExecuteBatch { lora_loads, ..ExecuteBatch::flush() };
+        let batch = ExecuteBatch { lora_loads, ..Default::default() };
         let sent = (loaded > 0).then(|| self.runner.send(batch));
         Box::pin(async move {
             if let Some(sent) = sent {

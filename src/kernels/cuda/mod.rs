@@ -42,7 +42,7 @@ use gemm::{GateUpPath, push_outputs};
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
 pub use lora::CudaLora;
-use nvrtc::{COMMON, SOURCES, kernel_names};
+use nvrtc::{COMMON, SOURCES};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};
 
@@ -301,11 +301,11 @@ impl CudaDevice {
         let mut funcs = std::collections::HashMap::new();
         for (name, src) in SOURCES {
             let ptx = nvrtc::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
+            let entries = nvrtc::entry_points(&ptx.to_src());
             let module = ctx.load_module(ptx).map_err(err)?;
-            for k in kernel_names() {
-                if let Ok(f) = module.load_function(&k) {
-                    funcs.insert(k, f);
-                }
+            for k in entries {
+                let f = module.load_function(&k).map_err(err)?;
+                funcs.insert(k, f);
             }
         }
         let (prefill_heads_max, decode_join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
@@ -471,7 +471,8 @@ impl CudaDevice {
     }
 
     fn f(&self, name: &str) -> &CudaFunction {
-        &self.funcs[name]
+        // Every entry point of the sources is loaded: a name missing here is misspelled.
+        self.funcs.get(name).unwrap_or_else(|| panic!("no kernel {name} in the CUDA sources"))
     }
 
     /// Rounds activations feeding GEMMs (and KV caches allocated after this) to `dtype`, as

@@ -163,12 +163,19 @@ impl CpuDevice {
         CpuDevice { group: None, fed: Some(Arc::default()) }
     }
 
+    /// The samplings issued and not yet collected, on a feeding device.
+    fn fed(&self) -> DevResult<std::sync::MutexGuard<'_, FedSamples>> {
+        let fed =
+            self.fed.as_ref().ok_or_else(|| DeviceError::Other("this device feeds no tokens".into()))?;
+        fed.lock().map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))
+    }
+
     /// `ids` with those that name a row of the last sampling issued put in place.
     fn fed_ids<'a>(&self, ids: &'a [u32]) -> DevResult<std::borrow::Cow<'a, [u32]>> {
-        let Some(fed) = self.fed.as_ref().filter(|_| ids.iter().any(|&t| t >= FED_TOKEN)) else {
+        if self.fed.is_none() || ids.iter().all(|&t| t < FED_TOKEN) {
             return Ok(ids.into());
-        };
-        let fed = fed.lock().map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        }
+        let fed = self.fed()?;
         let last = fed.issued.iter().max_by_key(|(id, _)| *id).map_or(&[][..], |(_, rows)| rows.as_slice());
         ids.iter()
             .map(|&t| match t.checked_sub(FED_TOKEN) {
@@ -458,8 +465,10 @@ impl Device for CpuDevice {
 
     fn sample_rows_issue(&self, logits: CpuTensor, inputs: &[SampleInput]) -> DevResult<SampleTicket> {
         let rows = self.sample_rows(logits, inputs)?;
-        let Some(fed) = &self.fed else { return Ok(SampleTicket::Done(rows)) };
-        let mut fed = fed.lock().map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        if self.fed.is_none() {
+            return Ok(SampleTicket::Done(rows));
+        }
+        let mut fed = self.fed()?;
         let id = fed.next;
         fed.next += 1;
         fed.issued.push((id, rows));
@@ -471,12 +480,7 @@ impl Device for CpuDevice {
             SampleTicket::Done(rows) => return Ok(rows),
             SampleTicket::Issued(id) => id,
         };
-        let mut fed = self
-            .fed
-            .as_ref()
-            .ok_or_else(|| DeviceError::Other("no sampling was issued on this device".into()))?
-            .lock()
-            .map_err(|_| DeviceError::Other("sampled tokens lost to a panic".into()))?;
+        let mut fed = self.fed()?;
         let at = fed.issued.iter().position(|(i, _)| *i == id);
         at.map(|i| fed.issued.remove(i).1).ok_or_else(|| {
             DeviceError::Other(format!("sampling {id} was never issued or was collected already"))

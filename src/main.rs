@@ -1,6 +1,6 @@
 //! The `actorllm` command line: import-gguf, generate, bench.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use actorllm::config::EngineArgs;
@@ -127,6 +127,8 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "actorllm=info,warn".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: logs piped to a file or a collector stay plain text.
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
     match Cli::parse().cmd {
         Cmd::ImportGguf { file, out, dtype } => {

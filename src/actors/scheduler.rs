@@ -82,7 +82,14 @@ pub struct AdmissionLimits {
 struct Choice {
     seq: SeqId,
     out: SeqOutput,
-    done: bool,
+    /// Why the choice ended, once it has.
+    finish: Option<FinishReason>,
+}
+
+impl Choice {
+    fn done(&self) -> bool {
+        self.finish.is_some()
+    }
 }
 
 struct LiveRequest {
@@ -208,7 +215,7 @@ impl SchedulerActor {
             .enumerate()
             .map(|(i, &seq)| {
                 self.seq_owner.insert(seq, (group, i));
-                Choice { seq, out: SeqOutput::new(prompt_len, &msg.params), done: false }
+                Choice { seq, out: SeqOutput::new(prompt_len, &msg.params), finish: None }
             })
             .collect();
         let seed = msg.params.seed.unwrap_or_else(|| self.metrics.random_seed());
@@ -237,8 +244,8 @@ impl SchedulerActor {
     fn abort(&mut self, id: &str, reason: AbortReason) -> bool {
         let Some(&group) = self.by_id.get(id) else { return false };
         if let Some(req) = self.requests.get_mut(&group) {
-            for c in req.choices.iter_mut().filter(|c| !c.done) {
-                c.done = true;
+            for c in req.choices.iter_mut().filter(|c| !c.done()) {
+                c.finish = Some(FinishReason::Abort);
                 let ev = TokenEvent::Finished {
                     index: self.seq_owner[&c.seq].1,
                     reason: FinishReason::Abort,
@@ -255,6 +262,7 @@ impl SchedulerActor {
     /// Removes a request whose choices have all ended; sends `Done`.
     fn end_request(&mut self, group: u64, aborted: bool) {
         let Some(req) = self.requests.remove(&group) else { return };
+        self.log_finished(&req);
         self.by_id.remove(&req.id);
         if let Some(id) = req.lora
             && let Some(e) = self.adapters.get_mut(&id)
@@ -277,6 +285,25 @@ impl SchedulerActor {
             self.metrics.on_request_done(req.arrival, req.first_token, req.completion_tokens);
         }
         self.outbox.push((group, req.events, TokenEvent::Done { usage }));
+    }
+
+    /// One line per request as it ends: what it cost and how it ended (a choice that ended
+    /// by an engine error shows `error`).
+    fn log_finished(&self, req: &LiveRequest) {
+        let ms = |d: std::time::Duration| format!("{:.1}", d.as_secs_f64() * 1e3);
+        let finish: Vec<&str> =
+            req.choices.iter().map(|c| c.finish.map_or("error", FinishReason::as_str)).collect();
+        let adapter = req.lora.and_then(|id| self.adapters.get(&id)).map(|(a, _)| a.name.as_str());
+        tracing::info!(
+            request_id = %req.id,
+            prompt_tokens = req.prompt_len,
+            completion_tokens = req.completion_tokens,
+            ttft_ms = %req.first_token.map_or_else(|| "-".into(), |t| ms(t - req.arrival)),
+            total_ms = %ms(req.arrival.elapsed()),
+            finish = %finish.join(","),
+            adapter = %adapter.unwrap_or("-"),
+            "request finished"
+        );
     }
 
     /// Sends the waiting events; a request whose client has gone is aborted.
@@ -374,7 +401,7 @@ impl SchedulerActor {
             };
             let at = self.core.resolve_token(sm.seq, sm.token);
             // Stopped at the step before (planned before that was known): dropped too.
-            let Some(req) = self.requests.get_mut(&group).filter(|r| !r.choices[index].done) else {
+            let Some(req) = self.requests.get_mut(&group).filter(|r| !r.choices[index].done()) else {
                 dropped.fetch_add(1, Relaxed);
                 continue;
             };
@@ -412,7 +439,7 @@ impl SchedulerActor {
                 TokenEvent::Token { index, token_id: sm.token, text: outcome.text, logprobs: sm.logprobs };
             self.outbox.push((group, req.events.clone(), token));
             if let Some((reason, stop_reason)) = outcome.finish {
-                req.choices[index].done = true;
+                req.choices[index].finish = Some(reason);
                 self.outbox.push((
                     group,
                     req.events.clone(),
@@ -420,7 +447,7 @@ impl SchedulerActor {
                 ));
                 self.metrics.on_finish(reason);
                 self.core.finish(sm.seq);
-                if req.choices.iter().all(|c| c.done) {
+                if req.choices.iter().all(Choice::done) {
                     self.end_request(group, false);
                 }
             }

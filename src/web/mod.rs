@@ -13,6 +13,7 @@ pub mod ws;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use actix_web::{App, HttpServer, middleware, web};
 use dashmap::DashMap;
@@ -38,6 +39,46 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer <key>` on every route but /health and the playground.
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// Seconds a WebSocket may stay silent (no frame, not even a pong) before the server
+    /// closes it and aborts its generations; the server pings it six times in that span,
+    /// at most every 5 s.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_seconds)]
+    pub ws_idle_timeout: f64,
+    /// Seconds one engine step may run before `/health` reports the step loop stuck (503);
+    /// vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S.
+    #[arg(long, env = "VLLM_ENGINE_ITERATION_TIMEOUT_S", default_value_t = 120.0, value_parser = positive_seconds)]
+    pub engine_iteration_timeout: f64,
+}
+
+impl ServeArgs {
+    /// The server's own flags at their defaults, in front of an engine of `engine`.
+    pub fn new(engine: EngineArgs) -> Self {
+        Self {
+            engine,
+            host: "127.0.0.1".into(),
+            port: 8000,
+            served_model_name: Vec::new(),
+            api_key: None,
+            ws_idle_timeout: 30.0,
+            engine_iteration_timeout: 120.0,
+        }
+    }
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("expected a positive number of seconds, got {s:?}")),
+    }
+}
+
+/// Timing the server holds clients and the engine to.
+#[derive(Debug, Clone, Copy)]
+pub struct Timeouts {
+    /// A WebSocket silent this long is closed.
+    pub ws_idle: Duration,
+    /// A step running this long makes `/health` answer 503.
+    pub engine_iteration: Duration,
 }
 
 /// Shared by every handler.
@@ -46,6 +87,7 @@ pub struct AppState {
     /// The first is the primary name.
     pub served_model_names: Vec<String>,
     pub api_key: Option<String>,
+    pub timeouts: Timeouts,
     /// Response id → engine request ids, while the response is live (for cancellation).
     pub live: DashMap<String, Vec<String>>,
     pub started_unix: u64,
@@ -54,12 +96,18 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(engine: Engine, served_model_names: Vec<String>, api_key: Option<String>) -> Self {
+    pub fn new(
+        engine: Engine,
+        served_model_names: Vec<String>,
+        api_key: Option<String>,
+        timeouts: Timeouts,
+    ) -> Self {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         Self {
             engine,
             served_model_names,
             api_key,
+            timeouts,
             live: DashMap::new(),
             started_unix: now.as_secs(),
             id_salt: crate::sampling::uniform(now.as_nanos() as u64, 0, 0).to_bits(),
@@ -117,7 +165,11 @@ pub fn start_with_engine(
         );
     }
     let name = names.join(", ");
-    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone()));
+    let timeouts = Timeouts {
+        ws_idle: Duration::from_secs_f64(args.ws_idle_timeout),
+        engine_iteration: Duration::from_secs_f64(args.engine_iteration_timeout),
+    };
+    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone(), timeouts));
     let server = HttpServer::new(move || {
         App::new().app_data(state.clone()).wrap(middleware::from_fn(ops::auth_and_log)).configure(configure)
     })

@@ -3,22 +3,26 @@
 
 use std::time::{Duration, Instant};
 
-use actix_web::body::MessageBody;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::middleware::Next;
+use actix_web::web::Bytes;
 use actix_web::{HttpResponse, ResponseError, web};
 
 use super::AppState;
 use super::errors::ApiError;
 use crate::actors::lora_manager::GetLoraStats;
 
-/// A step running longer than this means the step loop is stuck.
-const STUCK_STEP: Duration = Duration::from_secs(120);
-
+/// 200 while the step loop answers and no step has run longer than
+/// `--engine-iteration-timeout`, else 503.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    let stuck = state.timeouts.engine_iteration;
     let stats = actix_rt::time::timeout(Duration::from_secs(2), state.engine.stats()).await;
     match stats {
-        Ok(Ok((s, _))) if !(s.busy && s.last_step.is_some_and(|t| t.elapsed() > STUCK_STEP)) => {
+        Ok(Ok((s, _))) if !(s.busy && s.last_step.is_some_and(|t| t.elapsed() > stuck)) => {
             HttpResponse::Ok().finish()
         }
         Ok(Ok(_)) => ApiError::Unavailable("the engine's step loop is stuck".into()).error_response(),
@@ -97,7 +101,8 @@ fn authorized(req: &ServiceRequest, key: &str) -> bool {
     false
 }
 
-/// Checks the API key (when configured) and logs each request once it is answered.
+/// Checks the API key (when configured) and logs each request once its response has been
+/// sent in full (a stream's line comes when it ends, with its whole duration).
 pub async fn auth_and_log(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
@@ -115,6 +120,54 @@ pub async fn auth_and_log(
     let res = next.call(req).await?;
     let request_id =
         res.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string();
-    tracing::info!(%method, %path, status = res.status().as_u16(), ms = start.elapsed().as_millis() as u64, %request_id, "http");
-    Ok(res)
+    let line = HttpLine { method, path, status: res.status().as_u16(), request_id, start, bytes: 0 };
+    Ok(res.map_body(move |_, body| LoggedBody { body: body.boxed(), line }))
+}
+
+/// What the request's log line says.
+struct HttpLine {
+    method: String,
+    path: String,
+    status: u16,
+    request_id: String,
+    start: Instant,
+    bytes: usize,
+}
+
+/// A response body that logs its request's line when it is dropped: after its last byte
+/// went out, or when the client left before that.
+struct LoggedBody {
+    body: BoxBody,
+    line: HttpLine,
+}
+
+impl MessageBody for LoggedBody {
+    type Error = Box<dyn std::error::Error>;
+
+    fn size(&self) -> BodySize {
+        self.body.size()
+    }
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let next = Pin::new(&mut self.body).poll_next(cx);
+        if let Poll::Ready(Some(Ok(chunk))) = &next {
+            self.line.bytes += chunk.len();
+        }
+        next
+    }
+}
+
+impl Drop for LoggedBody {
+    fn drop(&mut self) {
+        let l = &self.line;
+        tracing::info!(
+            method = %l.method,
+            path = %l.path,
+            status = l.status,
+            ms = l.start.elapsed().as_millis() as u64,
+            bytes = l.bytes,
+            request_id = %l.request_id,
+            "http"
+        );
+    }
 }

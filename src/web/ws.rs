@@ -8,8 +8,9 @@
 //! `{"type":"delta","id","index","text","token_ids":[…],"logprobs"?}` per token, then
 //! `{"type":"done","id","finish_reason","choices":[{"index","finish_reason"}],"usage"}`;
 //! errors as `{"type":"error","id","error":{…OpenAI error…}}` without closing the socket.
-//! Heartbeat: the server pings every 5 s and closes a socket silent for 30 s. A closed
-//! socket aborts all of its generations.
+//! Heartbeat: the server pings every 5 s and closes a socket silent for `--ws-idle-timeout`
+//! (30 s; shorter timeouts ping six times within it). A closed socket aborts all of its
+//! generations.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -27,8 +28,8 @@ use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, pr
 use super::responses::GenEvent;
 use crate::request::{AbortReason, FinishReason};
 
+/// The longest time between two pings (with the default `--ws-idle-timeout` of 30 s).
 const HEARTBEAT: Duration = Duration::from_secs(5);
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest accepted frame.
 pub const MAX_FRAME: usize = 1 << 20;
 /// Most generations one socket may run at once.
@@ -235,9 +236,14 @@ impl Actor for WsSession {
     type Context = ws::WebsocketContext<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        ctx.run_interval(HEARTBEAT, |act, ctx| {
-            if act.last_heard.elapsed() > CLIENT_TIMEOUT {
-                tracing::info!("websocket heartbeat timed out; closing");
+        let idle = self.state.timeouts.ws_idle;
+        ctx.run_interval(HEARTBEAT.min(idle / 6), move |act, ctx| {
+            if act.last_heard.elapsed() > idle {
+                tracing::info!(idle_s = idle.as_secs_f64(), "websocket silent too long; closing");
+                ctx.close(Some(ws::CloseReason {
+                    code: ws::CloseCode::Away,
+                    description: Some("no frame within --ws-idle-timeout".into()),
+                }));
                 ctx.stop();
                 return;
             }

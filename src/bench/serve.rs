@@ -100,13 +100,49 @@ async fn one_request(
     Ok((first.unwrap_or_default().as_secs_f64(), gaps, tokens))
 }
 
+/// Where the clients' prompt ids come from.
+enum Prompts {
+    /// The in-process model's vocabulary size: [`prompt`]'s ids.
+    Vocab(usize),
+    /// A server elsewhere, whose vocabulary is unknown here: ids it gave for a text
+    /// through `/tokenize`, taken in turn.
+    Tokenized(Vec<u32>),
+}
+
+/// A paragraph that any tokenizer turns into ids of its ordinary vocabulary.
+const PROMPT_TEXT: &str = "The history of the river valley begins with farmers who settled along its \
+    banks, built canals to water their fields, traded grain and wool with towns downstream, and \
+    recorded the floods of each year on stones that still stand beside the old bridge.";
+
+impl Prompts {
+    async fn of_server(client: &awc::Client, url: &str) -> anyhow::Result<Self> {
+        let mut r = client
+            .post(format!("{url}/tokenize"))
+            .send_json(&json!({"prompt": PROMPT_TEXT, "add_special_tokens": false}))
+            .await
+            .map_err(|e| anyhow::anyhow!("{url}/tokenize: {e}"))?;
+        anyhow::ensure!(r.status().is_success(), "{url}/tokenize answered {}", r.status());
+        let v: serde_json::Value = r.json().await.map_err(|e| anyhow::anyhow!("{url}/tokenize: {e}"))?;
+        let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone())?;
+        anyhow::ensure!(!ids.is_empty(), "{url}/tokenize gave no tokens");
+        Ok(Self::Tokenized(ids))
+    }
+
+    fn prompt(&self, len: usize, salt: usize) -> Vec<u32> {
+        match self {
+            Self::Vocab(vocab) => prompt(len, salt, *vocab),
+            Self::Tokenized(ids) => (0..len).map(|i| ids[(i + salt * 7) % ids.len()]).collect(),
+        }
+    }
+}
+
 async fn load(
     url: &str,
     clients: usize,
     per_client: usize,
     input_len: usize,
     output_len: usize,
-    vocab: usize,
+    prompts: &Prompts,
 ) -> anyhow::Result<ServeFigure> {
     let client = awc::Client::builder().timeout(Duration::from_secs(600)).finish();
     let url = format!("{url}/v1/completions");
@@ -117,7 +153,7 @@ async fn load(
             let mut out = Vec::new();
             for r in 0..per_client {
                 // Token-id prompts and logprobs=0 make every token its own chunk.
-                let body = json!({"prompt": prompt(input_len, c * 131 + r, vocab), "max_tokens": output_len,
+                let body = json!({"prompt": prompts.prompt(input_len, c * 131 + r), "max_tokens": output_len,
                     "temperature": 0, "ignore_eos": true, "stream": true, "logprobs": 0,
                     "stream_options": {"include_usage": true}});
                 out.push(one_request(&client, &url, &body).await?);
@@ -151,13 +187,14 @@ pub async fn run(args: ServeBenchArgs) -> anyhow::Result<()> {
             (format!("http://{addr}"), Some(engine))
         }
     };
-    let vocab = match &engine {
-        Some(e) => e.model_config().vocab_size,
-        None => 32000,
+    let prompts = match &engine {
+        Some(e) => Prompts::Vocab(e.model_config().vocab_size),
+        None => Prompts::of_server(&awc::Client::default(), &url).await?,
     };
     let mut figures = Vec::new();
     for &c in &args.concurrency {
-        let mut f = load(&url, c, args.requests_per_client, args.input_len, args.output_len, vocab).await?;
+        let mut f =
+            load(&url, c, args.requests_per_client, args.input_len, args.output_len, &prompts).await?;
         if let Some(e) = &engine {
             // The same work through the Engine: clients × requests, `c` at a time.
             let t = Instant::now();

@@ -1,13 +1,16 @@
 // The actorllm chat playground: streams over SSE (fetch + ReadableStream) or the
-// WebSocket protocol, stops for real (aborted fetch / cancel frame), keeps the
-// conversation in localStorage. No build step, no CDN.
+// WebSocket protocol, stops for real (aborted fetch / cancel frame), renders answers as
+// Markdown, keeps the conversation in localStorage. No build step, no CDN.
 
-import { renderText } from "/static/render.js";
+import { renderMarkdown } from "/static/render.js";
 
 const STORE = "actorllm.conversation.v1";
+const THEME = "actorllm.theme";
 const $ = (id) => document.getElementById(id);
 const els = {
   conversation: $("conversation"),
+  empty: $("empty"),
+  theme: $("theme"),
   form: $("composer"),
   input: $("input"),
   send: $("send"),
@@ -19,7 +22,9 @@ const els = {
   max_tokens: $("max_tokens"),
 };
 
-/** @type {{role: string, content: string, model?: string, stats?: string, error?: boolean}[]} */
+/** A user turn that got no answer (stopped before its first token, or refused) is
+ * `unanswered`: shown, but left out of the conversation sent with later messages.
+ * @type {{role: string, content: string, model?: string, stats?: string, error?: boolean, unanswered?: string}[]} */
 let turns = loadTurns();
 let current = null; // the generation in flight: {stop(), turn, el}
 
@@ -39,6 +44,7 @@ function saveTurns() {
 function turnElement(turn) {
   const el = document.createElement("div");
   el.className = `turn ${turn.error ? "error" : turn.role}`;
+  el.classList.toggle("unanswered", Boolean(turn.unanswered));
   if (turn.role === "assistant" && !turn.error) {
     const who = document.createElement("div");
     who.className = "who";
@@ -57,14 +63,40 @@ function turnElement(turn) {
 
 function fill(el, turn) {
   const body = el.querySelector(".body");
-  if (turn.role === "assistant" && !turn.error) renderText(body, turn.content);
+  if (turn.role === "assistant" && !turn.error) renderMarkdown(body, turn.content);
   else body.textContent = turn.content;
-  el.querySelector(".stats").textContent = turn.stats || "";
+  el.querySelector(".stats").textContent = turn.unanswered || turn.stats || "";
+}
+
+/** Re-renders a streaming answer at most once a frame, keeping the view at the bottom
+ * when it was there (a reader who scrolled up is left where they are). */
+function fillSoon(el, turn) {
+  if (el.pendingFill) return;
+  el.pendingFill = requestAnimationFrame(() => {
+    el.pendingFill = 0;
+    const follow = atBottom();
+    fill(el, turn);
+    if (follow) scrollDown();
+  });
+}
+
+function fillNow(el, turn) {
+  cancelAnimationFrame(el.pendingFill || 0);
+  el.pendingFill = 0;
+  const follow = atBottom();
+  fill(el, turn);
+  if (follow) scrollDown();
 }
 
 function renderAll() {
-  els.conversation.replaceChildren(...turns.map(turnElement));
+  els.conversation.replaceChildren(els.empty, ...turns.map(turnElement));
+  els.empty.hidden = turns.length > 0;
   scrollDown();
+}
+
+function atBottom() {
+  const c = els.conversation;
+  return c.scrollHeight - c.scrollTop - c.clientHeight <= 48;
 }
 
 function scrollDown() {
@@ -73,10 +105,18 @@ function scrollDown() {
 
 function addTurn(turn) {
   turns.push(turn);
+  els.empty.hidden = true;
   const el = turnElement(turn);
   els.conversation.appendChild(el);
   scrollDown();
   return el;
+}
+
+/** Leaves `turn` (a question) out of later requests, saying why on its card. */
+function markUnanswered(turn, el, why) {
+  turn.unanswered = why;
+  el.classList.add("unanswered");
+  fill(el, turn);
 }
 
 function showError(message) {
@@ -129,7 +169,7 @@ function requestBody() {
   const system = els.system.value.trim();
   if (system) messages.push({ role: "system", content: system });
   for (const t of turns) {
-    if (t.error || !t.content) continue;
+    if (t.error || t.unanswered || !t.content) continue;
     if (t.role === "user" || t.role === "assistant") messages.push({ role: t.role, content: t.content });
   }
   return {
@@ -206,8 +246,7 @@ async function streamSse(body, turn, el, meter, signal) {
           if (c.delta && c.delta.content) {
             meter.token();
             turn.content += c.delta.content;
-            fill(el, turn);
-            scrollDown();
+            fillSoon(el, turn);
           }
           if (c.finish_reason) finish = c.finish_reason;
         }
@@ -261,8 +300,7 @@ async function streamWs(body, turn, el, meter, stopSignal) {
       } else if (msg.type === "delta") {
         meter.token();
         turn.content += msg.text;
-        fill(el, turn);
-        scrollDown();
+        fillSoon(el, turn);
       } else if (msg.type === "done") {
         wsHandlers.delete(id);
         stopSignal.removeEventListener("abort", onStop);
@@ -277,11 +315,11 @@ async function streamWs(body, turn, el, meter, stopSignal) {
   });
 }
 
-async function send() {
-  const text = els.input.value.trim();
+async function send(text = els.input.value.trim()) {
   if (!text || current) return;
   els.input.value = "";
-  addTurn({ role: "user", content: text });
+  const question = { role: "user", content: text };
+  const questionEl = addTurn(question);
   const body = requestBody();
   const model = body.model || els.model.options[0]?.value || "";
   // The label shows the picker's choice until the server names the model that answers.
@@ -292,23 +330,32 @@ async function send() {
   const controller = new AbortController();
   current = { stop: () => controller.abort() };
   setBusy(true);
+  // Nothing was answered: the empty card goes, and the question stays out of later turns.
+  const dropAnswer = (why) => {
+    turns.splice(turns.indexOf(turn), 1);
+    el.remove();
+    markUnanswered(question, questionEl, why);
+  };
   try {
     const run = transport() === "ws" ? streamWs : streamSse;
     const finish = await run(body, turn, el, meter, controller.signal);
-    turn.stats = meter.line(finish);
-    fill(el, turn);
+    if (!turn.content && finish === "stopped") {
+      dropAnswer("Stopped before an answer; left out of the conversation.");
+    } else {
+      turn.stats = meter.line(finish);
+      fillNow(el, turn);
+    }
   } catch (e) {
     if (!turn.content) {
-      // Nothing was answered: the error turn replaces the empty answer.
-      turns.splice(turns.indexOf(turn), 1);
-      el.remove();
+      dropAnswer("No answer; left out of the conversation.");
     } else {
       turn.stats = meter.line("error");
-      fill(el, turn);
+      fillNow(el, turn);
     }
     showError(e.message || String(e));
   } finally {
     el.dataset.done = "true";
+    questionEl.dataset.done = "true";
     current = null;
     setBusy(false);
     saveTurns();
@@ -337,6 +384,21 @@ els.clear.addEventListener("click", () => {
   turns = [];
   saveTurns();
   renderAll();
+});
+
+for (const b of els.empty.querySelectorAll("button.example")) {
+  b.addEventListener("click", () => send(b.textContent));
+}
+
+function applyTheme(theme) {
+  if (theme === "light" || theme === "dark") document.documentElement.dataset.theme = theme;
+  else delete document.documentElement.dataset.theme;
+}
+
+els.theme.value = localStorage.getItem(THEME) || "auto";
+els.theme.addEventListener("change", () => {
+  localStorage.setItem(THEME, els.theme.value);
+  applyTheme(els.theme.value);
 });
 
 renderAll();

@@ -1,51 +1,54 @@
-// Safe rendering of model output: text becomes text nodes (never HTML), fenced code
-// blocks (```lang ... ```) become <pre><code> with textContent. Model output containing
-// <script> or <img onerror> is therefore shown as the characters it is.
+// Rendering of model output as Markdown (headings, lists, tables, code with highlighting).
+// Model output is untrusted: marked turns it into HTML with any raw HTML the model wrote
+// escaped (shown as the characters it is, never as markup), DOMPurify then removes
+// whatever could still act (scripts, event handlers, javascript: links), and highlight.js
+// colours code from its text. The libraries are vendored in /static/vendor/
+// (scripts/vendor_static.sh); nothing is fetched from elsewhere.
 
-/** Splits text into [{kind: "text"|"code", body, lang}] on ``` fences (an unclosed fence
- * while streaming still renders as code). */
-export function splitFences(text) {
-  const parts = [];
-  let rest = text;
-  while (rest.length > 0) {
-    const open = rest.indexOf("```");
-    if (open < 0) {
-      parts.push({ kind: "text", body: rest });
-      break;
-    }
-    if (open > 0) parts.push({ kind: "text", body: rest.slice(0, open) });
-    const afterOpen = rest.slice(open + 3);
-    const nl = afterOpen.indexOf("\n");
-    const lang = nl >= 0 ? afterOpen.slice(0, nl).trim() : "";
-    const bodyStart = nl >= 0 ? nl + 1 : afterOpen.length;
-    const close = afterOpen.indexOf("```", bodyStart);
-    if (close < 0) {
-      parts.push({ kind: "code", body: afterOpen.slice(bodyStart), lang });
-      break;
-    }
-    parts.push({ kind: "code", body: afterOpen.slice(bodyStart, close).replace(/\n$/, ""), lang });
-    rest = afterOpen.slice(close + 3);
+import { Marked } from "/static/vendor/marked.esm.js";
+import DOMPurify from "/static/vendor/purify.es.mjs";
+import hljs from "/static/vendor/highlight.min.js";
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
+const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESCAPES[c]);
+
+const markdown = new Marked({
+  gfm: true,
+  // Chat models end lines with single newlines and mean them.
+  breaks: true,
+  renderer: {
+    html({ text }) {
+      return escapeHtml(text);
+    },
+  },
+});
+
+// Links the model writes open in a new tab and give the page no handle on it.
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName === "A") {
+    node.setAttribute("target", "_blank");
+    node.setAttribute("rel", "noopener noreferrer");
   }
-  return parts;
+});
+
+/** The sanitised HTML of `text` read as Markdown. */
+export function markdownHtml(text) {
+  return DOMPurify.sanitize(markdown.parse(text), { USE_PROFILES: { html: true } });
 }
 
-/** Replaces the children of `el` with the safe rendering of `text`. */
-export function renderText(el, text) {
-  const frag = document.createDocumentFragment();
-  for (const part of splitFences(text)) {
-    if (part.kind === "code") {
-      const pre = document.createElement("pre");
-      const code = document.createElement("code");
-      if (part.lang) code.dataset.lang = part.lang;
-      code.textContent = part.body;
-      pre.appendChild(code);
-      frag.appendChild(pre);
-    } else {
-      const span = document.createElement("span");
-      span.className = "text";
-      span.textContent = part.body;
-      frag.appendChild(span);
-    }
-  }
-  el.replaceChildren(frag);
+/** Colours a code element from its text (its `language-x` class, else a guess). */
+function highlight(code) {
+  const lang = [...code.classList].find((c) => c.startsWith("language-"))?.slice(9);
+  // marked ends a block's text with its closing newline; the block ends with its last line.
+  const text = code.textContent.replace(/\n$/, "");
+  const result = lang && hljs.getLanguage(lang) ? hljs.highlight(text, { language: lang }) : hljs.highlightAuto(text);
+  // highlight.js escapes the text it wraps in its spans.
+  code.innerHTML = result.value;
+  code.classList.add("hljs");
+}
+
+/** Replaces the children of `el` with the rendering of `text`. */
+export function renderMarkdown(el, text) {
+  el.innerHTML = markdownHtml(text);
+  for (const code of el.querySelectorAll("pre code")) highlight(code);
 }

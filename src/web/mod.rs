@@ -139,7 +139,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/health", web::get().to(ops::health))
         .route("/metrics", web::get().to(ops::metrics))
         .route("/", web::get().to(playground::index))
-        .route("/static/{file}", web::get().to(playground::file))
+        .route("/favicon.ico", web::get().to(playground::favicon))
+        .route("/static/{path:.*}", web::get().to(playground::file))
         .default_service(web::to(openai::not_found));
 }
 

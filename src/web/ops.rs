@@ -81,9 +81,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Routes open without a key: health and the playground's static files.
+/// Routes open without a key: health and the playground's page, icon and static files.
 fn is_public(path: &str) -> bool {
-    path == "/health" || path == "/" || path.starts_with("/static/")
+    matches!(path, "/health" | "/" | "/favicon.ico") || path.starts_with("/static/")
 }
 
 fn authorized(req: &ServiceRequest, key: &str) -> bool {

@@ -1,9 +1,11 @@
 """Makes tests/fixtures/golden_smollm2.json: greedy references from Hugging Face transformers.
 
 Independent of actorllm: transformers reads the GGUF itself (gguf_file=, dequantized to f32)
-and its own tokenizer conversion. Run in a venv with torch, transformers and gguf:
+and its own tokenizer conversion. Each continuation is recorded as ids and as the text
+transformers decodes them to (special tokens skipped, as a server streams them). Run in a
+venv with torch, transformers and gguf, on the GGUF that scripts/fetch_model.sh keeps:
 
-    python scripts/make_golden.py path/to/SmolLM2-135M-Instruct.Q4_1.gguf tests/fixtures/golden_smollm2.json
+    python scripts/make_golden.py models/SmolLM2-135M-Instruct.Q4_1.gguf tests/fixtures/golden_smollm2.json
 """
 import json
 import os
@@ -59,14 +61,22 @@ def greedy(ids, n=32):
     return out[0, len(ids):].tolist()
 
 
+def decoded(ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
 golden = {"model": f, "prompts": [], "chats": [], "tokenizer": []}
 for p in PROMPTS:
     ids = tok(p, add_special_tokens=True)["input_ids"]
-    golden["prompts"].append({"text": p, "prompt_ids": ids, "output_ids": greedy(ids)})
+    cont = greedy(ids)
+    golden["prompts"].append({"text": p, "prompt_ids": ids, "output_ids": cont, "output_text": decoded(cont)})
 for msgs in CHATS:
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    golden["chats"].append({"messages": msgs, "prompt_text": text, "prompt_ids": ids, "output_ids": greedy(ids)})
+    cont = greedy(ids)
+    golden["chats"].append(
+        {"messages": msgs, "prompt_text": text, "prompt_ids": ids, "output_ids": cont, "output_text": decoded(cont)}
+    )
 for t in TOKENIZER_TEXTS:
     ids = tok(t, add_special_tokens=False)["input_ids"]
     golden["tokenizer"].append({"text": t, "ids": ids, "decoded": tok.decode(ids)})

@@ -1,9 +1,10 @@
 """Makes tests/fixtures/lora_golden.json: greedy references from transformers + PEFT for
 the default model with two LoRA adapters whose weights come from a deterministic
 generator. The Rust tests write the same adapters (same generator, PEFT's file layout)
-at run time, so no adapter weights are committed.
+at run time, so no adapter weights are committed. Each continuation is recorded as ids and
+as the text transformers decodes them to (special tokens skipped).
 
-    python scripts/make_lora_golden.py path/to/SmolLM2-135M-Instruct.Q4_1.gguf tests/fixtures/lora_golden.json
+    python scripts/make_lora_golden.py models/SmolLM2-135M-Instruct.Q4_1.gguf tests/fixtures/lora_golden.json
 """
 import json
 import os
@@ -67,7 +68,9 @@ for spec in ADAPTERS:
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, num_beams=1,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        outputs.append({"prompt_ids": ids, "output_ids": gen[0, len(ids):].tolist()})
+        out_ids = gen[0, len(ids):].tolist()
+        outputs.append({"prompt_ids": ids, "output_ids": out_ids,
+                        "output_text": tok.decode(out_ids, skip_special_tokens=True)})
     golden["adapters"].append({**spec, "outputs": outputs})
     print(spec["name"], [o["output_ids"][:6] for o in outputs], flush=True)
 with open(out, "w") as fh:

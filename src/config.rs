@@ -404,19 +404,18 @@ mod tests {
         assert_eq!(limits(false, false, None), (Some(256), Some(2048)));
         assert_eq!(limits(true, false, Some(64)), (Some(64), Some(8192)));
         // Without a GPU's defaults, the CPU's: 256 sequences, 2048 tokens.
-        let dir = std::env::temp_dir().join(format!("actorllm-config-{}", std::process::id()));
+        let dir = crate::scratch::ScratchDir::new("config").unwrap();
         crate::models::random::make_random_model(
             crate::models::random::Preset::Tiny.shape(),
-            &dir,
+            dir.path(),
             DType::F32,
             1,
             1.0,
         )
         .unwrap();
         let model =
-            crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(&dir)
+            crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(dir.path())
                 .unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
         let c = EngineConfig::resolve(&EngineArgs::default(), &model).unwrap();
         assert_eq!((c.max_num_seqs, c.max_num_batched_tokens), (256, 2048));
     }

@@ -20,6 +20,7 @@
 //! - `config`: engine arguments with vLLM's flag names, resolved once.
 //! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
 //! - `metrics`: counters and histograms for `/metrics`.
+//! - `scratch`: temporary directories of their own for benchmarks and tests.
 //! - `bench/`: `actorllm bench offline | serve | latency | throughput`.
 //! - `web/`: the actix-web server: OpenAI routes with SSE, the WebSocket session actor,
 //!   errors in OpenAI's shape, health, metrics and the API key.
@@ -35,6 +36,7 @@ pub mod metrics;
 pub mod models;
 pub mod request;
 pub mod sampling;
+pub mod scratch;
 pub mod tokenizer;
 pub mod web;
 

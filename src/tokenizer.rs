@@ -328,9 +328,8 @@ mod tests {
 
     /// A SentencePiece-style tokenizer (Metaspace decoder: "▁" is a space, and the first
     /// token's leading space is dropped), which streams through decoded windows.
-    fn metaspace_tokenizer() -> (Tokenizer, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!("actorllm-metaspace-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+    fn metaspace_tokenizer() -> Tokenizer {
+        let dir = crate::scratch::ScratchDir::new("metaspace").unwrap();
         let json = serde_json::json!({
             "version": "1.0",
             "added_tokens": [{"id": 0, "content": "<unk>", "single_word": false, "lstrip": false,
@@ -342,13 +341,13 @@ mod tests {
             "model": {"type": "WordLevel", "unk_token": "<unk>",
                       "vocab": {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4}}
         });
-        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
-        (Tokenizer::load(&dir, &[]).unwrap(), dir)
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        Tokenizer::load(dir.path(), &[]).unwrap()
     }
 
     #[test]
     fn a_non_byte_level_tokenizer_streams_its_continuation_with_the_leading_space() {
-        let (tok, dir) = metaspace_tokenizer();
+        let tok = metaspace_tokenizer();
         assert!(tok.bytes.is_none(), "Metaspace decodes through windows");
         let mut all = vec![1u32];
         let mut detok = IncrementalDetokenizer::new(all.len(), true);
@@ -363,7 +362,6 @@ mod tests {
         // The continuation is what the whole decodes to past the prompt.
         let whole = tok.decode(&all, true).unwrap();
         assert_eq!(pieces.concat(), whole["Hello".len()..]);
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

@@ -18,7 +18,8 @@ async fn the_playground_streams_stops_picks_and_renders_safely_in_chromium() {
         "playwright-core missing: run `npm ci` in tests/browser (scripts/test.sh does)"
     );
     let g = common::lora::golden();
-    let adapter = common::lora::write_adapter(&common::lora::scratch("browser"), &g.adapters[0].spec, false);
+    let scratch = common::scratch("browser");
+    let adapter = common::lora::write_adapter(scratch.path(), &g.adapters[0].spec, false);
     let name = g.adapters[0].spec.name.clone();
     let s = common::server::start(&common::default_model(), |a| {
         a.served_model_name = vec!["SmolLM2-135M-Instruct".into(), "smollm2-alias".into()];

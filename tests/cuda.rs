@@ -1,7 +1,10 @@
 //! The CUDA device against its CPU twin: every kernel on random inputs (odd sizes, GQA,
 //! block boundaries, mixed prefill and decode), then the engine on a GPU giving the same
-//! greedy tokens as on the CPU, with and without preemption. On machines without a CUDA
-//! GPU these tests say SKIPPED and return.
+//! greedy tokens as on the CPU, with and without preemption. Every test here needs a CUDA
+//! GPU (one needs two) and is `#[ignore]`d, so that `cargo test` shows them as ignored
+//! rather than passed on a machine without one; on a GPU host run them with
+//! `cargo test --release --test cuda -- --ignored` (add `--skip two_gpus` on one GPU).
+//! Asked to run without a GPU, they fail.
 
 mod common;
 
@@ -28,21 +31,24 @@ struct GpuTurn {
     _held: std::sync::MutexGuard<'static, ()>,
 }
 
-/// This test's turn, or None (the test then says SKIPPED and passes) without a CUDA GPU.
-fn gpu_turn() -> Option<GpuTurn> {
+/// This test's turn on the GPUs; at least `gpus` of them must be there.
+fn gpu_turn_of(gpus: usize) -> GpuTurn {
     static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    if !CudaDevice::available() {
-        eprintln!("SKIPPED: no CUDA GPU on this machine");
-        return None;
-    }
+    let found = if CudaDevice::available() { CudaDevice::count() } else { 0 };
+    assert!(found >= gpus, "this test needs {gpus} CUDA GPU(s), this machine has {found}");
     // A test that failed in its turn leaves the lock poisoned; the next still gets its turn.
-    Some(GpuTurn { _held: GPU.lock().unwrap_or_else(|e| e.into_inner()) })
+    GpuTurn { _held: GPU.lock().unwrap_or_else(|e| e.into_inner()) }
+}
+
+/// This test's turn on the GPU.
+fn gpu_turn() -> GpuTurn {
+    gpu_turn_of(1)
 }
 
 /// The GPU with this test's turn on it (see [`gpu_turn`]).
-fn gpu() -> Option<(CudaDevice, GpuTurn)> {
-    let turn = gpu_turn()?;
-    Some((CudaDevice::new(0).expect("CUDA device opens"), turn))
+fn gpu() -> (CudaDevice, GpuTurn) {
+    let turn = gpu_turn();
+    (CudaDevice::new(0).expect("CUDA device opens"), turn)
 }
 
 /// A step's attention metadata: rows at the positions `seq_pos` gives for each sequence, in
@@ -203,8 +209,9 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn every_kernel_matches_its_cpu_twin() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let both = |data: &[f32], rows, cols| {
         (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols).unwrap())
@@ -502,8 +509,9 @@ fn every_kernel_matches_its_cpu_twin() {
 /// gate/up one written in its 16-bit type. Forced, cuBLASLt runs at the tuned row counts
 /// (where tuning ran it) and cublasGemmEx past them.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn tuned_gemms_give_the_untuned_values() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     // gate/up at a tuned row count, so that the forced cuBLASLt algorithm runs it.
     let (n, k, most, gu_rows) = (384, 1032, 300, 256);
     let rows = [9, 40, 64, 200, 256, 300];
@@ -569,8 +577,9 @@ fn tuned_gemms_give_the_untuned_values() {
 /// kernels (gemv.cu's `_wide`), as does the GEMV they are checked against, and 3203 (401
 /// blocks, more than a GPU of under 200 SMs holds at two a multiprocessor) the 8-warp ones.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let up16 = |dt: DType, w: &[f32], shape: [usize; 2]| {
         let mut bytes = Vec::new();
@@ -618,8 +627,9 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
 /// SiLU·mul. Hidden sizes of 264 and 4,400 take both GEMV widths on the H200 (17 and 275
 /// blocks of 16 outputs).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let up = |dt: DType, w: &[f32], shape: &[usize]| {
         let mut bytes = Vec::new();
@@ -708,8 +718,9 @@ fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
 /// norm's scale the GEMV applies (`linear_add_rms_norm`), and past 8 rows (not fused).
 /// Head dims 128 and 64 (384 and 60 blocks: both GEMV widths on the H200).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let (hidden, bs) = (256, 16);
     for (dt, (heads, kv_heads, hd)) in
         [DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, (32, 8, 128)), (d, (9, 3, 64))])
@@ -786,8 +797,9 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
 /// of contexts up to 301 keys (over a 16-bit cache, partitions joined by flash_decode's
 /// blocks), then of contexts of at most 16 keys.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn long_contexts_and_gqa_groups_match_the_cpu() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let f32_cache = [(32, 8, 128), (14, 2, 64), (12, 1, 32), (4, 4, 32)].map(|s| (s, false, DType::F32, 16));
     let tensor_cores = [(32, 8, 128), (14, 2, 64), (12, 1, 128)].map(|s| (s, true, DType::F32, 16));
@@ -868,8 +880,9 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
 /// A runner on the GPU, driven step by step: once a step's shapes have been seen, it
 /// allocates no device memory, and seeded sampling repeats exactly.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn steps_allocate_nothing_once_their_shapes_were_seen() {
-    let Some((g, _turn)) = gpu() else { return };
+    let (g, _turn) = gpu();
     let model = tiny_model(37);
     let loaded = ModelRegistry::<CudaDevice>::default()
         .load(&g, &model, DType::F32, &LoadOptions::default())
@@ -931,8 +944,9 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
 }
 
 #[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
-    let Some(_turn) = gpu_turn() else { return };
+    let _turn = gpu_turn();
     let model = tiny_model(31);
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(4 + 9 * i)).map(|j| (i * 13 + j * 7) % 250 + 3).collect()).collect();
@@ -1009,11 +1023,13 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
 /// tests/lora.rs): one batch mixes two adapters of ranks 8 and 4 with the base model, with
 /// decode steps replayed from graphs (the graph set that applies adapters) and eager.
 #[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn adapters_on_the_gpu_give_the_cpu_tokens() {
-    let Some(_turn) = gpu_turn() else { return };
+    let _turn = gpu_turn();
     let model = tiny_model(33);
     let cfg = ModelRegistry::<CpuDevice>::read_config(&model).unwrap();
-    let root = std::env::temp_dir().join(format!("actorllm-gpu-loras-{}", std::process::id()));
+    let scratch = common::scratch("gpu-loras");
+    let root = scratch.path();
     let mut modules = Vec::new();
     for (i, rank) in [8, 4].into_iter().enumerate() {
         let dir = root.join(format!("a{i}"));
@@ -1082,15 +1098,13 @@ async fn adapters_on_the_gpu_give_the_cpu_tokens() {
 /// tokens of one GPU, for the tiny model and a Qwen2-0.5B-shaped one (q/k/v bias, 14 heads
 /// over 2 KV heads, a tied vocabulary of 151936).
 #[actix_rt::test]
+#[ignore = "needs 2 CUDA GPUs: cargo test --release --test cuda -- --ignored two_gpus"]
 async fn two_gpus_give_the_one_gpu_tokens() {
-    if CudaDevice::count() < 2 {
-        eprintln!("SKIPPED: tensor parallelism needs 2 CUDA GPUs, this machine has {}", CudaDevice::count());
-        return;
-    }
-    let qwen = std::env::temp_dir().join(format!("actorllm-qwen-shape-{}", std::process::id()));
+    let _turn = gpu_turn_of(2);
+    let qwen = common::scratch("qwen-shape");
     let mut shape = actorllm::models::random::Preset::Qwen2_0_5b.shape();
     shape.layers = 4;
-    actorllm::models::random::make_random_model(shape, &qwen, DType::F32, 5, 4.0).unwrap();
+    actorllm::models::random::make_random_model(shape, qwen.path(), DType::F32, 5, 4.0).unwrap();
     for model in [tiny_model(41), qwen] {
         let prompts: Vec<Vec<u32>> =
             (0..5u32).map(|i| (0..(3 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
@@ -1111,7 +1125,7 @@ async fn two_gpus_give_the_one_gpu_tokens() {
                     .await;
             outs.push(got.into_iter().map(|o| o.tokens).collect::<Vec<_>>());
         }
-        assert_eq!(outs[1], outs[0], "TP=2 against TP=1 on {}", model.display());
+        assert_eq!(outs[1], outs[0], "TP=2 against TP=1 on {}", model.path().display());
     }
 }
 
@@ -1119,9 +1133,10 @@ async fn two_gpus_give_the_one_gpu_tokens() {
 /// greedy outputs may part only where the f32 run's two best candidates were within a
 /// small logprob margin, and then for the f32 run's runner-up.
 #[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn bf16_parts_from_f32_only_at_near_ties() {
     use futures::StreamExt;
-    let Some(_turn) = gpu_turn() else { return };
+    let _turn = gpu_turn();
     const MARGIN: f32 = 0.5;
     let model = common::default_model();
     let prompts: Vec<Vec<u32>> =
@@ -1135,10 +1150,17 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
                 let mut s = engine.add_request(engine.next_request_id("t"), p.clone(), params).await.unwrap();
                 let mut out = Vec::new();
                 while let Some(ev) = s.next().await {
-                    if let actorllm::request::TokenEvent::Token { token_id, logprobs, .. } = ev {
-                        out.push((token_id, logprobs.expect("asked for logprobs").top));
+                    match ev {
+                        actorllm::request::TokenEvent::Token { token_id, logprobs, .. } => {
+                            out.push((token_id, logprobs.expect("asked for logprobs").top));
+                        }
+                        actorllm::request::TokenEvent::Error { message } => {
+                            panic!("request failed: {message}")
+                        }
+                        _ => {}
                     }
                 }
+                assert_eq!(out.len(), 48, "every run gives its 48 tokens");
                 out
             }
         });
@@ -1159,6 +1181,7 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
         &prompts,
     )
     .await;
+    assert_eq!((f32_cpu.len(), bf16_gpu.len()), (prompts.len(), prompts.len()));
     let mut parted = 0;
     for (i, (want, got)) in f32_cpu.iter().zip(&bf16_gpu).enumerate() {
         let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
@@ -1179,8 +1202,9 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 /// the GPU's reserve short, and no memory the fraction allows sits unused. In bf16, so
 /// that the GEMMs are tuned after the profiling step, in memory that is given back.
 #[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
-    let Some((probe, _turn)) = gpu() else { return };
+    let (probe, _turn) = gpu();
     // Engines of earlier tests release their devices first.
     actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(30));
     let (_, total) = probe.memory_info().expect("a GPU reports its memory");
@@ -1190,7 +1214,7 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
         max_num_batched_tokens: Some(8192),
         max_model_len: Some(512),
         dtype: DTypeArg::Bfloat16,
-        ..common::args(&common::default_model())
+        ..common::args(common::default_model())
     };
     let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as i64;
     let engine = Engine::start(args).await.unwrap();
@@ -1210,8 +1234,9 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
 /// Seeded sampling with penalties and logprobs, sampled on the GPU: the same tokens alone
 /// or among other requests, and the same tokens as the host's sampler on the CPU engine.
 #[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn seeded_sampling_on_the_gpu_is_batch_invariant_and_matches_the_host() {
-    let Some(_turn) = gpu_turn() else { return };
+    let _turn = gpu_turn();
     let model = tiny_model(41);
     let sampled = |seed| actorllm::SamplingParams {
         temperature: 0.9,

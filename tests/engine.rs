@@ -8,7 +8,7 @@ use actorllm::kernels::cpu::CpuDevice;
 use actorllm::models::registry::ModelRegistry;
 use actorllm::request::{AbortReason, FinishReason, StopReason};
 use actorllm::{Engine, SamplingParams};
-use common::{Outcome, collect, greedy, run, tiny_model, wait_all_blocks_free};
+use common::{Outcome, ScratchDir, collect, greedy, run, tiny_model, wait_all_blocks_free};
 
 fn prompts() -> Vec<Vec<u32>> {
     (0..6u32).map(|i| (0..(5 + 7 * i)).map(|j| (i * 31 + j * 17) % 250 + 3).collect()).collect()
@@ -28,7 +28,8 @@ async fn solo_outputs(engine: &Engine, params: &SamplingParams) -> Vec<Outcome> 
 
 #[actix_rt::test]
 async fn a_batch_gives_each_request_its_solo_output() {
-    let engine = Engine::start(common::args(&tiny_model(1))).await.unwrap();
+    let model = tiny_model(1);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let params = long(24);
     let solo = solo_outputs(&engine, &params).await;
     let together =
@@ -64,7 +65,8 @@ async fn a_pool_too_small_for_everyone_preempts_and_still_completes_identically(
 
 #[actix_rt::test]
 async fn blocks_come_back_after_abort_and_dropped_streams() {
-    let engine = Engine::start(common::args(&tiny_model(3))).await.unwrap();
+    let model = tiny_model(3);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let p = prompts();
     let keep = engine.add_request("keep".into(), p[1].clone(), long(40)).await.unwrap();
     let cancelled = engine.add_request("cancel-me".into(), p[2].clone(), long(2000)).await.unwrap();
@@ -84,7 +86,8 @@ async fn blocks_come_back_after_abort_and_dropped_streams() {
 
 #[actix_rt::test]
 async fn the_same_seed_gives_the_same_output_whatever_else_is_running() {
-    let engine = Engine::start(common::args(&tiny_model(4))).await.unwrap();
+    let model = tiny_model(4);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let sampled = |seed| SamplingParams { temperature: 1.0, top_p: 0.95, seed: Some(seed), ..long(32) };
     let p = prompts();
     let alone = run(&engine, p[0].clone(), sampled(7)).await;
@@ -97,7 +100,8 @@ async fn the_same_seed_gives_the_same_output_whatever_else_is_running() {
 
 #[actix_rt::test]
 async fn stop_strings_and_stop_token_ids_end_the_output() {
-    let engine = Engine::start(common::args(&tiny_model(5))).await.unwrap();
+    let model = tiny_model(5);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let prompt = prompts()[4].clone();
     let full = run(&engine, prompt.clone(), long(30)).await;
     let tok = engine.tokenizer();
@@ -129,7 +133,8 @@ async fn stop_strings_and_stop_token_ids_end_the_output() {
 
 #[actix_rt::test]
 async fn n_choices_share_a_prompt_and_each_is_reproducible() {
-    let engine = Engine::start(common::args(&tiny_model(6))).await.unwrap();
+    let model = tiny_model(6);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 13) % 250 + 3).collect();
     let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(11), ..long(16) };
     let a = run(&engine, prompt.clone(), params.clone()).await;
@@ -185,21 +190,17 @@ async fn admission_errors_say_the_limit_and_the_fix() {
     assert!(e.contains("config.json"), "{e}");
 }
 
-fn copy_model(
-    src: &std::path::Path,
-    name: &str,
-    edit: impl Fn(&mut serde_json::Value),
-) -> std::path::PathBuf {
-    let dst = std::env::temp_dir().join(format!("actorllm-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dst).unwrap();
+fn copy_model(src: &std::path::Path, name: &str, edit: impl Fn(&mut serde_json::Value)) -> ScratchDir {
+    let dst = common::scratch(name);
     for f in std::fs::read_dir(src).unwrap() {
         let f = f.unwrap();
         std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
     }
+    let config = dst.join("config.json");
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dst.join("config.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
     edit(&mut cfg);
-    std::fs::write(dst.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::write(config, cfg.to_string()).unwrap();
     dst
 }
 
@@ -238,7 +239,8 @@ async fn unknown_architectures_and_wrong_shapes_are_named() {
 async fn logprobs_come_with_each_token_when_asked() {
     use actorllm::TokenEvent;
     use futures::StreamExt;
-    let engine = Engine::start(common::args(&tiny_model(10))).await.unwrap();
+    let model = tiny_model(10);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let params = SamplingParams { logprobs: Some(3), ..long(6) };
     let mut s = engine.add_request("lp".into(), vec![5, 6, 7, 8], params).await.unwrap();
     let mut seen = 0;
@@ -258,7 +260,8 @@ async fn logprobs_come_with_each_token_when_asked() {
 
 #[actix_rt::test]
 async fn aborts_racing_with_steps_never_break_the_engine() {
-    let engine = Engine::start(common::args(&tiny_model(11))).await.unwrap();
+    let model = tiny_model(11);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
     let background = engine.add_request("bg".into(), prompts()[5].clone(), long(300)).await.unwrap();
     // Churn of adds and aborts while steps run. (The precise abort-during-reservation race
     // is pinned down deterministically in the Scheduler actor's unit test.)
@@ -279,7 +282,7 @@ async fn aborts_racing_with_steps_never_break_the_engine() {
 }
 
 /// Splits a model's single safetensors file into two shards with an index.
-fn shard(src: &std::path::Path, name: &str) -> std::path::PathBuf {
+fn shard(src: &std::path::Path, name: &str) -> ScratchDir {
     let dst = copy_model(src, name, |_| {});
     let bytes = std::fs::read(dst.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -315,7 +318,7 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     assert_eq!(got.tokens, want.tokens);
     // bf16 and f16 checkpoints load and generate (rounding may change the tokens).
     for (name, dtype) in [("bf16", actorllm::kernels::DType::BF16), ("f16", actorllm::kernels::DType::F16)] {
-        let dir = std::env::temp_dir().join(format!("actorllm-{name}-{}", std::process::id()));
+        let dir = common::scratch(name);
         actorllm::models::random::make_random_model(
             actorllm::models::random::Preset::Tiny.shape(),
             &dir,

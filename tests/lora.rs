@@ -10,7 +10,9 @@ use std::path::Path;
 use actorllm::Engine;
 use actorllm::config::{EngineArgs, LoraArgs};
 use common::greedy;
-use common::lora::{AdapterSpec, golden, scratch, write_adapter};
+use common::lora::{AdapterSpec, golden, write_adapter};
+use common::scratch;
+use futures::StreamExt;
 use serde_json::json;
 
 fn lora_args(modules: Vec<(String, std::path::PathBuf)>, max_loras: usize) -> EngineArgs {
@@ -22,7 +24,7 @@ fn lora_args(modules: Vec<(String, std::path::PathBuf)>, max_loras: usize) -> En
             max_lora_rank: 16,
             ..Default::default()
         },
-        ..common::args(&common::default_model())
+        ..common::args(common::default_model())
     }
 }
 
@@ -35,21 +37,7 @@ async fn on(engine: &Engine, prompt: &[u32], lora: &Option<String>, tokens: usiz
 
 /// Base-model greedy continuations of the golden prompts (HF references, tests/fixtures).
 fn base_outputs() -> Vec<(Vec<u32>, Vec<u32>)> {
-    #[derive(serde::Deserialize)]
-    struct P {
-        prompt_ids: Vec<u32>,
-        output_ids: Vec<u32>,
-    }
-    #[derive(serde::Deserialize)]
-    struct G {
-        prompts: Vec<P>,
-    }
-    let g: G = serde_json::from_str(
-        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_smollm2.json"))
-            .unwrap(),
-    )
-    .unwrap();
-    g.prompts.into_iter().map(|p| (p.prompt_ids, p.output_ids)).collect()
+    common::golden::load().prompts.into_iter().map(|p| (p.prompt_ids, p.output_ids)).collect()
 }
 
 #[actix_rt::test]
@@ -75,10 +63,12 @@ async fn adapters_match_peft(tensor_parallel_size: usize) {
     assert_eq!(s.lora_slots_used, g.adapters.len().min(2), "adapters placed at start-up");
     let mut runs = Vec::new();
     let mut want = Vec::new();
+    let mut want_text = Vec::new();
     for a in &g.adapters {
         for o in &a.outputs {
             runs.push((o.prompt_ids.clone(), Some(a.spec.name.clone())));
             want.push(o.output_ids.clone());
+            want_text.push(&o.output_text);
         }
     }
     for (p, out) in base_outputs().into_iter().take(2) {
@@ -86,8 +76,15 @@ async fn adapters_match_peft(tensor_parallel_size: usize) {
         want.push(out[..g.tokens.min(out.len())].to_vec());
     }
     let got = futures::future::join_all(runs.iter().map(|(p, lora)| on(&engine, p, lora, g.tokens))).await;
-    for (((p, lora), want), got) in runs.iter().zip(&want).zip(got) {
+    assert_eq!(got.len(), runs.len());
+    for (i, (((p, lora), want), got)) in runs.iter().zip(&want).zip(&got).enumerate() {
         assert_eq!(&got.tokens[0], want, "prompt {p:?} with adapter {lora:?}");
+        if let Some(text) = want_text.get(i) {
+            assert_eq!(
+                &got.text[0], *text,
+                "text of prompt {p:?} with adapter {lora:?} against PEFT's decode"
+            );
+        }
     }
     // The adapters really change the output.
     assert_ne!(want[0], want[want.len() - 2][..want[0].len().min(want[want.len() - 2].len())]);
@@ -132,7 +129,7 @@ async fn peft_format_and_rank_errors_are_clear() {
             max_lora_rank: 8,
             ..Default::default()
         },
-        ..common::args(&common::default_model())
+        ..common::args(common::default_model())
     };
     let e = Engine::start(args).await.err().unwrap().to_string();
     assert!(e.contains("LoRA rank 16 is greater than max_lora_rank 8"), "{e}");
@@ -140,7 +137,7 @@ async fn peft_format_and_rank_errors_are_clear() {
     let e = Engine::start(lora_args(vec![("bin".into(), dir)], 1)).await.err().unwrap().to_string();
     assert!(e.contains("adapter_model.bin") && e.contains("safetensors only"), "{e}");
     // Without --enable-lora an adapter name is an unknown model.
-    let engine = Engine::start(common::args(&common::default_model())).await.unwrap();
+    let engine = Engine::start(common::args(common::default_model())).await.unwrap();
     let e = engine.add_request_with_lora("x".into(), vec![1, 2], greedy(2), Some("qv8")).await.err().unwrap();
     assert!(e.to_string().contains("does not exist"), "{e}");
 }
@@ -148,8 +145,9 @@ async fn peft_format_and_rank_errors_are_clear() {
 #[actix_rt::test]
 async fn runtime_loading_is_confined_to_the_lora_root() {
     let g = golden();
-    let root = scratch("runtime-root");
-    let outside = scratch("runtime-outside");
+    // The root and a directory beside it that requests must not reach.
+    let base = scratch("runtime");
+    let (root, outside) = (base.path().join("root"), base.path().join("outside"));
     write_adapter(&root, &g.adapters[0].spec, false);
     let evil =
         write_adapter(&outside, &AdapterSpec { name: "evil".into(), ..g.adapters[0].spec.clone() }, false);
@@ -174,8 +172,8 @@ async fn runtime_loading_is_confined_to_the_lora_root() {
     .await;
     let outside_abs = evil.display().to_string();
     let escapes = [
-        "../runtime-outside/evil".to_string(),
-        format!("qv8/../../{}", outside.file_name().unwrap().to_string_lossy()),
+        "../outside/evil".to_string(),
+        "qv8/../../outside/evil".to_string(),
         outside_abs.clone(),
         "/etc".to_string(),
         "link-out".to_string(),
@@ -183,7 +181,7 @@ async fn runtime_loading_is_confined_to_the_lora_root() {
         "qv8/../..".to_string(),
         "".to_string(),
         "does-not-exist".to_string(),
-        format!("{}/../runtime-outside/evil", root.display()),
+        format!("{}/../outside/evil", root.display()),
     ];
     for path in &escapes {
         let (st, v) = s.post("/v1/load_lora_adapter", &json!({"lora_name": "evil", "lora_path": path})).await;
@@ -206,32 +204,38 @@ async fn runtime_loading_is_confined_to_the_lora_root() {
     let body = json!({"model": "qv8", "prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0});
     let (st, v) = s.post("/v1/completions", &body).await;
     assert_eq!((st, v["model"].as_str()), (200, Some("qv8")));
-    let tok = actorllm::tokenizer::Tokenizer::load(&common::default_model(), &[]).unwrap();
-    assert_eq!(v["choices"][0]["text"], tok.decode(&want.output_ids, true).unwrap());
+    assert_eq!(v["choices"][0]["text"], want.output_text, "PEFT's text");
     // The same through LLaMA-Factory's lora_request shape.
     let body = json!({"prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0,
         "lora_request": {"lora_name": "qv8", "lora_int_id": 1, "lora_path": "ignored"}});
     let (_, v2) = s.post("/v1/completions", &body).await;
     assert_eq!(v2["choices"][0]["text"], v["choices"][0]["text"]);
-    // A request running when its adapter is unloaded keeps it to the end.
-    let long = json!({"model": "qv8", "prompt": want.prompt_ids, "max_tokens": g.tokens, "temperature": 0, "stream": true});
-    let client = s.client.clone();
-    let url = s.url("/v1/completions");
-    let streaming = actix_rt::spawn(async move {
-        let mut r = client.post(url).send_json(&long).await.unwrap();
-        r.body().limit(1 << 20).await.unwrap()
-    });
-    actix_rt::time::sleep(std::time::Duration::from_millis(100)).await;
+    // A request running when its adapter is unloaded keeps it to the end: the unload is
+    // sent once the stream's first token is out, the request is still running when the
+    // unload has been answered, and every token it streams is the adapter's.
+    let reference = json!({"model": "qv8", "prompt": want.prompt_ids, "max_tokens": 160, "temperature": 0,
+        "ignore_eos": true});
+    let (_, full) = s.post("/v1/completions", &reference).await;
+    let mut long = reference.clone();
+    long["stream"] = json!(true);
+    let mut r = s.client.post(s.url("/v1/completions")).send_json(&long).await.unwrap();
+    let mut body = Vec::new();
+    while !body.windows(6).any(|w| w == b"data: ") {
+        body.extend_from_slice(&r.next().await.expect("a first event").unwrap());
+    }
     let (st, _) = s.post("/v1/unload_lora_adapter", &json!({"lora_name": "qv8"})).await;
     assert_eq!(st, 200);
-    let body = String::from_utf8(streaming.await.unwrap().to_vec()).unwrap();
-    let text: String = common::server::parse_sse(&body)
+    assert_eq!(s.metric("vllm:num_requests_running").await, 1.0, "the request outlived the unload");
+    while let Some(chunk) = r.next().await {
+        body.extend_from_slice(&chunk.unwrap());
+    }
+    let text: String = common::server::parse_sse(&String::from_utf8(body).unwrap())
         .iter()
         .filter(|d| *d != "[DONE]")
         .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
         .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
         .collect();
-    assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(text, full["choices"][0]["text"].as_str().unwrap());
     let (st, _) = s.post("/v1/completions", &json!({"model": "qv8", "prompt": "hi"})).await;
     assert_eq!(st, 404, "unloaded adapters are unknown models, not the base model");
     assert!(Path::new(&outside_abs).exists());

@@ -1,6 +1,7 @@
 //! The official `openai` Python client, unchanged, against a real server on the default
-//! model: chat and completions, plain and streaming, logprobs, a 404. scripts/test.sh puts
-//! the package in `.venv`; ACTORLLM_PYTHON names another interpreter.
+//! model: chat and completions, plain and streaming, logprobs, n with a seed, a 404 and a
+//! 400 as the client's exceptions. scripts/test.sh puts the package in `.venv`;
+//! ACTORLLM_PYTHON names another interpreter.
 
 mod common;
 
@@ -24,5 +25,8 @@ async fn the_openai_python_client_works_unchanged() {
         out.status.success(),
         "openai client failed (is the `openai` package installed? scripts/test.sh installs it):\n{stdout}\n{stderr}"
     );
-    assert!(stdout.contains("6 checks passed"), "{stdout}");
+    // Each check prints its own line; the last counts them: all of them, and all there are.
+    let summary = stdout.lines().last().unwrap_or_default();
+    assert_eq!(summary, "openai client: 8 of 8 checks passed", "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 8, "{stdout}");
 }

@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 
-use common::server::{TestServer, start};
-use common::tiny_model;
+use common::server::{TestServer, start, start_tiny};
 
 async fn tiny_server() -> TestServer {
-    start(&tiny_model(21), |a| a.engine.max_model_len = Some(512)).await
+    start_tiny(21, |a| a.engine.max_model_len = Some(512)).await
 }
 
 fn chunks(data: &[String]) -> Vec<Value> {
@@ -88,34 +87,72 @@ async fn sse_completions_interleave_n_choices_and_cut_stop_strings() {
     );
 }
 
+/// A server on the default model, whose generations are slow enough on a CPU that a
+/// request of [`LONG`] tokens is still running when a test cancels it or drops its client.
+async fn default_server(tweak: impl FnOnce(&mut actorllm::web::ServeArgs)) -> TestServer {
+    start(common::default_model(), |a| {
+        a.engine.kv_cache_space = 1.0;
+        tweak(a);
+    })
+    .await
+}
+
+/// Tokens of a request that must still be running when the test acts on it: minutes of
+/// generation on the default model, never reached.
+const LONG: usize = 4000;
+
+fn long_request() -> Value {
+    json!({"prompt": [21, 22, 23], "max_tokens": LONG, "temperature": 0, "ignore_eos": true})
+}
+
+/// The first golden prompt, greedy: transformers' continuation (it ends with EOS).
+fn golden_request() -> (Value, String) {
+    let p = common::golden::load().prompts.remove(0);
+    let body = json!({"prompt": p.text, "max_tokens": p.output_ids.len() + 2, "temperature": 0});
+    (body, p.output_text)
+}
+
+fn ws_text(v: Value) -> awc::ws::Message {
+    awc::ws::Message::Text(v.to_string().into())
+}
+
+/// The next text frame as JSON (other frames are skipped; pings are not answered).
+async fn next_json<S>(ws: &mut S) -> Value
+where
+    S: futures::Stream<Item = Result<awc::ws::Frame, awc::error::WsProtocolError>> + Unpin,
+{
+    loop {
+        let frame = tokio::time::timeout(Duration::from_secs(60), ws.next()).await.expect("a frame in time");
+        if let awc::ws::Frame::Text(t) = frame.expect("socket open").expect("a frame") {
+            return serde_json::from_slice(&t).expect("JSON frame");
+        }
+    }
+}
+
 #[actix_rt::test]
 async fn websocket_runs_concurrent_generations_and_cancels_one() {
-    let s = tiny_server().await;
-    let request = json!({"prompt": [11, 12, 13], "max_tokens": 40, "temperature": 0, "ignore_eos": true});
-    let (_, alone) = s.post("/v1/completions", &request).await;
-    let alone_text = alone["choices"][0]["text"].as_str().unwrap().to_string();
-    let long = json!({"prompt": [21, 22], "max_tokens": 400, "temperature": 0, "ignore_eos": true});
+    let s = default_server(|_| {}).await;
+    let (request, want) = golden_request();
     let (_resp, mut ws) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
-    let send = |v: Value| awc::ws::Message::Text(v.to_string().into());
-    ws.send(send(json!({"type": "generate", "id": "keep", "endpoint": "completions", "request": request})))
-        .await
-        .unwrap();
-    ws.send(send(json!({"type": "generate", "id": "stop-me", "endpoint": "completions", "request": long})))
-        .await
-        .unwrap();
+    ws.send(ws_text(
+        json!({"type": "generate", "id": "keep", "endpoint": "completions", "request": request}),
+    ))
+    .await
+    .unwrap();
+    ws.send(ws_text(
+        json!({"type": "generate", "id": "stop-me", "endpoint": "completions", "request": long_request()}),
+    ))
+    .await
+    .unwrap();
     let (mut keep_text, mut cancelled_deltas, mut done) = (String::new(), 0, serde_json::Map::new());
-    let mut sent_cancel = false;
     while done.len() < 2 {
-        let frame = tokio::time::timeout(Duration::from_secs(60), ws.next()).await.expect("frame in time");
-        let awc::ws::Frame::Text(t) = frame.unwrap().unwrap() else { continue };
-        let v: Value = serde_json::from_slice(&t).unwrap();
+        let v = next_json(&mut ws).await;
         match (v["type"].as_str().unwrap(), v["id"].as_str().unwrap()) {
             ("delta", "keep") => keep_text.push_str(v["text"].as_str().unwrap()),
             ("delta", "stop-me") => {
                 cancelled_deltas += 1;
-                if cancelled_deltas == 3 && !sent_cancel {
-                    sent_cancel = true;
-                    ws.send(send(json!({"type": "cancel", "id": "stop-me"}))).await.unwrap();
+                if cancelled_deltas == 3 {
+                    ws.send(ws_text(json!({"type": "cancel", "id": "stop-me"}))).await.unwrap();
                 }
             }
             ("done", id) => {
@@ -125,78 +162,153 @@ async fn websocket_runs_concurrent_generations_and_cancels_one() {
             other => panic!("unexpected frame {other:?}: {v}"),
         }
     }
-    assert_eq!(keep_text, alone_text, "the other generation is undisturbed");
-    assert_eq!(done["keep"]["finish_reason"], "length");
+    assert_eq!(keep_text, want, "the other generation gives transformers' text");
+    assert_eq!(done["keep"]["finish_reason"], "stop");
     assert_eq!(done["stop-me"]["finish_reason"], "abort");
-    assert!(cancelled_deltas < 400);
+    assert!((3..LONG).contains(&cancelled_deltas), "{cancelled_deltas} deltas");
+    assert_eq!(
+        done["stop-me"]["usage"]["completion_tokens"], cancelled_deltas,
+        "every sampled token was sent"
+    );
     // Bad frames get an error frame and the socket stays open.
-    ws.send(send(json!({"type": "generate", "id": "bad", "endpoint": "completions", "request": {"prompt": "x", "top_p": 9}})))
+    ws.send(ws_text(json!({"type": "generate", "id": "bad", "endpoint": "completions", "request": {"prompt": "x", "top_p": 9}})))
         .await
         .unwrap();
-    loop {
-        let awc::ws::Frame::Text(t) = ws.next().await.unwrap().unwrap() else { continue };
-        let v: Value = serde_json::from_slice(&t).unwrap();
-        assert_eq!((v["type"].as_str(), v["id"].as_str()), (Some("error"), Some("bad")));
-        assert_eq!(v["error"]["param"], "top_p");
-        break;
-    }
+    let v = next_json(&mut ws).await;
+    assert_eq!((v["type"].as_str(), v["id"].as_str()), (Some("error"), Some("bad")));
+    assert_eq!(v["error"]["param"], "top_p");
     assert_eq!(
         s.metric("actorllm:request_aborts_total{model_name=\"test-model\",reason=\"cancelled\"}").await,
         1.0
     );
+    assert_eq!(s.metric("vllm:num_requests_running").await, 0.0);
 }
 
+/// Closing a socket aborts its generations; so does a socket that stays silent (no frame,
+/// not even a pong) past `--ws-idle-timeout`, which the server closes with "going away".
+/// A client that answers the pings stays connected.
+#[actix_rt::test]
+async fn websocket_close_and_silence_abort_its_generations() {
+    let s = default_server(|a| a.ws_idle_timeout = 1.0).await;
+    let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
+    let generate =
+        json!({"type": "generate", "id": "g", "endpoint": "completions", "request": long_request()});
+    // Closed by the client once its generation is under way.
+    let (_resp, mut ws) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
+    ws.send(ws_text(generate.clone())).await.unwrap();
+    while next_json(&mut ws).await["type"] != "delta" {}
+    ws.send(awc::ws::Message::Close(None)).await.unwrap();
+    drop(ws);
+    wait_for_metric(&s, gone, 1.0).await;
+    wait_for_metric(&s, "vllm:num_requests_running", 0.0).await;
+    // Silent: the server closes it and aborts the generation.
+    let (_resp, mut silent) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
+    silent.send(ws_text(generate.clone())).await.unwrap();
+    let closed = loop {
+        let frame =
+            tokio::time::timeout(Duration::from_secs(60), silent.next()).await.expect("closed in time");
+        match frame {
+            Some(Ok(awc::ws::Frame::Close(reason))) => break reason,
+            Some(Ok(_)) => {}
+            other => panic!("expected a close frame, got {other:?}"),
+        }
+    };
+    assert_eq!(closed.map(|r| r.code), Some(awc::ws::CloseCode::Away));
+    wait_for_metric(&s, gone, 2.0).await;
+    wait_for_metric(&s, "vllm:num_requests_running", 0.0).await;
+    // Answering pings for three timeouts keeps the socket open.
+    let (_resp, mut live) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut pings = 0;
+    while let Ok(frame) = tokio::time::timeout_at(until.into(), live.next()).await {
+        match frame {
+            Some(Ok(awc::ws::Frame::Ping(p))) => {
+                pings += 1;
+                live.send(awc::ws::Message::Pong(p)).await.unwrap();
+            }
+            other => panic!("expected pings, got {other:?}"),
+        }
+    }
+    assert!(pings >= 6, "{pings} pings in three timeouts");
+    let (request, want) = golden_request();
+    live.send(ws_text(json!({"type": "generate", "id": "g", "endpoint": "completions", "request": request})))
+        .await
+        .unwrap();
+    let mut text = String::new();
+    loop {
+        let frame =
+            tokio::time::timeout(Duration::from_secs(60), live.next()).await.expect("a frame in time");
+        match frame.expect("socket open").expect("a frame") {
+            awc::ws::Frame::Ping(p) => live.send(awc::ws::Message::Pong(p)).await.unwrap(),
+            awc::ws::Frame::Text(t) => {
+                let v: Value = serde_json::from_slice(&t).unwrap();
+                match v["type"].as_str().unwrap() {
+                    "delta" => text.push_str(v["text"].as_str().unwrap()),
+                    "done" => break,
+                    _ => {}
+                }
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    assert_eq!(text, want);
+}
+
+/// Polls a metric until it reads `want` (at most 60 s).
+async fn wait_for_metric(s: &TestServer, name: &str, want: f64) {
+    let start = Instant::now();
+    loop {
+        let v = s.metric(name).await;
+        if v == want {
+            return;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "{name} stayed {v}, expected {want}");
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sixteen streams; the clients of eight go away while all sixteen are generating. Those
+/// eight are aborted (as client_disconnected) while the other eight keep running, and
+/// every block comes back once the rest are cancelled.
 #[actix_rt::test]
 async fn dropped_streams_are_aborted_and_free_their_blocks() {
-    // The default model, so that the kept streams are still generating a second later.
-    let s = start(&common::default_model(), |_| {}).await;
-    let body =
-        json!({"prompt": [3, 4, 5], "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true});
+    let s = default_server(|_| {}).await;
+    let mut body = long_request();
+    body["stream"] = json!(true);
     let mut keep = Vec::new();
     let mut drop_later = Vec::new();
     for i in 0..16 {
         let r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
         if i % 2 == 0 { keep.push(r) } else { drop_later.push(r) }
     }
-    // Wait until all sixteen are running (the first step may still be under way).
-    let start = Instant::now();
-    while s.metric("vllm:num_requests_running").await < 16.0 {
-        assert!(start.elapsed() < Duration::from_secs(10), "sixteen streams run");
-        actix_rt::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_metric(&s, "vllm:num_requests_running", 16.0).await;
     drop(drop_later);
-    let start = Instant::now();
-    let running = loop {
-        let n = s.metric("vllm:num_requests_running").await;
-        if n <= 8.0 || start.elapsed() > Duration::from_secs(1) {
-            break n;
-        }
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(running, 8.0, "the dropped streams are aborted within a second");
+    wait_for_metric(&s, "vllm:num_requests_running", 8.0).await;
+    let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
+    assert_eq!(s.metric(gone).await, 8.0);
+    // The kept eight are still streaming; cancel them by id.
+    for r in &mut keep {
+        let id = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
+        let (st, v) = s.post(&format!("/v1/requests/{id}/cancel"), &json!({})).await;
+        assert_eq!((st, v["cancelled"].as_bool()), (200, Some(true)), "{id} was still running");
+    }
     for mut r in keep {
+        let mut text = String::new();
         while let Some(c) = r.next().await {
-            c.unwrap();
+            text.push_str(&String::from_utf8_lossy(&c.unwrap()));
         }
+        assert!(text.contains("\"finish_reason\":\"abort\"") && text.ends_with("data: [DONE]\n\n"), "{text}");
     }
-    let start = Instant::now();
-    while s.metric("actorllm:kv_cache_blocks_free").await != s.metric("actorllm:kv_cache_blocks_total").await
-    {
-        assert!(start.elapsed() < Duration::from_secs(2), "every block comes back");
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(
-        s.metric("actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}")
-            .await,
-        8.0
-    );
+    wait_for_metric(&s, "actorllm:kv_cache_blocks_free", s.metric("actorllm:kv_cache_blocks_total").await)
+        .await;
+    assert_eq!(s.metric(gone).await, 8.0, "the kept streams were cancelled, not dropped");
 }
 
 #[actix_rt::test]
 async fn cancel_endpoint_aborts_by_request_id() {
-    let s = tiny_server().await;
-    let body =
-        json!({"prompt": [3, 4], "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true});
+    let s = default_server(|_| {}).await;
+    let mut body = long_request();
+    body["stream"] = json!(true);
     let mut r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
     let id = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
     r.next().await.unwrap().unwrap();
@@ -276,31 +388,160 @@ async fn bad_input_gets_the_right_status_and_openai_error_shape() {
     assert_eq!(st, 200);
 }
 
+/// Every route but `/health` and the playground's files refuses a request without the
+/// key or with a wrong one, as a header or (on the WebSocket) as `?api_key=`.
 #[actix_rt::test]
 async fn api_key_guards_every_route_but_health() {
-    let s = start(&tiny_model(22), |a| a.api_key = Some("sekrit".into())).await;
-    let (st, v) = s.post("/v1/completions", &json!({"prompt": "x"})).await;
-    assert_eq!((st, v["error"]["type"].as_str()), (401, Some("authentication_error")));
-    assert_eq!(s.get_text("/v1/models").await.0, 401);
-    assert_eq!(s.get_text("/metrics").await.0, 401);
-    assert_eq!(s.get_text("/health").await.0, 200);
-    let mut r = s
-        .client
-        .post(s.url("/v1/completions"))
-        .insert_header(("Authorization", "Bearer sekrit"))
-        .send_json(&json!({"prompt": "x", "max_tokens": 2}))
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let _ = r.body().await;
-    let r = s
-        .client
-        .get(s.url("/v1/models"))
-        .insert_header(("Authorization", "Bearer wrong"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 401);
+    let s = start_tiny(22, |a| a.api_key = Some("sekrit".into())).await;
+    let guarded = [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/v1/requests/cmpl-x/cancel"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/unload_lora_adapter"),
+        ("GET", "/v1/ws"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/no-such-route"),
+    ];
+    let status = |method: &'static str, path: &'static str, key: Option<&'static str>| {
+        let mut r = match method {
+            "GET" => s.client.get(s.url(path)),
+            _ => s.client.post(s.url(path)).insert_header(("content-type", "application/json")),
+        };
+        if let Some(k) = key {
+            r = r.insert_header(("Authorization", format!("Bearer {k}")));
+        }
+        async move {
+            let mut resp = r.send_body("{}").await.expect("request sent");
+            let body: Value = resp.json().await.unwrap_or(Value::Null);
+            (resp.status().as_u16(), body)
+        }
+    };
+    for (method, path) in guarded {
+        for key in [None, Some("wrong"), Some("sekri"), Some("sekrit2")] {
+            let (st, v) = status(method, path, key).await;
+            assert_eq!(st, 401, "{method} {path} with key {key:?}");
+            assert_eq!(v["error"]["type"], "authentication_error", "{method} {path}: {v}");
+        }
+        let (st, _) = status(method, path, Some("sekrit")).await;
+        assert_ne!(st, 401, "{method} {path} with the right key");
+    }
+    for path in ["/health", "/", "/static/app.js", "/static/style.css", "/favicon.ico"] {
+        assert_eq!(s.get_text(path).await.0, 200, "{path} is open");
+    }
+    let (st, v) = status("POST", "/v1/completions", Some("sekrit")).await;
+    assert_eq!(st, 400, "the key lets the request through to validation: {v}");
+    // Browsers cannot set headers on a WebSocket: the key may come as ?api_key=.
+    for (query, ok) in
+        [("?api_key=sekrit", true), ("?api_key=wrong", false), ("", false), ("?api_key=", false)]
+    {
+        let res = s.client.ws(s.url(&format!("/v1/ws{query}"))).connect().await;
+        match (res, ok) {
+            (Ok((resp, _)), true) => assert_eq!(resp.status().as_u16(), 101),
+            (Err(awc::error::WsClientError::InvalidResponseStatus(st)), false) => {
+                assert_eq!(st.as_u16(), 401)
+            }
+            (other, _) => panic!("/v1/ws{query}: {:?}", other.map(|(r, _)| r.status())),
+        }
+    }
+}
+
+/// What the OpenAI clients read beyond the text: chat logprobs, completions echo, a list
+/// of prompts, on the default model against transformers' continuations.
+#[actix_rt::test]
+async fn chat_logprobs_echo_and_prompt_lists() {
+    let s = default_server(|_| {}).await;
+    let golden = common::golden::load();
+    // Chat logprobs: one entry per token, the greedy token first among its alternatives.
+    let chat = &golden.chats[0];
+    let body = json!({"messages": chat.messages, "max_tokens": 12, "temperature": 0, "logprobs": true,
+        "top_logprobs": 3});
+    let (st, v) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(st, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(chat.output_text.starts_with(content) && !content.is_empty(), "{content:?}");
+    let entries = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut joined = String::new();
+    for e in entries {
+        let token = e["token"].as_str().unwrap();
+        joined.push_str(token);
+        let bytes: Vec<u8> =
+            e["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(bytes, token.as_bytes());
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(
+            (&top[0]["token"], &top[0]["logprob"]),
+            (&e["token"], &e["logprob"]),
+            "greedy takes the top"
+        );
+        let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{lps:?}");
+    }
+    assert_eq!(joined, content, "the tokens spell the answer");
+    // Echo: the prompt, then the continuation; logprobs offsets count from the prompt's end.
+    let p = &golden.prompts[0];
+    let (_, plain) =
+        s.post("/v1/completions", &json!({"prompt": p.text, "max_tokens": 6, "temperature": 0})).await;
+    let continuation = plain["choices"][0]["text"].as_str().unwrap();
+    assert!(p.output_text.starts_with(continuation) && !continuation.is_empty());
+    let body = json!({"prompt": p.text, "max_tokens": 6, "temperature": 0, "echo": true, "logprobs": 1});
+    let (_, v) = s.post("/v1/completions", &body).await;
+    assert_eq!(v["choices"][0]["text"], format!("{}{continuation}", p.text));
+    assert_eq!(v["choices"][0]["logprobs"]["text_offset"][0], p.text.len());
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"].as_array().unwrap().len(), 6);
+    // A list of prompts: one choice each, in order, each its own greedy continuation.
+    let texts: Vec<&str> = golden.prompts[..3].iter().map(|p| p.text.as_str()).collect();
+    let (st, v) =
+        s.post("/v1/completions", &json!({"prompt": texts, "max_tokens": 6, "temperature": 0})).await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let mut prompt_tokens = 0;
+    for (i, (c, p)) in choices.iter().zip(&golden.prompts).enumerate() {
+        assert_eq!(c["index"], i);
+        let text = c["text"].as_str().unwrap();
+        assert!(p.output_text.starts_with(text) && !text.is_empty(), "choice {i}: {text:?}");
+        prompt_tokens += p.prompt_ids.len();
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 18);
+}
+
+/// The counters and histograms move by what the requests did.
+#[actix_rt::test]
+async fn metrics_count_what_the_requests_did() {
+    let s = tiny_server().await;
+    let requests = [(vec![5, 6, 7], 4), (vec![8; 11], 9), (vec![9, 10], 1)];
+    for (prompt, max_tokens) in &requests {
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
+        let (st, _) = s.sse("/v1/completions", &body).await;
+        assert_eq!(st, 200);
+    }
+    let n = requests.len() as f64;
+    let prompt_tokens: usize = requests.iter().map(|r| r.0.len()).sum();
+    let generated: usize = requests.iter().map(|r| r.1).sum();
+    let m = |name: &'static str| s.metric(name);
+    assert_eq!(m("vllm:prompt_tokens_total").await, prompt_tokens as f64);
+    assert_eq!(m("vllm:generation_tokens_total").await, generated as f64);
+    let by_reason =
+        |r: &str| format!("vllm:request_success_total{{model_name=\"test-model\",finished_reason=\"{r}\"}}");
+    assert_eq!(s.metric(&by_reason("length")).await, n);
+    assert_eq!(s.metric(&by_reason("stop")).await, 0.0);
+    assert_eq!(m("vllm:e2e_request_latency_seconds_count").await, n);
+    assert_eq!(m("vllm:time_to_first_token_seconds_count").await, n);
+    assert_eq!(m("vllm:inter_token_latency_seconds_count").await, (generated as f64) - n);
+    assert!(m("vllm:e2e_request_latency_seconds_sum").await > 0.0);
+    let bucket = |le: &str| {
+        format!("vllm:e2e_request_latency_seconds_bucket{{model_name=\"test-model\",le=\"{le}\"}}")
+    };
+    assert_eq!(s.metric(&bucket("+Inf")).await, n, "every request falls in the last bucket");
+    assert_eq!(m("vllm:num_requests_running").await, 0.0);
+    wait_for_metric(&s, "vllm:kv_cache_usage_perc", 0.0).await;
 }
 
 #[actix_rt::test]

@@ -10,12 +10,12 @@ use actorllm::config::{DeviceArg, EngineArgs};
 use actorllm::kernels::DType;
 use actorllm::models::random::{Preset, Shape, make_random_model};
 use actorllm::request::SamplingParams;
-use common::{greedy, run, tiny_model};
+use common::{ScratchDir, greedy, run, tiny_model};
 
 /// 12 heads over 6 KV heads (2 or 3 per rank at TP 2 and 3), q/k/v bias, an untied head
 /// and a vocabulary of 331 (no rank count divides it: the last shard is padded).
-fn odd_model() -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("actorllm-tp-odd-{}", std::process::id()));
+fn odd_model() -> ScratchDir {
+    let dir = common::scratch("tp-odd");
     let shape = Shape {
         hidden: 96,
         intermediate: 192,
@@ -28,7 +28,7 @@ fn odd_model() -> std::path::PathBuf {
         tied: false,
         qkv_bias: true,
     };
-    make_random_model(shape, &dir, DType::F32, 21, 4.0).expect("write model");
+    make_random_model(shape, dir.path(), DType::F32, 21, 4.0).expect("write model");
     dir
 }
 
@@ -52,10 +52,10 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
 async fn split_over_two_and_three_ranks_gives_the_single_rank_output() {
     let model = odd_model();
     let p = prompts(331);
-    let one = outputs(&model, 1, &p).await;
+    let one = outputs(model.path(), 1, &p).await;
     assert!(one.iter().all(|o| o.len() == 24));
-    assert_eq!(outputs(&model, 2, &p).await, one, "TP=2");
-    assert_eq!(outputs(&model, 3, &p).await, one, "TP=3");
+    assert_eq!(outputs(model.path(), 2, &p).await, one, "TP=2");
+    assert_eq!(outputs(model.path(), 3, &p).await, one, "TP=3");
 }
 
 #[actix_rt::test]
@@ -63,14 +63,17 @@ async fn kv_heads_replicate_when_ranks_outnumber_them() {
     // 4 heads over 2 KV heads: at TP=4 each KV head serves two ranks.
     let model = tiny_model(31);
     let p = prompts(Preset::Tiny.shape().vocab as u32);
-    let one = outputs(&model, 1, &p).await;
-    assert_eq!(outputs(&model, 4, &p).await, one, "TP=4");
+    let one = outputs(model.path(), 1, &p).await;
+    assert_eq!(outputs(model.path(), 4, &p).await, one, "TP=4");
 }
 
 #[actix_rt::test]
 async fn shapes_that_do_not_split_are_refused_by_name() {
-    let err =
-        |tp| async move { Engine::start(args(&odd_model(), tp)).await.err().expect("refused").to_string() };
+    let model = odd_model();
+    let err = |tp| {
+        let args = args(model.path(), tp);
+        async move { Engine::start(args).await.err().expect("refused").to_string() }
+    };
     let e = err(5).await;
     assert!(e.contains("--tensor-parallel-size 5") && e.contains("12 attention heads"), "{e}");
     let e = err(4).await;
@@ -81,7 +84,8 @@ async fn shapes_that_do_not_split_are_refused_by_name() {
 
 #[actix_rt::test]
 async fn more_ranks_than_gpus_is_refused_with_the_count() {
-    let cuda = EngineArgs { device: DeviceArg::Cuda, ..args(&tiny_model(33), 4) };
+    let model = tiny_model(33);
+    let cuda = EngineArgs { device: DeviceArg::Cuda, ..args(model.path(), 4) };
     let e = Engine::start(cuda).await.err().expect("refused").to_string();
     assert!(e.contains("needs 4 GPUs, this machine has"), "{e}");
 }
@@ -107,7 +111,8 @@ fn column_then_row_parallel_layers_equal_the_unsplit_ones() {
     let views = tensors.iter().map(|(n, s, b)| {
         (n.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
     });
-    let path = std::env::temp_dir().join(format!("actorllm-tp-layers-{}.safetensors", std::process::id()));
+    let dir = common::scratch("tp-layers");
+    let path = dir.path().join("layers.safetensors");
     safetensors::tensor::serialize_to_file(views, &None, &path).unwrap();
     let ckpt = Checkpoint::open_file(&path).unwrap();
     let store = WeightStore::load_weights(ckpt.tensors(), &[], |_| false, DType::F32);

@@ -52,16 +52,10 @@ fn build(meta: &[(&str, Value)], tensors: &[(&str, Vec<u64>, u32, Vec<u8>)]) -> 
 }
 
 fn open(bytes: &[u8]) -> Result<GgufFile, GgufError> {
-    let path =
-        std::env::temp_dir().join(format!("actorllm-gguf-{}-{}.gguf", std::process::id(), rand_name(bytes)));
+    let dir = crate::scratch::ScratchDir::new("gguf").unwrap();
+    let path = dir.path().join("t.gguf");
     std::fs::File::create(&path).unwrap().write_all(bytes).unwrap();
-    let r = GgufFile::open(&path);
-    std::fs::remove_file(&path).ok();
-    r
-}
-
-fn rand_name(b: &[u8]) -> u64 {
-    b.iter().fold(1469598103934665603u64, |h, &x| (h ^ x as u64).wrapping_mul(1099511628211)) ^ b.len() as u64
+    GgufFile::open(&path)
 }
 
 fn q4_1_block(d: f32, m: f32, q: &[u8; 32]) -> Vec<u8> {
@@ -76,7 +70,9 @@ fn q4_1_block(d: f32, m: f32, q: &[u8; 32]) -> Vec<u8> {
 
 #[test]
 fn q4_1_and_q8_0_dequantize_exactly() {
-    let q: [u8; 32] = std::array::from_fn(|i| (i % 16) as u8);
+    // The two halves of the block differ (0..16, then 15 down to 0), so that reading a
+    // byte's nibbles the wrong way round, or the halves interleaved, changes the values.
+    let q: [u8; 32] = std::array::from_fn(|i| if i < 16 { i as u8 } else { 31 - i as u8 });
     let q4 = q4_1_block(0.5, -1.0, &q);
     let mut q8 = Vec::new();
     q8.extend(f16::from_f32(0.25).to_le_bytes());
@@ -89,7 +85,7 @@ fn q4_1_and_q8_0_dequantize_exactly() {
     assert_eq!(g.get_str("general.architecture").unwrap(), "llama");
     assert_eq!(g.get_u64("x.count").unwrap(), 7);
     let a = g.dequantize(g.tensor("a").unwrap());
-    let want: Vec<f32> = (0..32).map(|i| 0.5 * (i % 16) as f32 - 1.0).collect();
+    let want: Vec<f32> = q.iter().map(|&x| 0.5 * x as f32 - 1.0).collect();
     assert_eq!(a, want);
     let b = g.dequantize(g.tensor("b").unwrap());
     assert_eq!(b, (0..32).map(|i| 0.25 * (i as f32 - 16.0)).collect::<Vec<_>>());

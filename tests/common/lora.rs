@@ -95,6 +95,8 @@ pub fn write_adapter(root: &Path, spec: &AdapterSpec, zero_b: bool) -> PathBuf {
 pub struct GoldenOutput {
     pub prompt_ids: Vec<u32>,
     pub output_ids: Vec<u32>,
+    /// transformers' decode of `output_ids`, special tokens skipped.
+    pub output_text: String,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -113,12 +115,4 @@ pub struct LoraGolden {
 pub fn golden() -> LoraGolden {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/lora_golden.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-/// A fresh directory for this test's adapters.
-pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("actorllm-lora-{name}-{}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }

@@ -2,6 +2,7 @@
 //! by the test itself, and collecting a request's stream.
 #![allow(dead_code)]
 
+pub mod golden;
 pub mod lora;
 pub mod server;
 
@@ -11,6 +12,7 @@ use actorllm::config::EngineArgs;
 use actorllm::kernels::DType;
 use actorllm::models::random::{Preset, make_random_model};
 use actorllm::request::{FinishReason, StopReason, TokenEvent, Usage};
+pub use actorllm::scratch::ScratchDir;
 use actorllm::{Engine, RequestStream, SamplingParams};
 use futures::StreamExt;
 
@@ -27,26 +29,21 @@ pub fn default_model() -> PathBuf {
     dir
 }
 
-/// Writes the tiny random Llama into a fresh temp dir (kept for the test's life).
-pub fn tiny_model(seed: u64) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("actorllm-tiny-{}-{seed}", std::process::id()));
-    if !dir.join("model.safetensors").exists() {
-        // Tests run in parallel threads: write aside, then move into place atomically.
-        let tmp = std::env::temp_dir().join(format!(
-            "actorllm-tiny-{}-{seed}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        make_random_model(Preset::Tiny.shape(), &tmp, DType::F32, seed, 4.0).expect("write tiny model");
-        if std::fs::rename(&tmp, &dir).is_err() {
-            std::fs::remove_dir_all(&tmp).ok();
-        }
-    }
+/// A directory of the calling test's own, removed when it is dropped (see
+/// [`actorllm::scratch`] for why tests never share one).
+pub fn scratch(name: &str) -> ScratchDir {
+    ScratchDir::new(name).expect("scratch directory")
+}
+
+/// Writes the tiny random Llama of `seed` into a directory of the caller's own.
+pub fn tiny_model(seed: u64) -> ScratchDir {
+    let dir = scratch(&format!("tiny-{seed}"));
+    make_random_model(Preset::Tiny.shape(), dir.path(), DType::F32, seed, 4.0).expect("write tiny model");
     dir
 }
 
-pub fn args(model: &Path) -> EngineArgs {
-    EngineArgs { model: model.to_path_buf(), ..EngineArgs::default() }
+pub fn args(model: impl AsRef<Path>) -> EngineArgs {
+    EngineArgs { model: model.as_ref().to_path_buf(), ..EngineArgs::default() }
 }
 
 /// What one request produced: per choice tokens, text, finish reason and stop reason.

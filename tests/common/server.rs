@@ -11,21 +11,36 @@ use serde_json::Value;
 pub struct TestServer {
     pub base: String,
     pub client: awc::Client,
+    /// Directories the server reads from, kept for its life.
+    pub dirs: Vec<super::ScratchDir>,
 }
 
-pub async fn start(model: &Path, tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
-    let mut args = ServeArgs {
-        engine: EngineArgs { model: model.to_path_buf(), ..EngineArgs::default() },
-        host: "127.0.0.1".into(),
-        port: 0,
-        served_model_name: vec!["test-model".into(), "test-alias".into()],
-        api_key: None,
-    };
+/// A server on `model` under the names "test-model" and "test-alias", with `tweak` applied
+/// to its flags.
+pub async fn start(model: impl AsRef<Path>, tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
+    let mut args =
+        ServeArgs::new(EngineArgs { model: model.as_ref().to_path_buf(), ..EngineArgs::default() });
+    args.port = 0;
+    args.served_model_name = vec!["test-model".into(), "test-alias".into()];
     tweak(&mut args);
-    let (server, addr) = actorllm::web::start(args).await.expect("server starts");
+    let engine = actorllm::Engine::start(args.engine.clone()).await.expect("engine starts");
+    serve(engine, args)
+}
+
+/// A server in front of an engine the test started itself.
+pub fn serve(engine: actorllm::Engine, args: ServeArgs) -> TestServer {
+    let (server, addr) = actorllm::web::start_with_engine(args, engine).expect("server starts");
     actix_rt::spawn(server);
     let client = awc::Client::builder().timeout(std::time::Duration::from_secs(120)).finish();
-    TestServer { base: format!("http://{addr}"), client }
+    TestServer { base: format!("http://{addr}"), client, dirs: Vec::new() }
+}
+
+/// A server on the tiny random model of `seed`.
+pub async fn start_tiny(seed: u64, tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
+    let model = super::tiny_model(seed);
+    let mut s = start(&model, tweak).await;
+    s.dirs.push(model);
+    s
 }
 
 impl TestServer {

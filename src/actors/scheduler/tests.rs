@@ -46,17 +46,16 @@ fn token_fives(b: &ExecuteBatch) -> Vec<Sampled> {
     b.seqs.iter().filter(|s| s.sample).map(|s| Sampled { seq: s.seq, token: 5, logprobs: None }).collect()
 }
 
-/// A scheduler over the tiny random model's tokenizer (written to a temp dir named
-/// `name`): 8 sequences, 64 tokens a step, 32 blocks of 4.
+/// A scheduler over the tiny random model's tokenizer: 8 sequences, 64 tokens a step, 32
+/// blocks of 4.
 fn start_scheduler(
-    name: &str,
     blocks: Recipient<Reserve>,
     runner: Recipient<ExecuteBatch>,
     async_scheduling: bool,
 ) -> Addr<SchedulerActor> {
-    let dir = std::env::temp_dir().join(format!("actorllm-sched-{name}-{}", std::process::id()));
-    make_random_model(Preset::Tiny.shape(), &dir, DType::F32, 1, 1.0).unwrap();
-    let tokenizer = Arc::new(Tokenizer::load(&dir, &[]).unwrap());
+    let dir = crate::scratch::ScratchDir::new("sched").unwrap();
+    make_random_model(Preset::Tiny.shape(), dir.path(), DType::F32, 1, 1.0).unwrap();
+    let tokenizer = Arc::new(Tokenizer::load(dir.path(), &[]).unwrap());
     let cfg = SchedulerConfig {
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
@@ -72,10 +71,13 @@ fn start_scheduler(
 
 #[actix_rt::test]
 async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_batch() {
+    // A paused clock: the slow BlockManager's 100 ms and the wait below pass in order
+    // whenever the actors are idle, however busy the machine is.
+    tokio::time::pause();
     let batches = Arc::new(Mutex::new(Vec::new()));
     let blocks = SlowBlocks(BlockPool::new(32, 4)).start();
     let runner = Recorder(batches.clone()).start();
-    let sched = start_scheduler("abort", blocks.recipient(), runner.recipient(), false);
+    let sched = start_scheduler(blocks.recipient(), runner.recipient(), false);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let params = Arc::new(SamplingParams { max_tokens: Some(20), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
@@ -89,10 +91,11 @@ async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_bat
     assert!(matches!(rx.recv().await, Some(TokenEvent::Finished { reason: FinishReason::Abort, .. })));
 }
 
-/// A runner whose steps take 150 ms each, one after another, recording when each ends.
+/// A runner whose steps take 150 ms each, one after another, recording when each ends (on
+/// the test's paused clock).
 #[derive(Default)]
 struct SlowRunner {
-    ended: Arc<Mutex<Vec<std::time::Instant>>>,
+    ended: Arc<Mutex<Vec<actix_rt::time::Instant>>>,
     busy_until: Option<actix_rt::time::Instant>,
 }
 impl Actor for SlowRunner {
@@ -111,7 +114,7 @@ impl Handler<ExecuteBatch> for SlowRunner {
         self.busy_until = Some(end);
         let ended = self.ended.clone();
         Box::pin(actix_rt::time::sleep_until(end).into_actor(self).map(move |_, _, _| {
-            ended.lock().unwrap().push(std::time::Instant::now());
+            ended.lock().unwrap().push(actix_rt::time::Instant::now());
             Ok(StepOutput { sampled, ..Default::default() })
         }))
     }
@@ -122,16 +125,17 @@ impl Handler<ExecuteBatch> for SlowRunner {
 /// the first step ends, not with the second.
 #[actix_rt::test]
 async fn async_scheduling_sends_a_token_when_its_step_ends() {
+    tokio::time::pause();
     let ended = Arc::new(Mutex::new(Vec::new()));
     let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
     let runner = SlowRunner { ended: ended.clone(), busy_until: None }.start();
-    let sched = start_scheduler("async", blocks.recipient(), runner.recipient(), true);
+    let sched = start_scheduler(blocks.recipient(), runner.recipient(), true);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let params = Arc::new(SamplingParams { max_tokens: Some(2), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
     sched.send(add).await.unwrap().unwrap();
     let first = rx.recv().await;
-    let at = std::time::Instant::now();
+    let at = actix_rt::time::Instant::now();
     assert!(matches!(first, Some(TokenEvent::Token { .. })), "{first:?}");
     let ended_then = ended.lock().unwrap().len();
     assert_eq!(ended_then, 1, "the first token arrived after {ended_then} steps had ended");
@@ -182,8 +186,7 @@ async fn a_runner_that_answers_a_step_at_the_next_message_is_always_sent_one() {
         let flushes = Arc::new(Mutex::new(0));
         let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
         let runner = DeferringRunner { held: None, flushes: flushes.clone() }.start();
-        let name = format!("defer-{async_scheduling}");
-        let sched = start_scheduler(&name, blocks.recipient(), runner.recipient(), async_scheduling);
+        let sched = start_scheduler(blocks.recipient(), runner.recipient(), async_scheduling);
         let mut streams = Vec::new();
         for (i, max_tokens) in [3usize, 5].into_iter().enumerate() {
             let (tx, rx) = mpsc::unbounded_channel();

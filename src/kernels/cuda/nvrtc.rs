@@ -60,9 +60,25 @@ pub(super) fn compile(name: &str, src: &str, arch: &str) -> Result<cudarc::nvrtc
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
         .map_err(|e| DeviceError::Other(format!("NVRTC compiling {name}.cu for {arch}: {e:?}")))?;
-    let _ = std::fs::create_dir_all(cache_dir());
-    let _ = std::fs::write(&path, ptx.to_src());
+    store(&path, &ptx.to_src());
     Ok(ptx)
+}
+
+/// Writes a cache entry whole or not at all: into a file of this process's own, then
+/// renamed over the entry, so that an engine starting beside this one (another test, a
+/// second server) never reads a half-written PTX. A cache that cannot be written only
+/// costs the next start a compile.
+fn store(path: &std::path::Path, ptx: &str) {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));
+    let written = std::fs::create_dir_all(cache_dir())
+        .and_then(|_| std::fs::write(&tmp, ptx))
+        .and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        tracing::debug!(path = %path.display(), error = %e, "kernel cache not written");
+        let _ = std::fs::remove_file(&tmp);
+    }
 }
 
 #[cfg(test)]

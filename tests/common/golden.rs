@@ -1,0 +1,44 @@
+//! The default model's references from transformers (tests/fixtures/golden_smollm2.json,
+//! made by scripts/make_golden.py): greedy continuations as ids and as the text
+//! transformers decodes them to, chat renderings and tokenizer cases.
+#![allow(dead_code)]
+
+use actorllm::tokenizer::ChatMessage;
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+pub struct Prompt {
+    pub text: String,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    /// transformers' decode of `output_ids`, special tokens skipped.
+    pub output_text: String,
+}
+
+#[derive(Deserialize)]
+pub struct Chat {
+    pub messages: Vec<ChatMessage>,
+    pub prompt_text: String,
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub output_text: String,
+}
+
+#[derive(Deserialize)]
+pub struct TokCase {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub decoded: String,
+}
+
+#[derive(Deserialize)]
+pub struct Golden {
+    pub prompts: Vec<Prompt>,
+    pub chats: Vec<Chat>,
+    pub tokenizer: Vec<TokCase>,
+}
+
+pub fn load() -> Golden {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/golden_smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect("golden fixture")).expect("golden JSON")
+}

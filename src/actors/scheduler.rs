@@ -123,6 +123,10 @@ pub struct SchedulerActor {
     adapters: HashMap<u64, (Arc<LoraAdapter>, usize)>,
     /// Steps planned and not yet answered.
     in_flight: usize,
+    /// Failed steps so far. A step planned before a failure carries only requests that
+    /// failure ended; if it fails too (the runner's state of their sequences went with the
+    /// first failure), that is no new failure for the requests live now.
+    failures: u64,
     /// Of those, the ones still waiting for their blocks (not yet sent to the runner).
     planning: usize,
     /// Whether the last message to the runner was a step: the runner may hold its answer
@@ -164,6 +168,7 @@ impl SchedulerActor {
             next_group: 0,
             adapters: HashMap::new(),
             in_flight: 0,
+            failures: 0,
             planning: 0,
             unfollowed: false,
             max_in_flight: 1,
@@ -327,6 +332,7 @@ impl SchedulerActor {
     }
 
     fn fail_all(&mut self, message: String) {
+        self.failures += 1;
         tracing::error!(%message, "engine step failed; failing every live request");
         let groups: Vec<u64> = self.requests.keys().copied().collect();
         for g in groups {
@@ -493,6 +499,7 @@ impl SchedulerActor {
         let lora_loads = plan.lora_loads;
         let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
         let scheduled_at = Instant::now();
+        let failures = self.failures;
         let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, ctx| {
             act.planning -= 1;
             let reserved_at = Instant::now();
@@ -559,7 +566,8 @@ impl SchedulerActor {
                     }
                     p.steps.fetch_add(1, Relaxed);
                 }
-                Err(e) => act.fail_all(e.to_string()),
+                Err(e) if failures == act.failures => act.fail_all(e.to_string()),
+                Err(e) => tracing::debug!(error = %e, "a step planned before a failure failed too"),
             }
             let before = act.in_flight;
             act.chained = true;

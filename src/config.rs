@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use crate::kernels::DType;
 use crate::models::config::ModelConfig;
+use crate::models::lora::{LoraSplit, Shard};
 
 /// Where the README's commands put the default model.
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
@@ -203,9 +204,9 @@ pub enum ConfigError {
     #[error("--max-model-len ({given}) is larger than the model's max_position_embeddings ({limit})")]
     MaxModelLen { given: usize, limit: usize },
     #[error(
-        "The model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be stored in KV cache ({capacity}); raise the KV cache size (--kv-cache-space / --num-gpu-blocks-override) or lower --max-model-len"
+        "The model's max seq len ({max_model_len}) is larger than the maximum number of tokens that can be stored in KV cache ({capacity}); {fix}"
     )]
-    KvCacheTooSmall { max_model_len: usize, capacity: usize },
+    KvCacheTooSmall { max_model_len: usize, capacity: usize, fix: &'static str },
     #[error("the KV cache holds no block: --kv-cache-space {0} GiB is too small")]
     NoBlocks(f64),
     #[error("{0} needs --enable-lora")]
@@ -215,6 +216,11 @@ pub enum ConfigError {
     #[error("--tensor-parallel-size {tp}: {reason}")]
     TensorParallel { tp: usize, reason: String },
 }
+
+/// What makes room for a longer --max-model-len: on the CPU, and on a GPU.
+const CPU_KV_FIX: &str = "raise --kv-cache-space (GiB of KV cache on the CPU) or lower --max-model-len";
+const GPU_KV_FIX: &str = "raise --gpu-memory-utilization or lower --max-model-len (or --max-num-seqs and \
+     --max-num-batched-tokens, whose profiling step takes memory too)";
 
 /// Resolved engine settings: no Options, validated against the model.
 #[derive(Debug, Clone)]
@@ -250,11 +256,15 @@ fn check_tensor_parallel(model: &ModelConfig, tp: usize) -> Result<(), ConfigErr
     if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
         return fail(format!("the model's {kv} KV heads neither divide nor are divisible by {tp} ranks"));
     }
-    if !model.intermediate_size.is_multiple_of(tp) {
-        return fail(format!(
-            "the MLP's {} features are not divisible by {tp} ranks",
-            model.intermediate_size
-        ));
+    // The evenly split sections of the layers (the MLP's features), as the model declares
+    // them with its adapter targets.
+    let even = model.lora_targets.iter().flat_map(|t| match &t.split {
+        LoraSplit::Out(sections) => sections.iter().filter(|s| s.1 == Shard::Even).map(|s| s.0).collect(),
+        LoraSplit::In(Shard::Even) => vec![t.in_features],
+        LoraSplit::In(_) => vec![],
+    });
+    if let Some(n) = even.into_iter().find(|n| !n.is_multiple_of(tp)) {
+        return fail(format!("the MLP's {n} features are not divisible by {tp} ranks"));
     }
     Ok(())
 }
@@ -274,12 +284,24 @@ impl EngineConfig {
         self.num_blocks = bytes / bytes_per_block;
         let capacity = self.num_blocks * self.block_size;
         if self.max_model_len > capacity {
-            return Err(ConfigError::KvCacheTooSmall { max_model_len: self.max_model_len, capacity });
+            return Err(ConfigError::KvCacheTooSmall {
+                max_model_len: self.max_model_len,
+                capacity,
+                fix: GPU_KV_FIX,
+            });
         }
         Ok(())
     }
 
-    pub fn resolve(args: &EngineArgs, model: &ModelConfig) -> Result<Self, ConfigError> {
+    /// Resolves `args` for `model`. With `sized_by_device` (a GPU without
+    /// --num-gpu-blocks-override) the KV cache is sized later from the device's memory
+    /// ([`Self::resize_kv`]), where --max-model-len is checked against it; else it is
+    /// sized here from --kv-cache-space (or the override) and checked now.
+    pub fn resolve(
+        args: &EngineArgs,
+        model: &ModelConfig,
+        sized_by_device: bool,
+    ) -> Result<Self, ConfigError> {
         let bs = args.block_size;
         if !bs.is_power_of_two() || bs > 256 {
             return Err(ConfigError::BlockSize(bs));
@@ -307,12 +329,16 @@ impl EngineConfig {
             Some(n) => n,
             None => (args.kv_cache_space * (1u64 << 30) as f64) as usize / bytes_per_block,
         };
-        if num_blocks == 0 {
+        if num_blocks == 0 && !sized_by_device {
             return Err(ConfigError::NoBlocks(args.kv_cache_space));
         }
         let capacity = num_blocks * bs;
-        if max_model_len > capacity {
-            return Err(ConfigError::KvCacheTooSmall { max_model_len, capacity });
+        if max_model_len > capacity && !sized_by_device {
+            let fix = match args.num_gpu_blocks_override {
+                Some(_) => "raise --num-gpu-blocks-override or lower --max-model-len",
+                None => CPU_KV_FIX,
+            };
+            return Err(ConfigError::KvCacheTooSmall { max_model_len, capacity, fix });
         }
         let dtype = match args.dtype {
             DTypeArg::Float32 => DType::F32,
@@ -413,10 +439,10 @@ mod tests {
             1.0,
         )
         .unwrap();
-        let model =
-            crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(dir.path())
-                .unwrap();
-        let c = EngineConfig::resolve(&EngineArgs::default(), &model).unwrap();
+        let model = crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::default()
+            .read_config(dir.path())
+            .unwrap();
+        let c = EngineConfig::resolve(&EngineArgs::default(), &model, false).unwrap();
         assert_eq!((c.max_num_seqs, c.max_num_batched_tokens), (256, 2048));
     }
 }

@@ -124,8 +124,11 @@ impl Engine {
         registry: ModelRegistry<D>,
         make: impl FnOnce() -> Result<Vec<D>, DeviceError> + Send + 'static,
     ) -> Result<Engine, EngineError> {
-        let model_config = ModelRegistry::<D>::read_config(&args.model)?;
-        let mut config = EngineConfig::resolve(&args, &model_config)?;
+        let model_config = registry.read_config(&args.model)?;
+        // A device that reports its memory (a GPU) sizes the KV cache from it after a
+        // profiling step, and checks --max-model-len then.
+        let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();
+        let mut config = EngineConfig::resolve(&args, &model_config, sized_by_device)?;
         let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
         let opts = LoadOptions {

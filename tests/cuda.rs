@@ -14,7 +14,7 @@ use actorllm::config::{DTypeArg, DeviceArg, EngineArgs};
 use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
 use actorllm::kernels::cuda::CudaDevice;
 use actorllm::kernels::{
-    AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+    Activation, AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
 };
 use actorllm::models::LoadOptions;
 use actorllm::models::attn::AttnMetadata;
@@ -319,8 +319,8 @@ fn every_kernel_matches_its_cpu_twin() {
     let (guc, gug) = both(&gu, n, 100);
     close(
         "silu_mul",
-        &g.to_host(&g.silu_mul(&gug).unwrap()).unwrap(),
-        &c.to_host(&c.silu_mul(&guc).unwrap()).unwrap(),
+        &g.to_host(&g.act_mul(&gug, Activation::Silu).unwrap()).unwrap(),
+        &c.to_host(&c.act_mul(&guc, Activation::Silu).unwrap()).unwrap(),
         1e-5,
     );
     let rows = [3usize, 0, 12, 7];
@@ -336,10 +336,11 @@ fn every_kernel_matches_its_cpu_twin() {
     g.set_activation_dtype(DType::F32);
     // RoPE + paged attention: GQA 6:2, head_dim 32, block size 4; sequence 0 prefills
     // 9 tokens, sequence 1 decodes its 14th token over blocks out of order.
-    let s = AttnShape { num_heads: 6, num_kv_heads: 2, head_dim: 32, scale: 1.0 / (32f32).sqrt() };
+    let s = AttnShape::causal(6, 2, 32);
     let rope = RopeSpec {
         inv_freq: (0..16).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 32.0)).collect(),
         head_dim: 32,
+        attention_scaling: 1.0,
     };
     let cache_shape = CacheShape { num_blocks: 12, block_size: 4, num_kv_heads: 2, head_dim: 32 };
     let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
@@ -461,7 +462,8 @@ fn every_kernel_matches_its_cpu_twin() {
         let proj = c.to_host(&c.linear_lora(&xc, &wc, None, &pc, &slots).unwrap()).unwrap();
         close_silu_mul(
             &format!("{what}: silu_mul of its projection"),
-            &g.to_host(&g.gate_up_silu(&xg, &wg, Some((&pg, &slots)), false).unwrap()).unwrap(),
+            &g.to_host(&g.gate_up_act(&xg, &wg, Some((&pg, &slots)), Activation::Silu, false).unwrap())
+                .unwrap(),
             &proj,
             31,
             tol,
@@ -470,7 +472,7 @@ fn every_kernel_matches_its_cpu_twin() {
         let proj = c.to_host(&c.linear(&xc, &wc, None).unwrap()).unwrap();
         close_silu_mul(
             &format!("{what}: silu_mul of its projection without adapters"),
-            &g.to_host(&g.gate_up_silu(&xg, &wg, None, true).unwrap()).unwrap(),
+            &g.to_host(&g.gate_up_act(&xg, &wg, None, Activation::Silu, true).unwrap()).unwrap(),
             &proj,
             31,
             tol,
@@ -482,8 +484,8 @@ fn every_kernel_matches_its_cpu_twin() {
             // it is the f32 result rounded, and a GEMM over it gives exactly what it gives
             // over the result kept in both.
             g.set_activation_dtype(DType::BF16);
-            let alone = g.gate_up_silu(&xg, &wg, None, true).unwrap();
-            let both_kept = g.gate_up_silu(&xg, &wg, None, false).unwrap();
+            let alone = g.gate_up_act(&xg, &wg, None, Activation::Silu, true).unwrap();
+            let both_kept = g.gate_up_act(&xg, &wg, None, Activation::Silu, false).unwrap();
             assert!(alone.in_16_bits_only() && !both_kept.in_16_bits_only(), "{what}: kept in bf16 only");
             let (got, full) = (g.to_host(&alone).unwrap(), g.to_host(&both_kept).unwrap());
             let rounded: Vec<f32> = full.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
@@ -532,7 +534,7 @@ fn tuned_gemms_give_the_untuned_values() {
                 })
                 .collect();
             let xg = g.from_host(&x[..gu_rows * k], gu_rows, k).unwrap();
-            let gate_up = g.gate_up_silu(&xg, &w, None, false).unwrap();
+            let gate_up = g.gate_up_act(&xg, &w, None, Activation::Silu, false).unwrap();
             assert!(g.gate_up_in_16_bits(), "{dt:?}: gate/up written in 16 bits");
             (lin, (g.to_host(&gate_up).unwrap(), g.last_gemm_on_cublaslt()))
         };
@@ -602,14 +604,17 @@ fn gate_up_gemv_applies_silu_mul_as_the_separate_kernel_does() {
             let what = format!("{dt:?}, {inter} gate rows, {rows} rows");
             let x = rand(rows * hidden, 22);
             let (xc, xg) = (CpuTensor::new(x.clone(), rows, hidden), g.from_host(&x, rows, hidden).unwrap());
-            let fused = g.to_host(&g.gate_up_silu(&xg, &wgu_g, None, false).unwrap()).unwrap();
+            let fused =
+                g.to_host(&g.gate_up_act(&xg, &wgu_g, None, Activation::Silu, false).unwrap()).unwrap();
             assert_eq!(g.gate_up_on_gemv(), rows <= 8, "{what}: gate/up on the GEMV");
-            let apart = g.to_host(&g.silu_mul(&g.linear(&xg, &wgu_g, None).unwrap()).unwrap()).unwrap();
+            let apart = g
+                .to_host(&g.act_mul(&g.linear(&xg, &wgu_g, None).unwrap(), Activation::Silu).unwrap())
+                .unwrap();
             // Past 8 rows a 16-bit projection is written in 16 bits (`gate_up_in_16_bits`).
             if rows <= 8 {
                 assert_eq!(fused, apart, "{what}: gate/up with SiLU·mul against the two kernels");
             }
-            let alone = g.gate_up_silu(&xg, &wgu_g, None, true).unwrap();
+            let alone = g.gate_up_act(&xg, &wgu_g, None, Activation::Silu, true).unwrap();
             assert!(alone.in_16_bits_only(), "{what}: gate/up kept in 16 bits only");
             assert_eq!(g.to_host(&alone).unwrap(), rounded(dt, &fused), "{what}: gate/up in 16 bits only");
             let proj = c.to_host(&c.linear(&xc, &wgu_c, None).unwrap()).unwrap();
@@ -692,8 +697,9 @@ fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
             within(&format!("{what}: next GEMV"), &y2, &want, &products(&hc, &w2, outs));
             // The gate/up GEMV applies the same scale: SiLU·mul of the plain GEMV's values
             // (past 8 rows the projection is written in 16 bits first).
-            let y3 = g.to_host(&g.gate_up_silu(&h, &w3g, None, false).unwrap()).unwrap();
-            let apart3 = g.to_host(&g.silu_mul(&g.linear(&h, &w3g, None).unwrap()).unwrap()).unwrap();
+            let y3 = g.to_host(&g.gate_up_act(&h, &w3g, None, Activation::Silu, false).unwrap()).unwrap();
+            let apart3 =
+                g.to_host(&g.act_mul(&g.linear(&h, &w3g, None).unwrap(), Activation::Silu).unwrap()).unwrap();
             if rows <= 8 {
                 assert_eq!(y3, apart3, "{what}: next gate/up GEMV against the plain GEMV and silu_mul");
             }
@@ -727,15 +733,11 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
     {
         g.set_activation_dtype(dt);
         let what = format!("{dt:?}, {heads}:{kv_heads}x{hd}");
-        let s = AttnShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let s = AttnShape::causal(heads, kv_heads, hd);
         let rope = RopeSpec {
             inv_freq: (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect(),
             head_dim: hd,
+            attention_scaling: 1.0,
         };
         let n = (heads + 2 * kv_heads) * hd;
         let up = |w: &[f32], shape: &[usize], dt: DType| {
@@ -813,12 +815,7 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         g.set_tensor_core_attention(flash);
         g.set_activation_dtype(act);
         let tol = if flash || act != DType::F32 { 1e-2 } else { 1e-4 };
-        let s = AttnShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
+        let s = AttnShape::causal(heads, kv_heads, head_dim);
         let per_seq = 1280 / bs as u32;
         let shape =
             CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
@@ -1027,7 +1024,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
 async fn adapters_on_the_gpu_give_the_cpu_tokens() {
     let _turn = gpu_turn();
     let model = tiny_model(33);
-    let cfg = ModelRegistry::<CpuDevice>::read_config(&model).unwrap();
+    let cfg = ModelRegistry::<CpuDevice>::default().read_config(&model).unwrap();
     let scratch = common::scratch("gpu-loras");
     let root = scratch.path();
     let mut modules = Vec::new();

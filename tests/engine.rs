@@ -223,8 +223,7 @@ async fn unknown_architectures_and_wrong_shapes_are_named() {
             construct: |d, c, w, o| {
                 Ok(Box::new(actorllm::models::llama::LlamaForCausalLM::load(d, c, w, o)?))
             },
-            stacked_params: actorllm::models::llama::STACKED_PARAMS,
-            skip: actorllm::models::llama::skip_tensor,
+            ..actorllm::models::llama::entry()
         },
     );
     let engine = Engine::start_with(common::args(&foo), registry).await.unwrap();

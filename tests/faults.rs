@@ -101,6 +101,7 @@ impl CausalLM<CpuDevice> for Faulty {
 async fn faulty_server(fault: Fault, tweak: impl FnOnce(&mut ServeArgs)) -> TestServer {
     let model = common::tiny_model(51);
     let mut registry = ModelRegistry::<CpuDevice>::default();
+    let config = actorllm::models::llama::entry::<CpuDevice>().config;
     let construct: actorllm::models::registry::Constructor<CpuDevice> = match fault {
         Fault::Stall => |d, c, w, o| -> Result<Box<dyn CausalLM<CpuDevice>>, ModelError> {
             Ok(Box::new(Faulty { inner: LlamaForCausalLM::load(d, c, w, o)?, fault: Fault::Stall }))
@@ -111,7 +112,7 @@ async fn faulty_server(fault: Fault, tweak: impl FnOnce(&mut ServeArgs)) -> Test
     };
     registry.register_model(
         "LlamaForCausalLM",
-        ModelEntry { construct, stacked_params: STACKED_PARAMS, skip: skip_tensor },
+        ModelEntry { config, construct, stacked_params: STACKED_PARAMS, skip: skip_tensor },
     );
     let mut args = ServeArgs::new(EngineArgs { model: model.to_path_buf(), ..EngineArgs::default() });
     args.port = 0;
@@ -181,34 +182,31 @@ async fn a_failure_in_the_middle_of_a_stream_ends_it_with_an_error_and_the_serve
     assert!(error["error"]["type"].is_string() && error["error"].get("code").is_some(), "{error}");
 
     // Over the WebSocket: deltas, then an error frame for that id; the socket stays open
-    // and serves the next generation.
+    // and serves the next generation, which no step of the failed one disturbs.
     let (_resp, mut ws) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
     let frame = |v: Value| awc::ws::Message::Text(v.to_string().into());
     ws.send(frame(json!({"type": "generate", "id": "bad", "endpoint": "completions", "request": long})))
         .await
         .unwrap();
-    ws.send(frame(json!({"type": "generate", "id": "after", "endpoint": "completions",
-        "request": {"prompt": [3, 4, 5], "max_tokens": 5, "temperature": 0, "ignore_eos": true}})))
-        .await
-        .unwrap();
-    let (mut deltas, mut error, mut done) = (0, None, None);
-    while done.is_none() || error.is_none() {
+    let mut next_json = async || loop {
         let next = tokio::time::timeout(Duration::from_secs(60), ws.next()).await.expect("a frame in time");
-        let awc::ws::Frame::Text(t) = next.unwrap().unwrap() else { continue };
-        let v: Value = serde_json::from_slice(&t).unwrap();
+        if let awc::ws::Frame::Text(t) = next.unwrap().unwrap() {
+            return serde_json::from_slice::<Value>(&t).unwrap();
+        }
+    };
+    let mut deltas = 0;
+    let error = loop {
+        let v = next_json().await;
         match (v["type"].as_str().unwrap(), v["id"].as_str()) {
             ("delta", Some("bad")) => deltas += 1,
-            ("error", Some("bad")) => error = Some(v),
-            ("done", Some("after")) => done = Some(v),
-            ("started" | "delta", _) => {}
+            ("error", Some("bad")) => break v,
+            ("started", _) => {}
             other => panic!("unexpected frame {other:?}: {v}"),
         }
-    }
+    };
     assert_eq!(deltas, 28, "every token sampled before the failing step is sent");
-    let error = error.unwrap();
     assert!(error["error"]["message"].as_str().unwrap().contains("injected failure"), "{error}");
-    // The same socket and the server both serve what comes next.
-    ws.send(frame(json!({"type": "generate", "id": "next", "endpoint": "completions",
+    ws.send(frame(json!({"type": "generate", "id": "after", "endpoint": "completions",
         "request": {"prompt": [3, 4, 5], "max_tokens": 5, "temperature": 0, "ignore_eos": true}})))
         .await
         .unwrap();
@@ -216,11 +214,11 @@ async fn a_failure_in_the_middle_of_a_stream_ends_it_with_an_error_and_the_serve
         let next = tokio::time::timeout(Duration::from_secs(60), ws.next()).await.expect("a frame in time");
         let awc::ws::Frame::Text(t) = next.unwrap().unwrap() else { continue };
         let v: Value = serde_json::from_slice(&t).unwrap();
-        if v["id"] == "next" && v["type"] == "done" {
+        assert_ne!(v["type"], "error", "{v}");
+        if v["id"] == "after" && v["type"] == "done" {
             assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
             break;
         }
-        assert_ne!(v["type"], "error", "{v}");
     }
     let short = json!({"prompt": [3, 4, 5], "max_tokens": 5, "ignore_eos": true});
     let (st, v) = s.post("/v1/completions", &short).await;

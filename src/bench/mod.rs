@@ -200,8 +200,8 @@ fn with_random_loras(engine: &mut EngineArgs, n: usize, rank: usize) -> anyhow::
     if n == 0 {
         return Ok(());
     }
-    let cfg =
-        crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::read_config(&engine.model)?;
+    let cfg = crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::default()
+        .read_config(&engine.model)?;
     let root = std::env::temp_dir().join(format!("actorllm-bench-loras-{}", std::process::id()));
     for i in 0..n {
         let dir = root.join(format!("lora{i}"));

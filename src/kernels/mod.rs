@@ -70,20 +70,90 @@ pub struct CacheShape {
     pub head_dim: usize,
 }
 
-/// Rotary embedding geometry shared by every layer: `inv_freq` has `rotary_dim / 2` entries.
+/// Rotary embedding of one attention layer: `inv_freq` has `rotary_dim / 2` entries (the
+/// first `rotary_dim` dims of each head rotate, rotate-half style; none when it is empty),
+/// and cos and sin are multiplied by `attention_scaling` (1 but for yarn and longrope).
 #[derive(Debug, Clone)]
 pub struct RopeSpec {
     pub inv_freq: Vec<f32>,
     pub head_dim: usize,
+    pub attention_scaling: f32,
 }
 
-/// Shape of an attention call: query heads, kv heads, head size and softmax scale.
-#[derive(Debug, Clone, Copy)]
+impl RopeSpec {
+    /// No rotation (models with learned positions).
+    pub fn none(head_dim: usize) -> Self {
+        Self { inv_freq: Vec::new(), head_dim, attention_scaling: 1.0 }
+    }
+}
+
+/// Shape and options of an attention call: query heads, kv heads, head size, the softmax
+/// scale, a sliding window (a query at position p sees positions above p − window; 0 for
+/// none) and a soft cap on the scores (`cap · tanh(s / cap)`; 0 for none).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    pub window: usize,
+    pub softcap: f32,
+}
+
+impl AttnShape {
+    /// Full causal attention with `1/√head_dim` scaling and no soft cap.
+    pub fn causal(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        Self { num_heads, num_kv_heads, head_dim, scale, window: 0, softcap: 0.0 }
+    }
+    /// Whether an option the plain kernels lack is set.
+    pub fn has_options(&self) -> bool {
+        self.window > 0 || self.softcap > 0.0
+    }
+    /// First context position a query at `pos` attends to.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        match self.window {
+            0 => 0,
+            w => (pos + 1).saturating_sub(w),
+        }
+    }
+}
+
+/// MLP activations, by the names of HF's `ACT2FN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` ("silu", "swish").
+    Silu,
+    /// GELU's tanh approximation ("gelu_pytorch_tanh", "gelu_new").
+    GeluTanh,
+    /// `max(x, 0)` ("relu").
+    Relu,
+}
+
+impl Activation {
+    pub const HF_NAMES: &str = "silu, swish, gelu_pytorch_tanh, gelu_new, relu";
+
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Self::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Self::GeluTanh),
+            "relu" => Some(Self::Relu),
+            _ => None,
+        }
+    }
+
+    /// The activation of one value in f32, as torch computes it.
+    #[inline]
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Self::Silu => x / (1.0 + (-x).exp()),
+            Self::GeluTanh => {
+                const K: f32 = 0.797_884_6; // √(2/π)
+                0.5 * x * (1.0 + (K * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Self::Relu => x.max(0.0),
+        }
+    }
 }
 
 /// Geometry of one target module's LoRA weights across the device's adapter slots.
@@ -177,6 +247,10 @@ pub trait Device: Send + Unpin + 'static {
     /// A recorded forward that replays without the host issuing its operations.
     type Graph: Send + Unpin;
 
+    /// Whether the KV cache is sized from the device's free memory (after a profiling
+    /// step) rather than by `--kv-cache-space`.
+    const SIZES_KV_CACHE: bool = false;
+
     fn name(&self) -> String;
     /// Rank and group size under tensor parallelism.
     fn tp(&self) -> TpRank;
@@ -214,6 +288,14 @@ pub trait Device: Send + Unpin + 'static {
 
     /// `out[i] = table[ids[i]]` → `[ids.len(), hidden]`.
     fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> DevResult<Self::Tensor>;
+    /// `out[i] = table[positions[i] + offset]` → `[positions.len(), hidden]`: learned
+    /// position embeddings, read at the step's positions (which a graph replays anew).
+    fn embed_positions(
+        &self,
+        table: &Self::Weight,
+        positions: &[u32],
+        offset: u32,
+    ) -> DevResult<Self::Tensor>;
     /// `x @ w^T (+ bias)`: `[n, in] × [out, in]` → `[n, out]`.
     fn linear(
         &self,
@@ -264,9 +346,33 @@ pub trait Device: Send + Unpin + 'static {
             false => self.add_rms_norm(&y, residual, norm, eps),
         }
     }
+    /// LayerNorm with an optional bias: `(x − mean) / √(var + eps) · w (+ b)` per row.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: Option<&Self::Weight>,
+        eps: f32,
+    ) -> DevResult<Self::Tensor>;
     fn add_inplace(&self, acc: &mut Self::Tensor, x: &Self::Tensor) -> DevResult<()>;
-    /// `[n, 2·i]` holding gate then up → `silu(gate) · up` of shape `[n, i]`.
-    fn silu_mul(&self, gate_up: &Self::Tensor) -> DevResult<Self::Tensor>;
+    /// `x *= s`, in place (embeddings scaled by √hidden).
+    fn scale(&self, x: &mut Self::Tensor, s: f32) -> DevResult<()>;
+    /// `x = cap · tanh(x / cap)`, in place (soft-capped logits).
+    fn softcap(&self, x: &mut Self::Tensor, cap: f32) -> DevResult<()>;
+    /// `x = act(x)`, in place (the activation of a plain MLP).
+    fn activation(&self, x: &mut Self::Tensor, act: Activation) -> DevResult<()>;
+    /// `[n, 2·i]` holding gate then up → `act(gate) · up` of shape `[n, i]`.
+    fn act_mul(&self, gate_up: &Self::Tensor, act: Activation) -> DevResult<Self::Tensor>;
+    /// RMSNorm over each head of q and k in a fused `[n, q + k + v]` projection of `shape`
+    /// (weights `[head_dim]` each), in place, before RoPE (Qwen3's and Gemma3's q/k norms).
+    fn qk_norm(
+        &self,
+        qkv: &mut Self::Tensor,
+        shape: AttnShape,
+        q_w: &Self::Weight,
+        k_w: &Self::Weight,
+        eps: f32,
+    ) -> DevResult<()>;
     /// Splits the fused `[n, q + k + v]` projection and applies rotary embedding (HF's
     /// rotate-half layout) to q and k at each token's position. Returns (q, k, v).
     fn split_qkv_rope(
@@ -414,21 +520,22 @@ pub trait Device: Send + Unpin + 'static {
             None => self.linear(x, w, bias),
         }
     }
-    /// `silu(gate) · up` of a fused gate/up projection (`[gate | up]` rows of w), with
+    /// `act(gate) · up` of a fused gate/up projection (`[gate | up]` rows of w), with
     /// `lora`'s deltas (modules and each row's slot) added to the projection first:
-    /// [`Device::silu_mul`] of [`Device::project`]. A device may keep the projection in the
+    /// [`Device::act_mul`] of [`Device::project`]. A device may keep the projection in the
     /// weights' 16-bit type in between, as a 16-bit model (and transformers) computes it;
     /// and, with `gemm_only` (only the GEMM of a projection without adapters reads the
     /// result), keep the result only in the form that GEMM reads.
-    fn gate_up_silu(
+    fn gate_up_act(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         lora: LoraRows<Self::Lora>,
+        act: Activation,
         gemm_only: bool,
     ) -> DevResult<Self::Tensor> {
         let _ = gemm_only;
-        self.silu_mul(&self.project(x, w, None, lora)?)
+        self.act_mul(&self.project(x, w, None, lora)?, act)
     }
 }
 

@@ -1,9 +1,17 @@
-//! Hugging Face `config.json` for Llama-family models, in the older form (`rope_theta`,
-//! `rope_scaling`) and the newer (`rope_parameters`), resolved once into [`ModelConfig`].
+//! The configuration every architecture shares, resolved once into [`ModelConfig`]: what the
+//! engine sizes its cache and checks requests by. Each model file parses the rest of
+//! `config.json` itself (its own serde struct, read with [`parse_hf`]) and declares its LoRA
+//! targets; the rotary embedding's fields, which most (not all) families have, are parsed
+//! by [`RopeConfig`].
+
+use std::sync::Arc;
 
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 use super::ModelError;
+use super::lora::LoraTarget;
+use crate::kernels::RopeSpec;
 
 /// `eos_token_id` is an int in some files and a list in others.
 #[derive(Debug, Clone, Deserialize)]
@@ -22,182 +30,341 @@ impl TokenIds {
     }
 }
 
-/// `rope_scaling` (old) or `rope_parameters` (new).
+/// The fields of config.json every decoder-only family shares (under these names).
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfCommon {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub max_position_embeddings: Option<usize>,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: Option<bool>,
+    pub torch_dtype: Option<String>,
+    pub dtype: Option<String>,
+    pub eos_token_id: Option<TokenIds>,
+}
+
+/// The resolved configuration the engine works with, with no Options left.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub max_position_embeddings: usize,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+    pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's own dtype (`torch_dtype` / `dtype`), if it says.
+    pub checkpoint_dtype: Option<String>,
+    /// The projections PEFT adapters may target, in the order the model applies them.
+    pub lora_targets: Vec<LoraTarget>,
+    /// config.json as read: the model file parses its own fields from it.
+    pub hf: Arc<serde_json::Value>,
+}
+
+/// Parses `T` (a model file's view of config.json) from `hf`; a missing or mistyped field
+/// is named with the architecture it is for.
+pub fn parse_hf<T: DeserializeOwned>(hf: &serde_json::Value, architecture: &str) -> Result<T, ModelError> {
+    T::deserialize(hf).map_err(|e| ModelError::Config(format!("config.json of {architecture}: {e}")))
+}
+
+/// An unsupported value of a config field, named with the field and the architecture.
+pub fn unsupported(
+    architecture: &str,
+    field: &str,
+    value: impl std::fmt::Debug,
+    supported: &str,
+) -> ModelError {
+    ModelError::Config(format!(
+        "config.json of {architecture}: {field} {value:?} is not supported (supported: {supported})"
+    ))
+}
+
+impl ModelConfig {
+    /// The shared part of `hf` for `architecture`, checked: heads divide the hidden size
+    /// (unless `head_dim` is given), KV heads divide the heads. LoRA targets are the model
+    /// file's to add.
+    pub fn from_hf(hf: &Arc<serde_json::Value>, architecture: &str) -> Result<Self, ModelError> {
+        let c: HfCommon = parse_hf(hf, architecture)?;
+        let bad = |m: String| ModelError::Config(format!("config.json of {architecture}: {m}"));
+        if c.num_attention_heads == 0 {
+            return Err(bad("num_attention_heads is 0".into()));
+        }
+        if c.head_dim.is_none() && !c.hidden_size.is_multiple_of(c.num_attention_heads) {
+            return Err(bad(format!(
+                "hidden_size {} is not divisible by num_attention_heads {}",
+                c.hidden_size, c.num_attention_heads
+            )));
+        }
+        let num_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
+        if num_kv_heads == 0 || !c.num_attention_heads.is_multiple_of(num_kv_heads) {
+            return Err(bad(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
+                c.num_attention_heads
+            )));
+        }
+        Ok(Self {
+            architecture: architecture.to_string(),
+            hidden_size: c.hidden_size,
+            num_layers: c.num_hidden_layers,
+            num_heads: c.num_attention_heads,
+            num_kv_heads,
+            head_dim: c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads),
+            max_position_embeddings: c.max_position_embeddings.unwrap_or(2048),
+            vocab_size: c.vocab_size,
+            tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
+            eos_token_ids: c.eos_token_id.map(|e| e.to_vec()).unwrap_or_default(),
+            checkpoint_dtype: c.torch_dtype.or(c.dtype),
+            lora_targets: Vec::new(),
+            hf: hf.clone(),
+        })
+    }
+}
+
+/// `rope_scaling` (old) or `rope_parameters` (new) of one attention kind.
 #[derive(Debug, Clone, Deserialize, Default)]
 pub struct RopeParams {
-    #[serde(alias = "type")]
     pub rope_type: Option<String>,
+    /// The older name of `rope_type` (files may carry both).
+    #[serde(rename = "type")]
+    pub legacy_type: Option<String>,
     pub rope_theta: Option<f64>,
     pub factor: Option<f64>,
     pub low_freq_factor: Option<f64>,
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<usize>,
     pub partial_rotary_factor: Option<f64>,
+    pub attention_factor: Option<f64>,
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub truncate: Option<bool>,
+    pub short_factor: Option<Vec<f64>>,
+    pub long_factor: Option<Vec<f64>>,
 }
 
-/// Mirrors config.json; every field the file may omit is an Option.
-#[derive(Debug, Clone, Deserialize)]
-pub struct HfConfig {
-    #[serde(default)]
-    pub architectures: Vec<String>,
-    pub model_type: Option<String>,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub num_key_value_heads: Option<usize>,
-    pub head_dim: Option<usize>,
-    pub max_position_embeddings: Option<usize>,
-    pub rms_norm_eps: Option<f64>,
+/// The rotary fields of config.json: the theta, partial rotary factor and scaling given
+/// at the top level (older files) or in `rope_parameters` (newer ones, which may hold one
+/// entry per attention kind, such as Gemma 3's "sliding_attention" and "full_attention").
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct RopeConfig {
     pub rope_theta: Option<f64>,
+    pub partial_rotary_factor: Option<f64>,
     pub rope_scaling: Option<RopeParams>,
-    pub rope_parameters: Option<RopeParams>,
-    pub vocab_size: usize,
-    pub tie_word_embeddings: Option<bool>,
-    pub attention_bias: Option<bool>,
-    pub hidden_act: Option<String>,
-    pub torch_dtype: Option<String>,
-    pub dtype: Option<String>,
-    pub eos_token_id: Option<TokenIds>,
-    pub bos_token_id: Option<u32>,
-    pub sliding_window: Option<usize>,
-    pub use_sliding_window: Option<bool>,
+    pub rope_parameters: Option<serde_json::Value>,
+    pub max_position_embeddings: Option<usize>,
+    pub original_max_position_embeddings: Option<usize>,
 }
 
-/// How rotary frequencies are adjusted.
+/// How rotary frequencies are adjusted, as transformers' `ROPE_INIT_FUNCTIONS` define it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
-    Linear { factor: f64 },
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position: usize },
+    Linear {
+        factor: f64,
+    },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position: usize,
+    },
+    Yarn {
+        factor: f64,
+        attention_factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        original_max_position: usize,
+        truncate: bool,
+    },
+    /// LongRoPE's short factors, which transformers uses while a sequence stays within
+    /// `original_max_position` (beyond it, the long factors: not applied here, so the
+    /// context is capped there).
+    LongRope {
+        short_factor: Vec<f64>,
+        attention_factor: f64,
+        original_max_position: usize,
+    },
 }
 
-/// The resolved configuration, with no Options left.
-#[derive(Debug, Clone)]
-pub struct ModelConfig {
-    pub architecture: String,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
+/// One attention kind's resolved rotary embedding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    pub theta: f64,
+    /// Dims of each head that rotate (the rest pass through).
     pub rotary_dim: usize,
-    pub max_position_embeddings: usize,
-    pub rms_norm_eps: f32,
-    pub rope_theta: f64,
-    pub rope_scaling: RopeScaling,
-    pub vocab_size: usize,
-    pub tie_word_embeddings: bool,
-    pub qkv_bias: bool,
-    pub eos_token_ids: Vec<u32>,
-    /// The checkpoint's own dtype (`torch_dtype` / `dtype`), if it says.
-    pub checkpoint_dtype: Option<String>,
+    pub scaling: RopeScaling,
+    /// The longest context these frequencies are exact for (None: any).
+    pub max_context: Option<usize>,
 }
 
-impl HfConfig {
-    pub fn resolve(self) -> Result<ModelConfig, ModelError> {
-        let architecture = self
-            .architectures
-            .first()
-            .cloned()
-            .ok_or_else(|| ModelError::Config("config.json has no `architectures` entry".to_string()))?;
-        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return Err(ModelError::Config(format!(
-                "hidden_size {} is not divisible by num_attention_heads {}",
-                self.hidden_size, self.num_attention_heads
-            )));
-        }
-        let num_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
-        if num_kv_heads == 0 || !self.num_attention_heads.is_multiple_of(num_kv_heads) {
-            return Err(ModelError::Config(format!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
-                self.num_attention_heads
-            )));
-        }
-        if let Some(act) = &self.hidden_act
-            && act != "silu"
-        {
-            return Err(ModelError::Config(format!("hidden_act {act:?} is not supported (supported: silu)")));
-        }
-        if self.use_sliding_window == Some(true) {
-            return Err(ModelError::Config("sliding-window attention is not supported".to_string()));
-        }
-        let head_dim = self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads);
-        let params = self.rope_parameters.clone().or(self.rope_scaling.clone()).unwrap_or_default();
-        let rope_theta = params.rope_theta.or(self.rope_theta).unwrap_or(10000.0);
-        let rotary_dim = match params.partial_rotary_factor {
+impl RopeConfig {
+    /// The rotary embedding of the attention kind `kind` ("full_attention" or
+    /// "sliding_attention" in per-kind `rope_parameters`; the global parameters serve
+    /// every kind otherwise), for heads of `head_dim`, with `default_theta` when the file
+    /// gives none.
+    pub fn resolve(
+        &self,
+        arch: &str,
+        head_dim: usize,
+        kind: &str,
+        default_theta: f64,
+    ) -> Result<Rope, ModelError> {
+        let params: RopeParams = match &self.rope_parameters {
+            Some(v) if v.get(kind).is_some() => parse_hf(&v[kind], arch)?,
+            Some(v) if v.get("rope_type").is_some() || v.get("rope_theta").is_some() => parse_hf(v, arch)?,
+            _ => self.rope_scaling.clone().unwrap_or_default(),
+        };
+        let theta = params.rope_theta.or(self.rope_theta).unwrap_or(default_theta);
+        let rotary_dim = match params.partial_rotary_factor.or(self.partial_rotary_factor) {
             Some(f) => ((head_dim as f64 * f) as usize) & !1,
             None => head_dim,
         };
+        let max_pos = self.max_position_embeddings.unwrap_or(2048);
+        let original = self.original_max_position_embeddings.or(params.original_max_position_embeddings);
         let factor = params.factor.unwrap_or(1.0);
-        let rope_scaling = match params.rope_type.as_deref() {
+        let mut max_context = None;
+        let scaling = match params.rope_type.as_deref().or(params.legacy_type.as_deref()) {
             None | Some("default") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear { factor },
+            Some("dynamic") => {
+                // transformers re-derives dynamic NTK frequencies from each forward's length
+                // once it passes the original context; within it they are the default ones.
+                max_context = Some(original.unwrap_or(max_pos));
+                RopeScaling::None
+            }
             Some("llama3") => RopeScaling::Llama3 {
                 factor,
                 low_freq_factor: params.low_freq_factor.unwrap_or(1.0),
                 high_freq_factor: params.high_freq_factor.unwrap_or(4.0),
-                original_max_position: params.original_max_position_embeddings.unwrap_or(8192),
+                original_max_position: original.unwrap_or(8192),
             },
+            Some("yarn") => {
+                let original = original.unwrap_or(max_pos);
+                let factor = params.factor.unwrap_or(max_pos as f64 / original as f64);
+                let attention_factor =
+                    params.attention_factor.unwrap_or_else(|| match (params.mscale, params.mscale_all_dim) {
+                        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                            yarn_mscale(factor, m) / yarn_mscale(factor, all)
+                        }
+                        _ => yarn_mscale(factor, 1.0),
+                    });
+                RopeScaling::Yarn {
+                    factor,
+                    attention_factor,
+                    beta_fast: params.beta_fast.unwrap_or(32.0),
+                    beta_slow: params.beta_slow.unwrap_or(1.0),
+                    original_max_position: original,
+                    truncate: params.truncate.unwrap_or(true),
+                }
+            }
+            Some("longrope") => {
+                let original = original.unwrap_or(max_pos);
+                let short_factor = params.short_factor.clone().ok_or_else(|| {
+                    ModelError::Config(format!("config.json of {arch}: longrope needs short_factor"))
+                })?;
+                if short_factor.len() != rotary_dim / 2 {
+                    return Err(ModelError::Config(format!(
+                        "config.json of {arch}: longrope short_factor has {} entries, rotary dims need {}",
+                        short_factor.len(),
+                        rotary_dim / 2
+                    )));
+                }
+                let factor = params.factor.unwrap_or(max_pos as f64 / original as f64);
+                let attention_factor = params.attention_factor.unwrap_or(match factor <= 1.0 {
+                    true => 1.0,
+                    false => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                });
+                max_context = Some(original);
+                RopeScaling::LongRope { short_factor, attention_factor, original_max_position: original }
+            }
             Some(other) => {
-                return Err(ModelError::Config(format!(
-                    "rope type {other:?} is not supported (supported: default, linear, llama3)"
-                )));
+                return Err(unsupported(
+                    arch,
+                    "rope type",
+                    other,
+                    "default, linear, dynamic, yarn, llama3, longrope",
+                ));
             }
         };
-        let qkv_bias = self.attention_bias.unwrap_or(self.model_type.as_deref() == Some("qwen2"));
-        Ok(ModelConfig {
-            architecture,
-            hidden_size: self.hidden_size,
-            intermediate_size: self.intermediate_size,
-            num_layers: self.num_hidden_layers,
-            num_heads: self.num_attention_heads,
-            num_kv_heads,
-            head_dim,
-            rotary_dim,
-            max_position_embeddings: self.max_position_embeddings.unwrap_or(2048),
-            rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta,
-            rope_scaling,
-            vocab_size: self.vocab_size,
-            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
-            qkv_bias,
-            eos_token_ids: self.eos_token_id.map(|e| e.to_vec()).unwrap_or_default(),
-            checkpoint_dtype: self.torch_dtype.or(self.dtype),
-        })
+        Ok(Rope { theta, rotary_dim, scaling, max_context })
     }
 }
 
-impl ModelConfig {
-    /// Inverse frequencies of the rotary embedding, as HF computes them (f32), adjusted by
-    /// the scaling rule.
-    pub fn inv_freq(&self) -> Vec<f32> {
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 }
+}
+
+impl Rope {
+    /// Inverse frequencies as transformers computes them (f32), adjusted by the scaling
+    /// rule, and the factor cos and sin are multiplied by.
+    pub fn spec(&self, head_dim: usize) -> RopeSpec {
         let d = self.rotary_dim;
-        let base: Vec<f32> =
-            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f32).powf((2 * i) as f32 / d as f32)).collect();
-        match self.rope_scaling {
-            RopeScaling::None => base,
-            RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f32).collect(),
+        let exps: Vec<f32> = (0..d / 2).map(|i| (2 * i) as f32 / d as f32).collect();
+        let theta = self.theta as f32;
+        let base: Vec<f32> = exps.iter().map(|&e| 1.0 / theta.powf(e)).collect();
+        let (inv_freq, attention_scaling) = match &self.scaling {
+            RopeScaling::None => (base, 1.0),
+            RopeScaling::Linear { factor } => (base.iter().map(|f| f / *factor as f32).collect(), 1.0),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
-                let old = original_max_position as f32;
-                let (lo, hi, factor) = (low_freq_factor as f32, high_freq_factor as f32, factor as f32);
+                let old = *original_max_position as f32;
+                let (lo, hi, factor) = (*low_freq_factor as f32, *high_freq_factor as f32, *factor as f32);
                 let (low_wavelen, high_wavelen) = (old / lo, old / hi);
-                base.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f32::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - lo) / (hi - lo);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
+                let f = base.iter().map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                });
+                (f.collect(), 1.0)
             }
-        }
+            RopeScaling::Yarn {
+                factor,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                original_max_position,
+                truncate,
+            } => {
+                let (dim, base_f) = (d as f64, self.theta);
+                let correction = |rot: f64| {
+                    dim * (*original_max_position as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * base_f.ln())
+                };
+                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                if *truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
+                if low == high {
+                    high += 0.001;
+                }
+                let pos_freqs: Vec<f32> = exps.iter().map(|&e| theta.powf(e)).collect();
+                let f = pos_freqs.iter().enumerate().map(|(i, &p)| {
+                    let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    let (inter, extra) = (1.0 / (*factor as f32 * p), 1.0 / p);
+                    inter * (1.0 - extrapolation) + extra * extrapolation
+                });
+                (f.collect(), *attention_factor as f32)
+            }
+            RopeScaling::LongRope { short_factor, attention_factor, .. } => {
+                let f = exps.iter().zip(short_factor).map(|(&e, &s)| 1.0 / (s as f32 * theta.powf(e)));
+                (f.collect(), *attention_factor as f32)
+            }
+        };
+        RopeSpec { inv_freq, head_dim, attention_scaling }
     }
 }
 
@@ -205,33 +372,61 @@ impl ModelConfig {
 mod tests {
     use super::*;
 
-    fn parse(extra: &str) -> Result<ModelConfig, ModelError> {
-        let text = format!(
-            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
-        );
-        serde_json::from_str::<HfConfig>(&text).unwrap().resolve()
+    fn rope(extra: &str) -> Result<Rope, ModelError> {
+        let text = format!(r#"{{"max_position_embeddings":131072{extra}}}"#);
+        serde_json::from_str::<RopeConfig>(&text).unwrap().resolve(
+            "LlamaForCausalLM",
+            64,
+            "full_attention",
+            10000.0,
+        )
     }
 
     #[test]
     fn old_and_new_rope_forms_resolve_alike() {
-        let old = parse(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
-        let new = parse(r#","rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
-        assert_eq!(old.rope_theta, 500000.0);
-        assert_eq!(old.rope_scaling, new.rope_scaling);
-        assert_eq!(old.inv_freq(), new.inv_freq());
+        let old = rope(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+        let new = rope(r#","rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+        assert_eq!(old.theta, 500000.0);
+        assert_eq!(old, new);
         // Llama 3: the highest frequencies are kept, the lowest divided by the factor.
-        let plain = parse(r#","rope_theta":500000.0"#).unwrap().inv_freq();
-        let scaled = old.inv_freq();
+        let plain = rope(r#","rope_theta":500000.0"#).unwrap().spec(64).inv_freq;
+        let scaled = old.spec(64).inv_freq;
         assert_eq!(scaled[0], plain[0]);
-        assert!((scaled[7] - plain[7] / 8.0).abs() < 1e-12);
+        assert!((scaled[31] - plain[31] / 8.0).abs() < 1e-12);
     }
 
     #[test]
-    fn eos_as_int_or_list_and_clear_errors() {
-        assert_eq!(parse(r#","eos_token_id":[1,2]"#).unwrap().eos_token_ids, vec![1, 2]);
-        assert_eq!(parse(r#","eos_token_id":7"#).unwrap().eos_token_ids, vec![7]);
-        let e = parse(r#","rope_scaling":{"type":"yarn","factor":2.0}"#).unwrap_err().to_string();
-        assert!(e.contains("yarn") && e.contains("llama3"), "{e}");
+    fn per_kind_rope_parameters_and_clear_errors() {
+        let per_kind = r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":10000.0}}"#;
+        let c: RopeConfig =
+            serde_json::from_str(&format!(r#"{{"max_position_embeddings":8192{per_kind}}}"#)).unwrap();
+        let full = c.resolve("Gemma3ForCausalLM", 64, "full_attention", 1.0).unwrap();
+        let local = c.resolve("Gemma3ForCausalLM", 64, "sliding_attention", 1.0).unwrap();
+        assert_eq!((full.theta, full.scaling.clone()), (1e6, RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!((local.theta, local.scaling), (1e4, RopeScaling::None));
+        let e = rope(r#","rope_scaling":{"type":"su","factor":2.0}"#).unwrap_err().to_string();
+        assert!(e.contains("su") && e.contains("yarn") && e.contains("LlamaForCausalLM"), "{e}");
+    }
+
+    #[test]
+    fn yarn_and_longrope_scale_cos_and_sin() {
+        let y = rope(
+            r#","rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32768}"#,
+        )
+        .unwrap();
+        let spec = y.spec(64);
+        assert!((spec.attention_scaling - (0.1 * 4f32.ln() + 1.0)).abs() < 1e-6);
+        let plain = rope("").unwrap().spec(64).inv_freq;
+        assert_eq!(spec.inv_freq[0], plain[0], "the fastest dims extrapolate");
+        assert!((spec.inv_freq[31] - plain[31] / 4.0).abs() < 1e-9, "the slowest interpolate");
+        let short = vec![1.5; 32];
+        let l = rope(&format!(
+            r#","original_max_position_embeddings":4096,"rope_scaling":{{"type":"longrope","short_factor":{short:?},"long_factor":{short:?}}}"#
+        ))
+        .unwrap();
+        assert_eq!(l.max_context, Some(4096));
+        let spec = l.spec(64);
+        assert!((spec.inv_freq[3] - plain[3] / 1.5).abs() < 1e-9);
+        assert!((spec.attention_scaling - (1.0 + 32f32.ln() / 4096f32.ln()).sqrt()).abs() < 1e-6);
     }
 }

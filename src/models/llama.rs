@@ -1,20 +1,26 @@
-//! Llama (Llama 2/3, Mistral without sliding window, Qwen2 with q/k/v bias, SmolLM), after
-//! HF `transformers/models/llama/modeling_llama.py` and vLLM `models/llama.py`.
+//! Llama, after HF `transformers/models/llama/modeling_llama.py` and vLLM
+//! `models/llama.py`: RMSNorm, rotary attention over q/k/v (with GQA), a gated SiLU MLP.
+//! The same layers, with the options of [`LlamaArch`], serve the families shaped like it:
+//! Mistral (sliding window), Qwen2 (q/k/v bias, sliding window on upper layers), Qwen3
+//! (q/k norms, `qwen3.rs`), Gemma (`(1 + w)` norms, GELU-tanh, scaled embeddings,
+//! `gemma.rs`) and Phi-3 (fused checkpoint projections, LongRoPE, `phi3.rs`).
 //! Deviations: q/k/v and gate/up are fused at load (the stacked-params table below), and
 //! attention goes through the paged KV cache.
 
-use super::attn::AttnMetadata;
-use super::config::ModelConfig;
-use std::borrow::Cow;
+use serde::Deserialize;
 
+use super::attn::AttnMetadata;
+use super::config::{ModelConfig, Rope, RopeConfig, parse_hf, unsupported};
+use super::layers::lora::{LayerLora, layer_modules, plain, proj_lora};
 use super::layers::{
-    MergedColumnParallelLinear, PagedAttention, ParallelLMHead, ProjLora, QKVParallelLinear, RMSNorm,
-    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, qkv_heads, shard,
+    MergedColumnParallelLinear, Norm, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm,
+    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, gather_last_rows,
 };
 use super::loader::{ParamView, StackedParam, WeightStore};
-use super::lora::{LORA_MODULES, LoraAdapter};
-use super::{CausalLM, LoadOptions, LoraCapacity, ModelError};
-use crate::kernels::{CacheShape, DevResult, Device, LoraShape, LoraSlotWeights};
+use super::lora::{LoraAdapter, Proj, llama_targets};
+use super::registry::ModelEntry;
+use super::{CausalLM, LoadOptions, ModelError};
+use crate::kernels::{Activation, AttnShape, CacheShape, DevResult, Device};
 
 /// Checkpoint shards that load into fused parameters (vLLM's stacked_params_mapping).
 pub const STACKED_PARAMS: &[StackedParam] = &[
@@ -30,115 +36,180 @@ pub fn skip_tensor(name: &str, cfg: &ModelConfig) -> bool {
     name.contains("rotary_emb.inv_freq") || (cfg.tie_word_embeddings && name.starts_with("lm_head."))
 }
 
-/// Per-module LoRA buffers of one decoder layer, indexed like [`LORA_MODULES`], with the
-/// column offset of each module's output inside its (possibly fused) projection and the
-/// part of the adapter's weights this rank holds.
-pub struct LayerLora<D: Device> {
-    modules: Vec<(D::Lora, usize)>,
-    parts: Vec<LoraPart>,
+/// Llama's own fields of config.json (and those of the families that share its layers).
+#[derive(Debug, Deserialize)]
+pub struct LlamaConfig {
+    pub intermediate_size: usize,
+    pub rms_norm_eps: Option<f64>,
+    pub hidden_act: Option<String>,
+    pub attention_bias: Option<bool>,
+    pub mlp_bias: Option<bool>,
+    pub sliding_window: Option<usize>,
+    pub use_sliding_window: Option<bool>,
+    pub max_window_layers: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
+    #[serde(flatten)]
+    pub rope: RopeConfig,
 }
 
-/// The share of one module's adapter weights a tensor-parallel rank holds, following its
-/// base layer: a column-parallel layer's output rows (rows of B), a row-parallel layer's
-/// input columns (columns of A, whose delta joins the partial product before the sum).
+/// What varies among the families that share Llama's layers.
 #[derive(Debug, Clone)]
-enum LoraPart {
-    Out(std::ops::Range<usize>),
-    In { cols: std::ops::Range<usize>, of: usize },
+pub struct LlamaArch {
+    pub intermediate_size: usize,
+    pub rms_norm_eps: f32,
+    pub act: Activation,
+    pub qkv_bias: bool,
+    /// RMSNorm over each head of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Norms of `(1 + w) · x/rms` (Gemma).
+    pub norm_offset: bool,
+    /// Embeddings multiplied by √hidden (Gemma).
+    pub embed_scale: bool,
+    /// q/k/v and gate/up stored fused in the checkpoint (Phi-3).
+    pub fused_checkpoint: bool,
+    /// Per layer: its sliding window (0: full attention).
+    pub windows: Vec<usize>,
+    pub rope: Rope,
 }
 
-impl LoraPart {
-    /// (A, B) of this rank from an adapter's full `a` `[rank, in]` and `b` `[out, rank]`.
-    fn slice<'w>(&self, a: &'w [f32], b: &'w [f32], rank: usize) -> (Cow<'w, [f32]>, Cow<'w, [f32]>) {
-        match self {
-            LoraPart::Out(rows) => (a.into(), b[rows.start * rank..rows.end * rank].into()),
-            LoraPart::In { cols, of } => {
-                let a: Vec<f32> = a.chunks_exact(*of).flat_map(|row| &row[cols.clone()]).copied().collect();
-                (a.into(), b.into())
+impl LlamaConfig {
+    /// The activation named by `hidden_act`, SiLU when absent.
+    pub fn act(&self, arch: &str) -> Result<Activation, ModelError> {
+        let name = self.hidden_act.as_deref().unwrap_or("silu");
+        Activation::from_hf(name).ok_or_else(|| unsupported(arch, "hidden_act", name, Activation::HF_NAMES))
+    }
+    /// Per layer, its window: `sliding_window` on the layers `layer_types` (or, in older
+    /// files, `use_sliding_window` with `max_window_layers`) marks sliding.
+    pub fn windows(&self, layers: usize) -> Vec<usize> {
+        let Some(w) = self.sliding_window.filter(|_| self.use_sliding_window != Some(false)) else {
+            return vec![0; layers];
+        };
+        match (&self.layer_types, self.max_window_layers) {
+            (Some(types), _) => types.iter().map(|t| if t == "sliding_attention" { w } else { 0 }).collect(),
+            (None, Some(first)) if self.use_sliding_window == Some(true) => {
+                (0..layers).map(|i| if i >= first { w } else { 0 }).collect()
             }
+            _ => vec![w; layers],
         }
+    }
+    /// The options every Llama-shaped family starts from.
+    pub fn arch(&self, cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        let arch = cfg.architecture.as_str();
+        if self.mlp_bias == Some(true) {
+            return Err(unsupported(arch, "mlp_bias", true, "false"));
+        }
+        Ok(LlamaArch {
+            intermediate_size: self.intermediate_size,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
+            act: self.act(arch)?,
+            qkv_bias: self.attention_bias.unwrap_or(false),
+            qk_norm: false,
+            norm_offset: false,
+            embed_scale: false,
+            fused_checkpoint: false,
+            windows: vec![0; cfg.num_layers],
+            rope: self.rope.resolve(arch, cfg.head_dim, "full_attention", 10000.0)?,
+        })
     }
 }
 
-impl<D: Device> LayerLora<D> {
-    fn new(dev: &D, cfg: &ModelConfig, cap: LoraCapacity) -> Result<Self, ModelError> {
-        let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let (qh, kvh) = qkv_heads(cfg.num_heads, cfg.num_kv_heads, dev.tp());
-        let (q, kv, i) =
-            (qh.start * d..qh.end * d, kvh.start * d..kvh.end * d, shard(cfg.intermediate_size, dev.tp()));
-        let (ql, kvl, il) = (q.len(), kv.len(), i.len());
-        let (q_in, i_in) = (
-            LoraPart::In { cols: q.clone(), of: cfg.num_heads * d },
-            LoraPart::In { cols: i.clone(), of: cfg.intermediate_size },
-        );
-        // (in, out, offset in the fused output, this rank's part) for q, k, v, o, gate, up, down.
-        let dims = [
-            (h, ql, 0, LoraPart::Out(q)),
-            (h, kvl, ql, LoraPart::Out(kv.clone())),
-            (h, kvl, ql + kvl, LoraPart::Out(kv)),
-            (ql, h, 0, q_in),
-            (h, il, 0, LoraPart::Out(i.clone())),
-            (h, il, il, LoraPart::Out(i)),
-            (il, h, 0, i_in),
-        ];
-        let parts = dims.iter().map(|d| d.3.clone()).collect();
-        let mut modules = Vec::with_capacity(dims.len());
-        // Each projection's modules (they read the same x) are allocated as one group.
-        for group in [QKV, O, GATE_UP, DOWN] {
-            let shapes: Vec<LoraShape> = dims[group.clone()]
-                .iter()
-                .map(|&(fin, fout, ..)| LoraShape {
-                    slots: cap.slots,
-                    max_rank: cap.max_rank,
-                    in_features: fin,
-                    out_features: fout,
-                    bf16: cap.bf16,
-                })
-                .collect();
-            let offsets = dims[group].iter().map(|d| d.2);
-            modules.extend(dev.alloc_lora(&shapes)?.into_iter().zip(offsets));
-        }
-        Ok(Self { modules, parts })
+/// The shared config of a Llama-shaped family, its LoRA targets declared, and its
+/// context capped where its rotary embedding is exact only so far.
+pub fn llama_config(cfg: ModelConfig, arch: &LlamaArch) -> ModelConfig {
+    let mut cfg = cfg;
+    cfg.lora_targets = llama_targets(&cfg, arch.intermediate_size);
+    if let Some(max) = arch.rope.max_context {
+        cfg.max_position_embeddings = cfg.max_position_embeddings.min(max);
     }
+    cfg
+}
 
-    /// Modules `range` (one projection's), with their column offsets in its output, when
-    /// the batch has adapter slots.
-    fn modules(&self, range: std::ops::Range<usize>, meta: &AttnMetadata) -> Vec<(&D::Lora, usize)> {
-        match meta.lora_slots.is_empty() {
-            true => Vec::new(),
-            false => self.modules[range].iter().map(|(l, off)| (l, *off)).collect(),
-        }
+/// `LlamaForCausalLM` and `MistralForCausalLM` (a sliding window on every layer).
+pub fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+    let c: LlamaConfig = parse_hf(&cfg.hf, &cfg.architecture)?;
+    let mut a = c.arch(cfg)?;
+    if cfg.architecture == "MistralForCausalLM" {
+        a.windows = vec![c.sliding_window.unwrap_or(0); cfg.num_layers];
     }
+    Ok(a)
+}
 
-    /// Whether [`Self::modules`] of `range` would apply any adapter to this batch.
-    fn applies(&self, range: std::ops::Range<usize>, meta: &AttnMetadata) -> bool {
-        !meta.lora_slots.is_empty() && !self.modules[range].is_empty()
+/// `Qwen2ForCausalLM`: q/k/v bias, a sliding window on the layers its config marks.
+pub fn qwen2_arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+    let c: LlamaConfig = parse_hf(&cfg.hf, &cfg.architecture)?;
+    let mut a = c.arch(cfg)?;
+    a.qkv_bias = c.attention_bias.unwrap_or(true);
+    a.windows = c.windows(cfg.num_layers);
+    Ok(a)
+}
+
+fn read_llama(hf: &std::sync::Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
+    let cfg = ModelConfig::from_hf(hf, name)?;
+    let a = arch(&cfg)?;
+    Ok(llama_config(cfg, &a))
+}
+
+fn build_llama<D: Device>(
+    d: &D,
+    c: &ModelConfig,
+    w: &WeightStore,
+    o: &LoadOptions,
+) -> Result<Box<dyn CausalLM<D>>, ModelError> {
+    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &arch(c)?)?))
+}
+
+/// The registry's entry for `LlamaForCausalLM` and `MistralForCausalLM`.
+pub fn entry<D: Device>() -> ModelEntry<D> {
+    ModelEntry {
+        config: read_llama,
+        construct: build_llama::<D>,
+        stacked_params: STACKED_PARAMS,
+        skip: skip_tensor,
     }
 }
 
-/// A projection's LoRA as the linear layers take it: `modules` (from
-/// [`LayerLora::modules`]) and the batch's slots, or none without modules.
-fn proj_lora<'a, D: Device>(modules: &'a [(&'a D::Lora, usize)], meta: &'a AttnMetadata) -> ProjLora<'a, D> {
-    (!modules.is_empty()).then_some((modules, &meta.lora_slots[..]))
+fn read_qwen2(hf: &std::sync::Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
+    let cfg = ModelConfig::from_hf(hf, name)?;
+    let a = qwen2_arch(&cfg)?;
+    Ok(llama_config(cfg, &a))
 }
 
-/// Module index ranges per projection (see [`LORA_MODULES`]).
-const QKV: std::ops::Range<usize> = 0..3;
-const O: std::ops::Range<usize> = 3..4;
-const GATE_UP: std::ops::Range<usize> = 4..6;
-const DOWN: std::ops::Range<usize> = 6..7;
+fn build_qwen2<D: Device>(
+    d: &D,
+    c: &ModelConfig,
+    w: &WeightStore,
+    o: &LoadOptions,
+) -> Result<Box<dyn CausalLM<D>>, ModelError> {
+    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &qwen2_arch(c)?)?))
+}
+
+/// The registry's entry for `Qwen2ForCausalLM`.
+pub fn qwen2_entry<D: Device>() -> ModelEntry<D> {
+    ModelEntry {
+        config: read_qwen2,
+        construct: build_qwen2::<D>,
+        stacked_params: STACKED_PARAMS,
+        skip: skip_tensor,
+    }
+}
 
 pub struct LlamaMlp<D: Device> {
     gate_up_proj: MergedColumnParallelLinear<D>,
     down_proj: RowParallelLinear<D>,
+    act: Activation,
 }
 
 impl<D: Device> LlamaMlp<D> {
-    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig) -> Result<Self, ModelError> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig, a: &LlamaArch) -> Result<Self, ModelError> {
+        let (h, i) = (cfg.hidden_size, a.intermediate_size);
+        let gate_up_proj = match a.fused_checkpoint {
+            true => MergedColumnParallelLinear::load_fused(dev, w, h, i)?,
+            false => MergedColumnParallelLinear::load(dev, w, h, i)?,
+        };
         Ok(Self {
-            gate_up_proj: MergedColumnParallelLinear::load(dev, w, h, i)?,
+            gate_up_proj,
             down_proj: RowParallelLinear::load(dev, &w.pp("down_proj"), i, h)?,
+            act: a.act,
         })
     }
     /// The MLP of `x` added to `residual`, then `norm` of the sum for the next projection
@@ -151,36 +222,56 @@ impl<D: Device> LlamaMlp<D> {
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
         residual: &mut D::Tensor,
-        norm: &RMSNorm<D>,
+        norm: &Norm<D>,
         gemm_only: bool,
     ) -> DevResult<D::Tensor> {
-        let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
-        let (gate_up_lora, down_lora) = (modules(GATE_UP), modules(DOWN));
+        let (up_lora, down_lora) =
+            (layer_modules(lora, Proj::Up, meta), layer_modules(lora, Proj::Down, meta));
         let down = proj_lora::<D>(&down_lora, meta);
-        let act = self.gate_up_proj.forward_silu_mul(
-            dev,
-            x,
-            proj_lora::<D>(&gate_up_lora, meta),
-            down.is_none(),
-        )?; // [n, intermediate]
+        let up = proj_lora::<D>(&up_lora, meta);
+        let act = self.gate_up_proj.forward_act_mul(dev, x, up, self.act, down.is_none())?; // [n, intermediate]
         self.down_proj.forward_add_norm(dev, &act, down, residual, norm, gemm_only) // [n, hidden]
     }
 }
 
 pub struct LlamaAttention<D: Device> {
     qkv_proj: QKVParallelLinear<D>,
+    /// Qwen3's per-head RMSNorms of q and k.
+    q_norm: Option<RMSNorm<D>>,
+    k_norm: Option<RMSNorm<D>>,
     o_proj: RowParallelLinear<D>,
     attn: PagedAttention,
 }
 
 impl<D: Device> LlamaAttention<D> {
-    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig) -> Result<Self, ModelError> {
+    fn load(
+        dev: &D,
+        w: &ParamView,
+        cfg: &ModelConfig,
+        a: &LlamaArch,
+        window: usize,
+    ) -> Result<Self, ModelError> {
         let heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let qkv_proj = QKVParallelLinear::load(dev, w, cfg.hidden_size, heads, cfg.qkv_bias)?;
+        let qkv_proj = match a.fused_checkpoint {
+            true => QKVParallelLinear::load_fused(dev, w, cfg.hidden_size, heads, a.qkv_bias)?,
+            false => QKVParallelLinear::load(dev, w, cfg.hidden_size, heads, a.qkv_bias)?,
+        };
+        let norm = |name: &str| match a.norm_offset {
+            true => RMSNorm::load_offset(dev, &w.pp(name), cfg.head_dim, a.rms_norm_eps),
+            false => RMSNorm::load(dev, &w.pp(name), cfg.head_dim, a.rms_norm_eps),
+        };
+        let (q_norm, k_norm) = match a.qk_norm {
+            true => (Some(norm("q_norm")?), Some(norm("k_norm")?)),
+            false => (None, None),
+        };
         let q_size = cfg.num_heads * cfg.head_dim;
+        let mut shape = AttnShape::causal(qkv_proj.num_heads, qkv_proj.num_kv_heads, cfg.head_dim);
+        shape.window = window;
         Ok(Self {
-            attn: PagedAttention::new(qkv_proj.num_heads, qkv_proj.num_kv_heads, cfg.head_dim),
+            attn: PagedAttention::new(shape),
             qkv_proj,
+            q_norm,
+            k_norm,
             o_proj: RowParallelLinear::load(dev, &w.pp("o_proj"), q_size, cfg.hidden_size)?,
         })
     }
@@ -195,17 +286,19 @@ impl<D: Device> LlamaAttention<D> {
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
-        (residual, norm, gemm_only): (&mut D::Tensor, &RMSNorm<D>, bool),
+        (residual, norm, gemm_only): (&mut D::Tensor, &Norm<D>, bool),
     ) -> DevResult<D::Tensor> {
-        let modules = |range| lora.map(|l| l.modules(range, meta)).unwrap_or_default();
-        let (qkv_lora, o_lora) = (modules(QKV), modules(O));
-        let attn = match proj_lora::<D>(&qkv_lora, meta) {
-            None => {
+        let (qkv_lora, o_lora) = (layer_modules(lora, Proj::Qkv, meta), layer_modules(lora, Proj::Out, meta));
+        let attn = match (proj_lora::<D>(&qkv_lora, meta), &self.q_norm, &self.k_norm) {
+            (None, None, None) => {
                 let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
                 self.attn.forward_projecting(dev, x, w, positions, rope, cache, meta)?
             }
-            lora => {
-                let qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
+            (lora, q_norm, k_norm) => {
+                let mut qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
+                if let (Some(q), Some(k)) = (q_norm, k_norm) {
+                    dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
+                }
                 self.attn.forward(dev, &qkv, positions, rope, cache, meta)?
             }
         }; // [n, heads·head_dim]
@@ -215,21 +308,36 @@ impl<D: Device> LlamaAttention<D> {
 }
 
 pub struct LlamaDecoderLayer<D: Device> {
-    input_layernorm: RMSNorm<D>,
+    input_layernorm: Norm<D>,
     self_attn: LlamaAttention<D>,
-    post_attention_layernorm: RMSNorm<D>,
+    post_attention_layernorm: Norm<D>,
     mlp: LlamaMlp<D>,
     lora: Option<LayerLora<D>>,
 }
 
+fn load_norm<D: Device>(dev: &D, w: &ParamView, size: usize, a: &LlamaArch) -> Result<Norm<D>, ModelError> {
+    Ok(match a.norm_offset {
+        true => RMSNorm::load_offset(dev, w, size, a.rms_norm_eps)?,
+        false => RMSNorm::load(dev, w, size, a.rms_norm_eps)?,
+    }
+    .into())
+}
+
 impl<D: Device> LlamaDecoderLayer<D> {
-    fn load(dev: &D, w: &ParamView, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Self, ModelError> {
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    fn load(
+        dev: &D,
+        w: &ParamView,
+        cfg: &ModelConfig,
+        a: &LlamaArch,
+        i: usize,
+        opts: &LoadOptions,
+    ) -> Result<Self, ModelError> {
+        let h = cfg.hidden_size;
         Ok(Self {
-            input_layernorm: RMSNorm::load(dev, &w.pp("input_layernorm"), h, eps)?,
-            self_attn: LlamaAttention::load(dev, &w.pp("self_attn"), cfg)?,
-            post_attention_layernorm: RMSNorm::load(dev, &w.pp("post_attention_layernorm"), h, eps)?,
-            mlp: LlamaMlp::load(dev, &w.pp("mlp"), cfg)?,
+            input_layernorm: load_norm(dev, &w.pp("input_layernorm"), h, a)?,
+            self_attn: LlamaAttention::load(dev, &w.pp("self_attn"), cfg, a, a.windows[i])?,
+            post_attention_layernorm: load_norm(dev, &w.pp("post_attention_layernorm"), h, a)?,
+            mlp: LlamaMlp::load(dev, &w.pp("mlp"), cfg, a)?,
             lora: opts.lora.map(|cap| LayerLora::new(dev, cfg, cap)).transpose()?,
         })
     }
@@ -238,39 +346,54 @@ impl<D: Device> LlamaDecoderLayer<D> {
 pub struct LlamaForCausalLM<D: Device> {
     cfg: ModelConfig,
     embed_tokens: VocabParallelEmbedding<D>,
+    embed_scale: Option<f32>,
     layers: Vec<LlamaDecoderLayer<D>>,
-    norm: RMSNorm<D>,
+    norm: Norm<D>,
     lm_head: ParallelLMHead<D>,
     rotary_emb: RotaryEmbedding,
     weight_bytes: usize,
 }
 
 impl<D: Device> LlamaForCausalLM<D> {
+    /// Llama's own layers from its config.
     pub fn load(
         dev: &D,
         cfg: &ModelConfig,
         store: &WeightStore,
         opts: &LoadOptions,
     ) -> Result<Self, ModelError> {
+        Self::load_arch(dev, cfg, store, opts, &arch(cfg)?)
+    }
+
+    /// The layers with a family's options `a`.
+    pub fn load_arch(
+        dev: &D,
+        cfg: &ModelConfig,
+        store: &WeightStore,
+        opts: &LoadOptions,
+        a: &LlamaArch,
+    ) -> Result<Self, ModelError> {
         let root = store.root();
         let w = root.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let layers = (0..cfg.num_layers)
-            .map(|i| LlamaDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, opts))
+            .map(|i| LlamaDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, a, i, opts))
             .collect::<Result<Vec<_>, _>>()?;
         let tied = cfg.tie_word_embeddings || !root.contains("lm_head.weight");
         let per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
             + cfg.num_heads * cfg.head_dim * h
-            + 3 * h * cfg.intermediate_size
+            + 3 * h * a.intermediate_size
             + 2 * h;
         let params = v * h * if tied { 1 } else { 2 } + cfg.num_layers * per_layer + h;
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens: VocabParallelEmbedding::load(dev, &w.pp("embed_tokens"), v, h)?,
+            // transformers multiplies by √hidden rounded to the activations' type (f32 here).
+            embed_scale: a.embed_scale.then(|| (h as f64).sqrt() as f32),
             layers,
-            norm: RMSNorm::load(dev, &w.pp("norm"), h, cfg.rms_norm_eps)?,
+            norm: load_norm(dev, &w.pp("norm"), h, a)?,
             lm_head: ParallelLMHead::load(dev, &root.pp("lm_head"), v, h, tied)?,
-            rotary_emb: RotaryEmbedding::new(cfg),
+            rotary_emb: RotaryEmbedding::new(&a.rope, cfg.head_dim),
             // Per rank: everything but the norms is split over the ranks.
             weight_bytes: params * store.dtype.size() / dev.tp().world,
         })
@@ -286,23 +409,26 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        // Whether a projection of `lora` applies no adapters this step: then only its GEMM
-        // reads the norm before it.
-        let plain = |lora: Option<&LayerLora<D>>, range| lora.is_none_or(|l| !l.applies(range, meta));
         let mut residual = self.embed_tokens.forward(dev, input_ids)?; // [n, hidden]
+        if let Some(s) = self.embed_scale {
+            dev.scale(&mut residual, s)?;
+        }
         let first = &self.layers[0];
-        let mut x =
-            first.input_layernorm.forward_to_proj(dev, &residual, None, plain(first.lora.as_ref(), QKV))?;
+        let qkv_plain = plain(first.lora.as_ref(), Proj::Qkv, meta) && first.self_attn.q_norm.is_none();
+        let mut x = first.input_layernorm.forward_to_proj(dev, &residual, None, qkv_plain)?;
         // Each projection into the residual comes with the norm after it: the next layer's
         // input norm, and after the last layer the model's (hidden states, not only a GEMM's
         // input).
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             let lora = layer.lora.as_ref();
-            let post = (&mut residual, &layer.post_attention_layernorm, plain(lora, GATE_UP));
+            let post = (&mut residual, &layer.post_attention_layernorm, plain(lora, Proj::Up, meta));
             let rope = (positions, &self.rotary_emb);
             let h = layer.self_attn.forward_add_norm(dev, &x, rope, cache, lora, meta, post)?;
             let (next_norm, gemm_only) = match self.layers.get(i + 1) {
-                Some(next) => (&next.input_layernorm, plain(next.lora.as_ref(), QKV)),
+                Some(next) => (
+                    &next.input_layernorm,
+                    plain(next.lora.as_ref(), Proj::Qkv, meta) && next.self_attn.q_norm.is_none(),
+                ),
                 None => (&self.norm, false),
             };
             x = layer.mlp.forward_add_norm(dev, &h, lora, meta, &mut residual, next_norm, gemm_only)?;
@@ -311,20 +437,8 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
     }
 
     fn compute_logits(&self, dev: &D, hidden: &D::Tensor, meta: &AttnMetadata) -> DevResult<D::Tensor> {
-        // Every row in order (decode steps not padded, such as batch 1's): the hidden states
-        // as they are, with the 16-bit copy the final norm wrote for the GEMM. Gathered, they
-        // would be copied, and converted again for a 16-bit lm_head: on the H200 two kernels
-        // between the last layer and lm_head at batch 1.
-        let rows = &meta.last_token_rows;
-        let all = dev.shape(hidden).0 == rows.len() && rows.iter().enumerate().all(|(i, &r)| i == r);
-        let gathered;
-        let last = match all {
-            true => hidden,
-            false => {
-                gathered = dev.gather_rows(hidden, rows)?; // [num_seqs, hidden]
-                &gathered
-            }
-        };
+        let gathered = gather_last_rows(dev, hidden, meta)?;
+        let last = gathered.as_ref().unwrap_or(hidden);
         self.lm_head.forward(dev, last, &self.embed_tokens, self.cfg.vocab_size) // [num_seqs, vocab]
     }
 
@@ -348,20 +462,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
 
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let Some(l) = layer.lora.as_mut() else { return Ok(()) };
-            for (m, ((buf, _), part)) in l.modules.iter_mut().zip(&l.parts).enumerate() {
-                let w = adapter.and_then(|a| a.weights.get(&(i, m)).map(|w| (a, w)));
-                let sliced = w.map(|(a, w)| (part.slice(&w.a, &w.b, a.rank), a.rank, a.scale));
-                let slot_weights = sliced.as_ref().map(|((a, b), rank, scale)| LoraSlotWeights {
-                    a,
-                    b,
-                    rank: *rank,
-                    scale: *scale,
-                });
-                dev.set_lora_slot(buf, slot, slot_weights)?;
+            if let Some(l) = layer.lora.as_mut() {
+                l.set_slot(dev, i, slot, adapter)?;
             }
         }
-        debug_assert_eq!(LORA_MODULES.len(), 7);
         Ok(())
     }
 }

@@ -241,6 +241,26 @@ impl<'s, 'a> ParamView<'s, 'a> {
         Ok(HostTensor { dtype: self.store.dtype, shape, data: data.into() })
     }
 
+    /// Rows `picks` of one parameter of `shape`, concatenated in order (a fused
+    /// checkpoint tensor's parts that this rank keeps).
+    pub fn get_rows(
+        &self,
+        name: &str,
+        shape: &[usize],
+        picks: &[std::ops::Range<usize>],
+    ) -> Result<HostTensor<'a>, ModelError> {
+        let (full, shards) = self.shards(name)?;
+        let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
+        check_shape(&full, shape, t.shape)?;
+        let mut data = Vec::new();
+        for p in picks {
+            data.extend_from_slice(&self.convert(t, shape, Part::Rows(p.clone())).data);
+        }
+        let mut out_shape = shape.to_vec();
+        out_shape[0] = picks.iter().map(|p| p.len()).sum();
+        Ok(HostTensor { dtype: self.store.dtype, shape: out_shape, data: data.into() })
+    }
+
     /// `part` of a checked tensor of `shape` in the store's dtype: borrowed from the
     /// mapped file when it is whole rows already in that dtype, else converted.
     fn convert(&self, t: &TensorRef<'a>, shape: &[usize], part: Part) -> HostTensor<'a> {

@@ -12,9 +12,86 @@ use super::config::ModelConfig;
 use super::loader::Checkpoint;
 use crate::kernels::DType;
 
-/// Projections an adapter may target, in the order the model applies them.
-pub const LORA_MODULES: [&str; 7] =
-    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+/// A projection PEFT adapters may target, as its model declares it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraTarget {
+    /// The name `target_modules` gives (`q_proj`, `qkv_proj`, `fc1`, …).
+    pub name: &'static str,
+    /// Its path inside a decoder layer, as adapter keys spell it (`self_attn.q_proj`).
+    pub path: &'static str,
+    /// The (possibly fused) projection whose forward applies it.
+    pub proj: Proj,
+    pub in_features: usize,
+    pub out_features: usize,
+    /// How its weights split over tensor-parallel ranks, following its base layer.
+    pub split: LoraSplit,
+}
+
+/// The projections of a decoder layer that apply adapters, each in one pass over its
+/// input (the targets of one projection share it: q, k and v; gate and up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proj {
+    Qkv,
+    Out,
+    Up,
+    Down,
+}
+
+/// How a target's weights split over ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoraSplit {
+    /// A column-parallel layer's output rows (rows of B), in sections of (rows, how they
+    /// split): one section for `q_proj`, three for a fused `qkv_proj`.
+    Out(Vec<(usize, Shard)>),
+    /// A row-parallel layer's input columns (columns of A).
+    In(Shard),
+}
+
+/// How one section of features splits: by the rank's query heads, its KV heads, or evenly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard {
+    QHeads,
+    KvHeads,
+    Even,
+}
+
+impl LoraTarget {
+    /// A target read from one section split as `shard` on its output (`in` → `out`).
+    pub fn column(
+        name: &'static str,
+        path: &'static str,
+        proj: Proj,
+        (i, o): (usize, usize),
+        shard: Shard,
+    ) -> Self {
+        Self { name, path, proj, in_features: i, out_features: o, split: LoraSplit::Out(vec![(o, shard)]) }
+    }
+    /// A row-parallel target whose input splits as `shard`.
+    pub fn row(
+        name: &'static str,
+        path: &'static str,
+        proj: Proj,
+        (i, o): (usize, usize),
+        shard: Shard,
+    ) -> Self {
+        Self { name, path, proj, in_features: i, out_features: o, split: LoraSplit::In(shard) }
+    }
+}
+
+/// The targets of a Llama-shaped layer: q, k, v, o (`self_attn`), gate, up, down (`mlp`).
+pub fn llama_targets(cfg: &ModelConfig, intermediate: usize) -> Vec<LoraTarget> {
+    let (h, q, kv) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    use {LoraTarget as T, Proj::*, Shard::*};
+    vec![
+        T::column("q_proj", "self_attn.q_proj", Qkv, (h, q), QHeads),
+        T::column("k_proj", "self_attn.k_proj", Qkv, (h, kv), KvHeads),
+        T::column("v_proj", "self_attn.v_proj", Qkv, (h, kv), KvHeads),
+        T::row("o_proj", "self_attn.o_proj", Out, (q, h), QHeads),
+        T::column("gate_proj", "mlp.gate_proj", Up, (h, intermediate), Even),
+        T::column("up_proj", "mlp.up_proj", Up, (h, intermediate), Even),
+        T::row("down_proj", "mlp.down_proj", Down, (intermediate, h), Even),
+    ]
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LoraError {
@@ -65,7 +142,7 @@ pub struct LoraAdapter {
     pub rank: usize,
     pub scale: f32,
     pub targets: Vec<String>,
-    /// (layer, index into [`LORA_MODULES`]) → weights.
+    /// (layer, index into the model's [`ModelConfig::lora_targets`]) → weights.
     pub weights: HashMap<(usize, usize), LoraWeights>,
 }
 
@@ -75,40 +152,21 @@ impl LoraAdapter {
     }
 }
 
-/// (in, out) features of a target module.
-fn module_shape(cfg: &ModelConfig, m: usize) -> (usize, usize) {
-    let (h, q, kv, i) = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    );
-    match LORA_MODULES[m] {
-        "q_proj" => (h, q),
-        "k_proj" | "v_proj" => (h, kv),
-        "o_proj" => (q, h),
-        "gate_proj" | "up_proj" => (h, i),
-        _ => (i, h),
-    }
-}
-
 fn io_err(path: &Path, e: impl std::fmt::Display) -> LoraError {
     LoraError::Io { path: path.display().to_string(), message: e.to_string() }
 }
 
-/// Parses `model.layers.N.(self_attn|mlp).MODULE.lora_(A|B).weight` (after PEFT's prefix).
-fn parse_key(key: &str) -> Option<(usize, usize, bool)> {
-    let k = key.strip_prefix("base_model.model.").unwrap_or(key);
-    let rest = k.strip_prefix("model.layers.")?;
+/// Parses `….layers.N.PATH.lora_(A|B).weight` into (layer, target index, is A), PATH being
+/// one of the model's targets' paths.
+fn parse_key(key: &str, targets: &[LoraTarget]) -> Option<(usize, usize, bool)> {
+    let (_, rest) = key.split_once("layers.")?;
     let (layer, rest) = rest.split_once('.')?;
-    let (_, rest) = rest.split_once('.')?; // self_attn | mlp
-    let (module, rest) = rest.split_once('.')?;
-    let is_a = match rest {
-        "lora_A.weight" => true,
-        "lora_B.weight" => false,
+    let (path, is_a) = match (rest.strip_suffix(".lora_A.weight"), rest.strip_suffix(".lora_B.weight")) {
+        (Some(p), _) => (p, true),
+        (_, Some(p)) => (p, false),
         _ => return None,
     };
-    Some((layer.parse().ok()?, LORA_MODULES.iter().position(|m| *m == module)?, is_a))
+    Some((layer.parse().ok()?, targets.iter().position(|t| t.path == path)?, is_a))
 }
 
 fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -147,15 +205,17 @@ pub fn load_peft(
             pc.bias
         )));
     }
+    let known: Vec<&str> = cfg.lora_targets.iter().map(|t| t.name).collect();
     let targets: Vec<String> = match pc.target_modules {
         Targets::Many(v) => v,
-        Targets::One(s) if s == "all-linear" => LORA_MODULES.iter().map(|m| m.to_string()).collect(),
+        Targets::One(s) if s == "all-linear" => known.iter().map(|m| m.to_string()).collect(),
         Targets::One(s) => vec![s],
     };
-    if let Some(bad) = targets.iter().find(|t| !LORA_MODULES.contains(&t.as_str())) {
+    if let Some(bad) = targets.iter().find(|t| !known.contains(&t.as_str())) {
         return Err(LoraError::Invalid(format!(
-            "target module {bad:?} is not supported (supported: {})",
-            LORA_MODULES.join(", ")
+            "target module {bad:?} is not supported by {} (supported: {})",
+            cfg.architecture,
+            known.join(", ")
         )));
     }
     let st = dir.join("adapter_model.safetensors");
@@ -175,8 +235,11 @@ pub fn load_peft(
     type Halves = (Option<Vec<f32>>, Option<Vec<f32>>);
     let mut halves: HashMap<(usize, usize), Halves> = HashMap::new();
     for (key, t) in ckpt.tensors() {
-        let (layer, m, is_a) = parse_key(key).ok_or_else(|| {
-            LoraError::Invalid(format!("tensor {key} is not a LoRA weight of a supported module"))
+        let (layer, m, is_a) = parse_key(key, &cfg.lora_targets).ok_or_else(|| {
+            LoraError::Invalid(format!(
+                "tensor {key} is not a LoRA weight of a module {} supports",
+                cfg.architecture
+            ))
         })?;
         if layer >= cfg.num_layers {
             return Err(LoraError::Invalid(format!(
@@ -184,7 +247,7 @@ pub fn load_peft(
                 cfg.num_layers
             )));
         }
-        let (fin, fout) = module_shape(cfg, m);
+        let (fin, fout) = (cfg.lora_targets[m].in_features, cfg.lora_targets[m].out_features);
         let (rows, cols) = match (is_a, pc.fan_in_fan_out) {
             (true, false) => (pc.r, fin),
             (false, false) => (fout, pc.r),
@@ -215,7 +278,7 @@ pub fn load_peft(
             _ => {
                 return Err(LoraError::Invalid(format!(
                     "layer {layer} {}: lora_A and lora_B must both be present",
-                    LORA_MODULES[m]
+                    cfg.lora_targets[m].path
                 )));
             }
         }

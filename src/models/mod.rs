@@ -3,10 +3,16 @@
 
 pub mod attn;
 pub mod config;
+pub mod gemma;
+pub mod gemma2;
+pub mod gemma3;
 pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod lora;
+pub mod opt;
+pub mod phi3;
+pub mod qwen3;
 pub mod random;
 pub mod registry;
 

@@ -227,7 +227,7 @@ pub fn make_random_model(
         .map_err(|e| ModelError::Weights(e.to_string()))
 }
 
-fn write_tokenizer(vocab_size: usize, out: &Path) -> Result<(), ModelError> {
+pub fn write_tokenizer(vocab_size: usize, out: &Path) -> Result<(), ModelError> {
     let table = bytes_to_unicode();
     let mut vocab = serde_json::Map::new();
     for (b, c) in table.iter().enumerate() {
@@ -260,29 +260,27 @@ fn write_tokenizer(vocab_size: usize, out: &Path) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// Writes a random PEFT LoRA adapter (every supported module, rank `rank`) for a model of
-/// `cfg`'s shapes into `dir`: benchmarks of mixed-adapter batches need nothing carried.
+/// Writes a random PEFT LoRA adapter (every module the architecture declares, rank
+/// `rank`) for a model of `cfg`'s shapes into `dir`: benchmarks of mixed-adapter batches
+/// need nothing carried.
 pub fn make_random_lora(
     cfg: &super::config::ModelConfig,
     dir: &Path,
     rank: usize,
     seed: u64,
 ) -> Result<(), ModelError> {
-    use super::lora::LORA_MODULES;
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": LORA_MODULES,
+    let names: Vec<&str> = cfg.lora_targets.iter().map(|t| t.name).collect();
+    let config = json!({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": names,
         "use_rslora": false, "fan_in_fan_out": false, "bias": "none", "task_type": "CAUSAL_LM"});
     let p = dir.join("adapter_config.json");
     std::fs::write(&p, config.to_string()).map_err(io(&p))?;
-    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-    let dims = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)];
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1);
     let mut tensors = Vec::new();
     for layer in 0..cfg.num_layers {
-        for (m, &(fin, fout)) in LORA_MODULES.iter().zip(&dims) {
-            let part = if ["gate_proj", "up_proj", "down_proj"].contains(m) { "mlp" } else { "self_attn" };
-            let base = format!("base_model.model.model.layers.{layer}.{part}.{m}");
+        for t in &cfg.lora_targets {
+            let (fin, fout) = (t.in_features, t.out_features);
+            let base = format!("base_model.model.model.layers.{layer}.{}", t.path);
             let a = encode((0..rank * fin).map(|_| rng.next(0.05)), DType::F32);
             let b = encode((0..fout * rank).map(|_| rng.next(0.05)), DType::F32);
             tensors.push((format!("{base}.lora_A.weight"), vec![rank, fin], a));

@@ -1,19 +1,28 @@
-//! ModelRegistry: `architectures[0]` of config.json → a constructor (vLLM's
-//! `ModelRegistry`). Code outside the crate adds its own with [`ModelRegistry::register_model`].
+//! ModelRegistry: `architectures[0]` of config.json → the architecture's entry (vLLM's
+//! `ModelRegistry`): how to read its config, how to build it, and its checkpoint's stacked
+//! parameters. Adding an architecture is one file in `src/models/` and one line in
+//! [`ModelRegistry::default`]; code outside the crate adds its own with
+//! [`ModelRegistry::register_model`].
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
-use super::config::{HfConfig, ModelConfig};
+use super::config::ModelConfig;
 use super::loader::{Checkpoint, StackedParam, WeightStore};
-use super::{CausalLM, LoadOptions, ModelError, llama};
+use super::{CausalLM, LoadOptions, ModelError, gemma, gemma2, gemma3, llama, opt, phi3, qwen3};
 use crate::kernels::{DType, Device};
 
 pub type Constructor<D> =
     fn(&D, &ModelConfig, &WeightStore, &LoadOptions) -> Result<Box<dyn CausalLM<D>>, ModelError>;
 
+/// Reads an architecture's config.json (as JSON, with its architecture's name) into the
+/// shared config, checking the architecture's own fields and declaring its LoRA targets.
+pub type ConfigReader = fn(&Arc<serde_json::Value>, &str) -> Result<ModelConfig, ModelError>;
+
 /// What the registry knows of one architecture.
 pub struct ModelEntry<D: Device> {
+    pub config: ConfigReader,
     pub construct: Constructor<D>,
     /// How checkpoint shards map onto fused parameters.
     pub stacked_params: &'static [StackedParam],
@@ -25,28 +34,18 @@ pub struct ModelRegistry<D: Device> {
     entries: BTreeMap<String, ModelEntry<D>>,
 }
 
-fn build_llama<D: Device>(
-    dev: &D,
-    cfg: &ModelConfig,
-    w: &WeightStore,
-    opts: &LoadOptions,
-) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(llama::LlamaForCausalLM::load(dev, cfg, w, opts)?))
-}
-
 impl<D: Device> Default for ModelRegistry<D> {
     fn default() -> Self {
         let mut r = Self { entries: BTreeMap::new() };
-        for arch in ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"] {
-            r.register_model(
-                arch,
-                ModelEntry {
-                    construct: build_llama::<D>,
-                    stacked_params: llama::STACKED_PARAMS,
-                    skip: llama::skip_tensor,
-                },
-            );
-        }
+        r.register_model("LlamaForCausalLM", llama::entry());
+        r.register_model("MistralForCausalLM", llama::entry());
+        r.register_model("Qwen2ForCausalLM", llama::qwen2_entry());
+        r.register_model("Qwen3ForCausalLM", qwen3::entry());
+        r.register_model("GemmaForCausalLM", gemma::entry());
+        r.register_model("Gemma2ForCausalLM", gemma2::entry());
+        r.register_model("Gemma3ForCausalLM", gemma3::entry());
+        r.register_model("Phi3ForCausalLM", phi3::entry());
+        r.register_model("OPTForCausalLM", opt::entry());
         r
     }
 }
@@ -67,16 +66,28 @@ impl<D: Device> ModelRegistry<D> {
         self.entries.keys().map(String::as_str).collect()
     }
 
-    /// Reads `dir/config.json` and resolves it.
-    pub fn read_config(dir: &Path) -> Result<ModelConfig, ModelError> {
+    /// Reads `dir/config.json`: its architecture must be registered (checked before any
+    /// other field is read), then the architecture's entry reads the rest.
+    pub fn read_config(&self, dir: &Path) -> Result<ModelConfig, ModelError> {
         let path = dir.join("config.json");
         if !path.exists() {
             return Err(ModelError::MissingFile { path, hint: "not a Hugging Face model directory" });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let hf: HfConfig = serde_json::from_str(&text)
+        let hf: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
-        hf.resolve()
+        let arch = hf["architectures"].get(0).and_then(|a| a.as_str()).ok_or_else(|| {
+            ModelError::Config(format!("{}: no `architectures` entry names the model class", path.display()))
+        })?;
+        let entry = self.entry(arch)?;
+        (entry.config)(&Arc::new(hf.clone()), arch)
+    }
+
+    fn entry(&self, arch: &str) -> Result<&ModelEntry<D>, ModelError> {
+        self.entries.get(arch).ok_or_else(|| ModelError::UnknownArchitecture {
+            arch: arch.to_string(),
+            known: self.architectures().join(", "),
+        })
     }
 
     /// Loads the model in `dir` onto `dev`, converting weights to `dtype`.
@@ -87,12 +98,8 @@ impl<D: Device> ModelRegistry<D> {
         dtype: DType,
         opts: &LoadOptions,
     ) -> Result<LoadedModel<D>, ModelError> {
-        let config = Self::read_config(dir)?;
-        let entry =
-            self.entries.get(&config.architecture).ok_or_else(|| ModelError::UnknownArchitecture {
-                arch: config.architecture.clone(),
-                known: self.architectures().join(", "),
-            })?;
+        let config = self.read_config(dir)?;
+        let entry = self.entry(&config.architecture)?;
         let ckpt = Checkpoint::open(dir)?;
         let store = WeightStore::load_weights(
             ckpt.tensors(),

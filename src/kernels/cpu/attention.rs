@@ -29,24 +29,36 @@ pub fn write_kv(cache: &mut CpuCache, k: &CpuTensor, v: &CpuTensor, slot_mapping
     }
 }
 
-/// Where one (token, head) reads: cache offsets of its context positions, in order.
+/// Where one (token, head) reads: cache offsets of its visible context positions
+/// `start..start + len`, in order.
 struct Context<'a> {
     table: &'a [u32],
     block_size: usize,
     width: usize,
     head_off: usize,
+    start: usize,
     len: usize,
 }
 
 impl Context<'_> {
+    /// Offset of the `i`-th visible position.
     #[inline]
-    fn offset(&self, p: usize) -> usize {
+    fn offset(&self, i: usize) -> usize {
+        let p = self.start + i;
         (self.table[p / self.block_size] as usize * self.block_size + p % self.block_size) * self.width
             + self.head_off
     }
 }
 
-/// `softmax(q·Kᵀ · scale) · V` per (token, head) over the token's causal context.
+/// Soft-caps raw scores (`cap · tanh(s / cap)`) when the shape asks for it; a no-op else.
+fn cap_scores(scores: &mut [f32], cap: f32) {
+    if cap > 0.0 {
+        scores.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+    }
+}
+
+/// `softmax(q·Kᵀ · scale) · V` per (token, head) over the token's causal context (the last
+/// `window` positions of it with a sliding window), the scores soft-capped when asked.
 pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> CpuTensor {
     let (hd, nh) = (s.head_dim, s.num_heads);
     let group = nh / s.num_kv_heads;
@@ -57,12 +69,15 @@ pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata
     let simd = std::arch::is_x86_feature_detected!("avx512f") && hd % 16 == 0;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
         let (t, h) = (i / nh, i % nh);
+        let pos = meta.positions[t] as usize;
+        let start = s.first_visible(pos);
         let ctx = Context {
             table: &meta.block_tables[meta.token_seq[t] as usize],
             block_size: bs,
             width,
             head_off: (h / group) * hd,
-            len: meta.positions[t] as usize + 1,
+            start,
+            len: pos + 1 - start,
         };
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
         scores.clear();
@@ -70,10 +85,10 @@ pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata
         #[cfg(target_arch = "x86_64")]
         if simd {
             // SAFETY: AVX-512F is present and head_dim is a multiple of 16 (checked above).
-            unsafe { avx512::head(qv, cache, &ctx, s.scale, scores, o) };
+            unsafe { avx512::head(qv, cache, &ctx, s, scores, o) };
             return;
         }
-        portable_head(qv, cache, &ctx, s.scale, scores, o);
+        portable_head(qv, cache, &ctx, s, scores, o);
     });
     CpuTensor::new(out, q.rows, nh * hd)
 }
@@ -89,12 +104,20 @@ fn softmax_in_place(scores: &mut [f32]) {
     scores.iter_mut().for_each(|s| *s *= inv);
 }
 
-fn portable_head(q: &[f32], cache: &CpuCache, ctx: &Context, scale: f32, scores: &mut [f32], o: &mut [f32]) {
+fn portable_head(
+    q: &[f32],
+    cache: &CpuCache,
+    ctx: &Context,
+    s: AttnShape,
+    scores: &mut [f32],
+    o: &mut [f32],
+) {
     let hd = q.len();
     for (p, sc) in scores.iter_mut().enumerate() {
         let at = ctx.offset(p);
-        *sc = q.iter().zip(&cache.k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * scale;
+        *sc = q.iter().zip(&cache.k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * s.scale;
     }
+    cap_scores(scores, s.softcap);
     softmax_in_place(scores);
     for (p, &w) in scores.iter().enumerate() {
         let at = ctx.offset(p);
@@ -108,7 +131,7 @@ fn portable_head(q: &[f32], cache: &CpuCache, ctx: &Context, scale: f32, scores:
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Context, CpuCache, softmax_in_place};
+    use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
 
     /// One (token, head) with head_dim a multiple of 16.
     ///
@@ -119,7 +142,7 @@ mod avx512 {
         q: &[f32],
         cache: &CpuCache,
         ctx: &Context,
-        scale: f32,
+        s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
@@ -137,8 +160,9 @@ mod avx512 {
                     acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k.as_ptr().add(c * 16)), acc);
                 }
             }
-            *sc = _mm512_reduce_add_ps(acc) * scale;
+            *sc = _mm512_reduce_add_ps(acc) * s.scale;
         }
+        cap_scores(scores, s.softcap);
         softmax_in_place(scores);
         for c in 0..chunks {
             let mut acc = _mm512_setzero_ps();

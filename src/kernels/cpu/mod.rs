@@ -15,8 +15,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{
-    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor, LoraShape,
-    LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
+    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor,
+    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -292,6 +292,15 @@ impl Device for CpuDevice {
         Ok(out)
     }
 
+    fn embed_positions(&self, table: &CpuWeight, positions: &[u32], offset: u32) -> DevResult<CpuTensor> {
+        let hidden = table.shape[1];
+        let mut out = CpuTensor::zeros(positions.len(), hidden);
+        for (row, &p) in out.data.chunks_mut(hidden).zip(positions) {
+            table.row_f32((p + offset) as usize, row);
+        }
+        Ok(out)
+    }
+
     fn linear(&self, x: &CpuTensor, w: &CpuWeight, bias: Option<&CpuWeight>) -> DevResult<CpuTensor> {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
@@ -345,16 +354,75 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn silu_mul(&self, gate_up: &CpuTensor) -> DevResult<CpuTensor> {
+    fn layer_norm(
+        &self,
+        x: &CpuTensor,
+        w: &CpuWeight,
+        b: Option<&CpuWeight>,
+        eps: f32,
+    ) -> DevResult<CpuTensor> {
+        let (w, b) = (w.to_f32(), b.map(CpuWeight::to_f32));
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        out.data.par_chunks_mut(x.cols).zip(x.data.par_chunks(x.cols)).for_each(|(o, xi)| {
+            let n = xi.len() as f32;
+            let mean = xi.iter().sum::<f32>() / n;
+            let var = xi.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let r = 1.0 / (var + eps).sqrt();
+            for (j, (o, &v)) in o.iter_mut().zip(xi).enumerate() {
+                *o = (v - mean) * r * w[j] + b.as_ref().map_or(0.0, |b| b[j]);
+            }
+        });
+        Ok(out)
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) -> DevResult<()> {
+        x.data.iter_mut().for_each(|v| *v *= s);
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut CpuTensor, cap: f32) -> DevResult<()> {
+        x.data.par_iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+        Ok(())
+    }
+
+    fn activation(&self, x: &mut CpuTensor, act: Activation) -> DevResult<()> {
+        x.data.par_iter_mut().for_each(|v| *v = act.apply(*v));
+        Ok(())
+    }
+
+    fn act_mul(&self, gate_up: &CpuTensor, act: Activation) -> DevResult<CpuTensor> {
         let i = gate_up.cols / 2;
         let mut out = CpuTensor::zeros(gate_up.rows, i);
         out.data.par_chunks_mut(i).zip(gate_up.data.par_chunks(gate_up.cols)).for_each(|(o, gu)| {
             let (g, u) = gu.split_at(i);
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
+                *o = act.apply(g) * u;
             }
         });
         Ok(out)
+    }
+
+    fn qk_norm(
+        &self,
+        qkv: &mut CpuTensor,
+        s: AttnShape,
+        q_w: &CpuWeight,
+        k_w: &CpuWeight,
+        eps: f32,
+    ) -> DevResult<()> {
+        let (q_w, k_w) = (q_w.to_f32(), k_w.to_f32());
+        let (hd, qn, kn) = (s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+        let mut head = vec![0f32; hd];
+        for row in qkv.data.chunks_mut(qkv.cols) {
+            let (q, rest) = row.split_at_mut(qn);
+            for (part, w) in [(q, &q_w), (&mut rest[..kn], &k_w)] {
+                for h in part.chunks_mut(hd) {
+                    head.copy_from_slice(h);
+                    rms_row(&head, w, eps, h);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn split_qkv_rope(
@@ -375,12 +443,13 @@ impl Device for CpuDevice {
             q.data[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
             k.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
             v.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
-            // Angles in f32 as HF computes them (position · inv_freq), then cos/sin.
-            let p = pos as f32;
+            // Angles in f32 as HF computes them (position · inv_freq), then cos/sin (times
+            // the attention scaling of yarn and longrope).
+            let (p, m) = (pos as f32, rope.attention_scaling);
             for (i, f) in rope.inv_freq.iter().enumerate() {
                 let a = p * f;
-                cos[i] = a.cos();
-                sin[i] = a.sin();
+                cos[i] = a.cos() * m;
+                sin[i] = a.sin() * m;
             }
             rotate_half(&mut q.data[t * qn..(t + 1) * qn], s.head_dim, &cos, &sin);
             rotate_half(&mut k.data[t * kn..(t + 1) * kn], s.head_dim, &cos, &sin);

@@ -33,7 +33,7 @@ impl CudaDevice {
     /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
     pub(super) fn flash_for(&self, s: AttnShape) -> bool {
         let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
-        on && self.sm80 && matches!(s.head_dim, 64 | 128)
+        on && self.sm80 && matches!(s.head_dim, 64 | 128) && !self.plain_attention.get()
     }
 
     /// Whether a step's `rows` decode rows go to flash_decode: tensor-core attention with a
@@ -90,6 +90,9 @@ impl CudaDevice {
     /// The step's attention metadata on the device, uploaded unless it is there already
     /// (every layer passes the same).
     pub(super) fn attention_inputs(&self, s: AttnShape, meta: &AttnMetadata) -> DevResult<()> {
+        if s.has_options() {
+            self.plain_attention.set(true);
+        }
         self.attn_shape.set(Some(s));
         self.step_bufs(meta, self.flash_for(s))
     }
@@ -185,6 +188,7 @@ impl CudaDevice {
         // partitions of `part`.
         let parts = match tc {
             true => Some((0, b.parts_max)),
+            false if self.plain_attention.get() => None,
             false => split_partition(b.num_rows, s, ctx_max).map(|part| (part, ctx_max.div_ceil(part))),
         };
         if let Some((part, parts_max)) = parts {
@@ -289,11 +293,15 @@ impl CudaDevice {
             return Ok(out);
         }
         let _t = self.span("attention", (0, 0), b.num_rows);
+        if s.head_dim > 512 {
+            return Err(crate::kernels::DeviceError::Other(format!("head_dim {} is above 512", s.head_dim)));
+        }
         let cfg = LaunchConfig {
             grid_dim: ((b.num_rows * s.num_heads) as u32, 1, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (ctx_max * 4) as u32,
+            shared_mem_bytes: 0,
         };
+        let (window, softcap) = (s.window as i32, s.softcap);
         let mut launch = self.stream.launch_builder(&kk.attention);
         launch.arg(&*q.buf);
         kc.push(&mut launch);
@@ -303,7 +311,9 @@ impl CudaDevice {
         launch.arg(&b.rows);
         push_tables(&mut launch, b);
         dims.push(&mut launch);
-        // SAFETY: every index is bounded by the metadata built from the scheduler's tables.
+        launch.arg(&window).arg(&softcap);
+        // SAFETY: every index is bounded by the metadata built from the scheduler's tables;
+        // head_dim is at most 512 (4 dims a thread).
         unsafe { launch.launch(cfg) }.map_err(cuda("paged_attention launch"))?;
         out.half = half;
         Ok(out)
@@ -479,12 +489,7 @@ mod tests {
 
     #[test]
     fn each_shape_gets_the_smallest_split_instantiation_that_holds_it() {
-        let shape = |heads, kv_heads, head_dim| AttnShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            scale: 1.0,
-        };
+        let shape = |heads, kv_heads, head_dim| AttnShape::causal(heads, kv_heads, head_dim);
         let names: Vec<String> = super::split_names("bf16").collect();
         for (s, want) in [
             (shape(32, 8, 128), "g4_d4"),
@@ -499,12 +504,7 @@ mod tests {
 
     #[test]
     fn prefill_blocks_take_whole_gqa_groups_within_the_kernels_bounds() {
-        let shape = |heads, kv_heads| AttnShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim: 128,
-            scale: 1.0,
-        };
+        let shape = |heads, kv_heads| AttnShape::causal(heads, kv_heads, 128);
         for (heads, kv_heads, max, want) in [
             (32, 8, 4, 4),
             (64, 8, 4, 4),

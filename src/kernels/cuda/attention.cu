@@ -17,62 +17,94 @@ __device__ void write_kv(const float* k, const float* v, T* kc, T* vc, const lon
 // to flash_prefill), and write their output also rounded to 16 bits at `out16` when `kind`
 // is 1 (bf16) or 2 (f16), for the o_proj GEMM.
 
-// One block per (row, head): scores over the token's causal context through its sequence's
-// block table, softmax, weighted sum of V. `tables` holds every sequence's block table at
-// `table_off[seq]`. Dynamic shared memory: ctx_max floats of scores.
+// One block per (row, head): scores over the token's visible context (its causal context,
+// the last `window` positions of it with a sliding window) through its sequence's block
+// table, soft-capped when `softcap` > 0, softmax, weighted sum of V. `tables` holds every
+// sequence's block table at `table_off[seq]`. The context is taken ATT_CHUNK positions at
+// a time with an online softmax (a running max and sum, the output rescaled as the max
+// grows), so that any context length fits the block's shared memory. This kernel serves
+// the shapes the split and tensor-core kernels do not (head sizes, and the attention
+// options: sliding windows and soft caps).
+#define ATT_CHUNK 512
+#define ATT_MAX_DIMS 4  // head_dim up to 4 · blockDim.x (128 threads: 512)
 template <typename T>
 __device__ void paged_attention(const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,
                                 const unsigned int* rows, const unsigned int* positions,
                                 const unsigned int* token_seq, const unsigned int* tables,
                                 const unsigned int* table_off, int heads, int kv_heads, int head_dim,
-                                int block_size, float scale) {
-    extern __shared__ float scores[];
+                                int block_size, float scale, int window, float softcap) {
+    __shared__ float scores[ATT_CHUNK];
     __shared__ float red[32];
     int t = rows[blockIdx.x / heads], h = blockIdx.x % heads;
     int kvh = h / (heads / kv_heads);
     int width = kv_heads * head_dim;
     int ctx = positions[t] + 1;
+    int start = window > 0 ? max(0, ctx - window) : 0;
     const unsigned int* table = tables + table_off[token_seq[t]];
     const float* qv = q + ((size_t)t * heads + h) * head_dim;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    // Scores: one warp per position.
-    for (int p = warp; p < ctx; p += nw) {
-        size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
-        float s = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) s += qv[d] * ld(kc + at + d);
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (lane == 0) scores[p] = s * scale;
-    }
-    __syncthreads();
-    float m = -3.0e38f;
-    for (int p = threadIdx.x; p < ctx; p += blockDim.x) m = fmaxf(m, scores[p]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = -3.0e38f;
-    for (int w = 0; w < nw; w++) m = fmaxf(m, red[w]);
-    __syncthreads();
-    float sum = 0.0f;
-    for (int p = threadIdx.x; p < ctx; p += blockDim.x) {
-        float e = expf(scores[p] - m);
-        scores[p] = e;
-        sum += e;
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    sum = 0.0f;
-    for (int w = 0; w < nw; w++) sum += red[w];
-    float inv = 1.0f / sum;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int p = 0; p < ctx; p++) {
+    float acc[ATT_MAX_DIMS];
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DIMS; i++) acc[i] = 0.0f;
+    float m = -3.0e38f, l = 0.0f;
+    for (int c0 = start; c0 < ctx; c0 += ATT_CHUNK) {
+        int cn = min(ATT_CHUNK, ctx - c0);
+        // Scores of the chunk: one warp per position.
+        for (int i = warp; i < cn; i += nw) {
+            int p = c0 + i;
             size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
-            acc += scores[p] * ld(vc + at + d);
+            float s = 0.0f;
+            for (int d = lane; d < head_dim; d += 32) s += qv[d] * ld(kc + at + d);
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+            s *= scale;
+            if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            if (lane == 0) scores[i] = s;
         }
+        __syncthreads();
+        float cm = -3.0e38f;
+        for (int i = threadIdx.x; i < cn; i += blockDim.x) cm = fmaxf(cm, scores[i]);
+        for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffff, cm, o));
+        if (lane == 0) red[warp] = cm;
+        __syncthreads();
+        cm = -3.0e38f;
+        for (int w = 0; w < nw; w++) cm = fmaxf(cm, red[w]);
+        __syncthreads();
+        float nm = fmaxf(m, cm), rescale = expf(m - nm);
+        float sum = 0.0f;
+        for (int i = threadIdx.x; i < cn; i += blockDim.x) {
+            float e = expf(scores[i] - nm);
+            scores[i] = e;
+            sum += e;
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        if (lane == 0) red[warp] = sum;
+        __syncthreads();
+        sum = 0.0f;
+        for (int w = 0; w < nw; w++) sum += red[w];
+        l = l * rescale + sum;
+        m = nm;
+#pragma unroll
+        for (int k = 0; k < ATT_MAX_DIMS; k++) {
+            int d = threadIdx.x + k * blockDim.x;
+            if (d >= head_dim) break;
+            float a = acc[k] * rescale;
+            for (int i = 0; i < cn; i++) {
+                int p = c0 + i;
+                size_t at = ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * head_dim;
+                a += scores[i] * ld(vc + at + d);
+            }
+            acc[k] = a;
+        }
+        __syncthreads();
+    }
+    float inv = 1.0f / l;
+#pragma unroll
+    for (int k = 0; k < ATT_MAX_DIMS; k++) {
+        int d = threadIdx.x + k * blockDim.x;
+        if (d >= head_dim) break;
         size_t o = ((size_t)t * heads + h) * head_dim + d;
-        out[o] = acc * inv;
-        if (kind) store16(out16, o, acc * inv, kind);
+        out[o] = acc[k] * inv;
+        if (kind) store16(out16, o, acc[k] * inv, kind);
     }
 }
 
@@ -215,10 +247,11 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
     extern "C" __global__ void paged_attention_##SUF(                                                           \
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind, const unsigned int* rows,  \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
-        const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale) {   \
+        const unsigned int* table_off, int heads, int kv_heads, int head_dim, int block_size, float scale,      \
+        int window, float softcap) {                                                                           \
         grid_dep_sync();                                                                                       \
         paged_attention<T>(q, kc, vc, out, out16, kind, rows, positions, token_seq, tables, table_off, heads,  \
-                           kv_heads, head_dim, block_size, scale);                                              \
+                           kv_heads, head_dim, block_size, scale, window, softcap);                             \
     }
 
 #define SPLIT_ENTRY(SUF, T, G, D)                                                                              \

@@ -124,7 +124,18 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
     }
 }
 
-// silu(gate) · up of gate_up = [rows, 2·inter] (gate then up), read as T: f32, or the
+// MLP activations by code (kernels::Activation): 0 SiLU, 1 GELU's tanh approximation,
+// 2 ReLU.
+__device__ __forceinline__ float act_fn(float x, int act) {
+    if (act == 1) {
+        const float k = 0.7978845608f;  // √(2/π)
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+    if (act == 2) return fmaxf(x, 0.0f);
+    return x / (1.0f + expf(-x));
+}
+
+// act(gate) · up of gate_up = [rows, 2·inter] (gate then up), read as T: f32, or the
 // 16-bit type in which a GEMM of 16-bit weights wrote it. One thread per silu_width columns
 // (8 of a 16-bit input where inter allows, in 16-byte loads; else 4), grid (column blocks,
 // up to 65535 row blocks striding over the rows): no division per element. The f32 result
@@ -150,8 +161,8 @@ template <typename T> __device__ __forceinline__ void ld8f(const T* p, float (&v
 }
 
 template <typename T>
-__device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
-                                         int inter, int rows) {
+__device__ __forceinline__ void act_mul(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
+                                        int inter, int rows, int act) {
     const int width = silu_width<T>(inter);
     int c = width * (blockIdx.x * blockDim.x + threadIdx.x);
     if (c >= inter) return;
@@ -165,7 +176,7 @@ __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* _
                 ld8f(g, gv);
                 ld8f(u, uv);
 #pragma unroll
-                for (int j = 0; j < 8; j++) r[j] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
+                for (int j = 0; j < 8; j++) r[j] = act_fn(gv[j], act) * uv[j];
                 if (out) {
                     *(float4*)(out + o) = make_float4(r[0], r[1], r[2], r[3]);
                     *(float4*)(out + o + 4) = make_float4(r[4], r[5], r[6], r[7]);
@@ -188,7 +199,7 @@ __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* _
         }
         float r[4];
     #pragma unroll
-        for (int j = 0; j < 4; j++) r[j] = gv[j] / (1.0f + expf(-gv[j])) * uv[j];
+        for (int j = 0; j < 4; j++) r[j] = act_fn(gv[j], act) * uv[j];
         if (n == 4 && (inter & 3) == 0) {
             if (out) *(float4*)(out + o) = make_float4(r[0], r[1], r[2], r[3]);
             if (kind) store16x4(out16, o, r[0], r[1], r[2], r[3], kind);
@@ -201,14 +212,82 @@ __device__ __forceinline__ void silu_mul(const T* __restrict__ gate_up, float* _
     }
 }
 
-#define SILU_MUL_ENTRY(SUF, T)                                                                                    \
-    extern "C" __global__ void silu_mul_##SUF(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, \
-                                              int kind, int inter, int rows) { grid_dep_sync();                    \
-        silu_mul(gate_up, out, out16, kind, inter, rows);                                                         \
+#define ACT_MUL_ENTRY(SUF, T)                                                                                    \
+    extern "C" __global__ void act_mul_##SUF(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, \
+                                             int kind, int inter, int rows, int act) { grid_dep_sync();           \
+        act_mul(gate_up, out, out16, kind, inter, rows, act);                                                    \
     }
-SILU_MUL_ENTRY(f32, float)
-SILU_MUL_ENTRY(bf16, __nv_bfloat16)
-SILU_MUL_ENTRY(f16, __half)
+ACT_MUL_ENTRY(f32, float)
+ACT_MUL_ENTRY(bf16, __nv_bfloat16)
+ACT_MUL_ENTRY(f16, __half)
+
+// In-place element-wise ops on n values: an activation, a scale, a soft cap.
+extern "C" __global__ void activation_f32(float* x, long long n, int act) {
+    grid_dep_sync();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = act_fn(x[i], act);
+}
+extern "C" __global__ void scale_f32(float* x, long long n, float s) {
+    grid_dep_sync();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
+    grid_dep_sync();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// LayerNorm of each row (one block a row): (x − mean) · rsqrt(var + eps) · w (+ b), with the
+// biased variance, as torch computes it.
+extern "C" __global__ void layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                          const float* __restrict__ b, int has_bias, float* __restrict__ out, int cols,
+                                          float eps) {
+    grid_dep_sync();
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += xr[i];
+    float mean = block_sum(s) / cols;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float d = xr[i] - mean;
+        v += d * d;
+    }
+    float r = rsqrtf(block_sum(v) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        out[(size_t)blockIdx.x * cols + i] = (xr[i] - mean) * r * w[i] + (has_bias ? b[i] : 0.0f);
+}
+
+// RMSNorm over each head of q and k in a fused [n, (heads + 2·kv_heads)·head_dim] projection,
+// in place: one block per (token, head of q or k); q's heads then k's lie side by side.
+extern "C" __global__ void qk_norm_f32(float* __restrict__ qkv, const float* __restrict__ qw,
+                                       const float* __restrict__ kw, int cols, int heads, int head_dim, float eps) {
+    grid_dep_sync();
+    int h = blockIdx.y;
+    float* p = qkv + (size_t)blockIdx.x * cols + (size_t)h * head_dim;
+    const float* w = h < heads ? qw : kw;
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) ss += p[d] * p[d];
+    float r = rsqrtf(block_sum(ss) / head_dim + eps);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) p[d] = w[d] * (p[d] * r);
+}
+
+// Learned position embeddings: out[t] = table[positions[t] + offset] (one block a token).
+template <typename T>
+__device__ __forceinline__ void embed_positions(const T* table, const unsigned int* positions, float* out, int hidden,
+                                                int offset) {
+    int row = blockIdx.x;
+    const T* src = table + (size_t)(positions[row] + offset) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[(size_t)row * hidden + i] = ld(src + i);
+}
+#define EMBED_POSITIONS_ENTRY(SUF, T)                                                                           \
+    extern "C" __global__ void embed_positions_##SUF(const T* table, const unsigned int* positions, float* out, \
+                                                     int hidden, int offset) { grid_dep_sync();                \
+        embed_positions<T>(table, positions, out, hidden, offset);                                             \
+    }
+EMBED_POSITIONS_ENTRY(f32, float)
+EMBED_POSITIONS_ENTRY(bf16, __nv_bfloat16)
+EMBED_POSITIONS_ENTRY(f16, __half)
 
 extern "C" __global__ void add_f32(float* acc, const float* x, long long n) {
     grid_dep_sync();
@@ -241,7 +320,8 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
 }
 
 // Splits fused qkv [n, q+2kv] into q, k, v and rotates q and k (HF rotate-half, the first
-// 2·half dims of each head) at each token's position. Blocks of (threads over a head) ×
+// 2·half dims of each head; none when half is 0) at each token's position, cos and sin
+// multiplied by `mscale` (yarn's and LongRoPE's attention factor, else 1). Blocks of (threads over a head) ×
 // head slots, grid (token, slot groups). K and V go to tensors k and v, or, with a cache (kc
 // non-null), straight into it at the token's slot (as write_kv writes them; none for a
 // negative slot). Where the rotation covers the whole head in groups of four (head_dim =
@@ -252,7 +332,7 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
                                                float* __restrict__ k, float* __restrict__ v, T* __restrict__ kc,
                                                T* __restrict__ vc, const long long* slots,
                                                const unsigned int* positions, const float* inv_freq, int heads,
-                                               int kv_heads, int head_dim, int half) {
+                                               int kv_heads, int head_dim, int half, float mscale) {
     int t = blockIdx.x, slot = blockIdx.y * blockDim.y + threadIdx.y;
     if (slot >= heads + 2 * kv_heads) return;
     int qn = heads * head_dim, kn = kv_heads * head_dim;
@@ -293,6 +373,8 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
             for (int e = 0; e < 4; e++) {
                 float s, c;
                 sincosf(p * fs[e], &s, &c);
+                s *= mscale;
+                c *= mscale;
                 ra[e] = as[e] * c - bs[e] * s;
                 rb[e] = bs[e] * c + as[e] * s;
             }
@@ -315,6 +397,8 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
         if (j < half) {
             float s, c;
             sincosf(p * inv_freq[j], &s, &c);
+            s *= mscale;
+            c *= mscale;
             float x0 = src[j], x1 = src[j + half];
             put(j, x0 * c - x1 * s);
             put(j + half, x1 * c + x0 * s);
@@ -327,10 +411,10 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
 extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
                                               float* __restrict__ k, float* __restrict__ v,
                                               const unsigned int* positions, const float* inv_freq, int heads,
-                                              int kv_heads, int head_dim, int half) {
+                                              int kv_heads, int head_dim, int half, float mscale) {
     grid_dep_sync();
     split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, heads, kv_heads, head_dim,
-                          half);
+                          half, mscale);
 }
 
 // The same, with k and v written straight into the KV cache (layout as write_kv's) at each
@@ -340,9 +424,9 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
                                                        T* __restrict__ kc, T* __restrict__ vc,                    \
                                                        const long long* slots, const unsigned int* positions,    \
                                                        const float* inv_freq, int heads, int kv_heads,           \
-                                                       int head_dim, int half) { grid_dep_sync();                \
+                                                       int head_dim, int half, float mscale) { grid_dep_sync();  \
         split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, heads, kv_heads,         \
-                          head_dim, half);                                                                       \
+                          head_dim, half, mscale);                                                               \
     }
 SPLIT_ROPE_KV_ENTRY(f32, float)
 SPLIT_ROPE_KV_ENTRY(bf16, __nv_bfloat16)

@@ -11,10 +11,10 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
 use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, RowScale, WeightBuf, cuda};
-use crate::kernels::LoraRows;
+use crate::kernels::{Activation, LoraRows};
 
-/// How `Device::gate_up_silu` ran: the projection written in f32 then silu_mul, written in
-/// the weights' 16-bit type then silu_mul, or one GEMV with SiLU·mul in its epilogue.
+/// How `Device::gate_up_act` ran: the projection written in f32 then act_mul, written in
+/// the weights' 16-bit type then act_mul, or one GEMV with SiLU·mul in its epilogue.
 #[derive(Clone, Copy, PartialEq)]
 pub(super) enum GateUpPath {
     F32,
@@ -169,17 +169,20 @@ impl CudaDevice {
     /// that, so the projection's values cross memory in half the bytes each way; with
     /// `half_only`, silu_mul's result too is written in 16 bits only. None where this does
     /// not apply.
-    pub(super) fn gate_up_silu_16(
+    pub(super) fn gate_up_act_16(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
         lora: LoraRows<CudaLora>,
+        act_fn: Activation,
         half_only: bool,
     ) -> DevResult<Option<CudaTensor>> {
         use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
         self.gate_up_path.set(GateUpPath::F32);
+        // The GEMV's epilogue applies SiLU alone.
         if lora.is_none()
+            && act_fn == Activation::Silu
             && let Some(act) = self.gate_up_silu_gemv(x, w, half_only)?
         {
             self.gate_up_path.set(GateUpPath::Gemv);
@@ -215,22 +218,23 @@ impl CudaDevice {
         // SAFETY: gate_up holds rows · n values of the weights' type. With `half_only` (the
         // down projection applies no adapters) its GEMM reads the 16-bit copy alone, past
         // the GEMV's rows as here, so no f32 is written.
-        unsafe { self.silu_mul_at(gp, kind, rows, n / 2, !half_only) }.map(Some)
+        unsafe { self.act_mul_at(gp, kind, rows, n / 2, !half_only, act_fn) }.map(Some)
     }
 
-    /// `silu(gate) · up` of `[rows, 2 · inter]` values at `src`, of f32 (`kind` 0) or of
+    /// `act(gate) · up` of `[rows, 2 · inter]` values at `src`, of f32 (`kind` 0) or of
     /// bf16 (1) or f16 (2); the result in f32, with the 16-bit copy the next GEMM reads,
     /// or (without `f32`, where there is a 16-bit copy) in that copy only.
     ///
     /// # Safety
     /// `src` must hold rows · 2 · inter values of its kind until the stream has run the call.
-    pub(super) unsafe fn silu_mul_at(
+    pub(super) unsafe fn act_mul_at(
         &self,
         src: CUdeviceptr,
         kind: i32,
         rows: usize,
         inter: usize,
         f32: bool,
+        act: Activation,
     ) -> DevResult<CudaTensor> {
         let mut out = self.tensor(rows, inter)?;
         let (mut half, half_kind) = self.half(rows, inter)?;
@@ -243,14 +247,15 @@ impl CudaDevice {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let _t = self.span("silu_mul", (0, 0), rows);
-        let name = ["silu_mul_f32", "silu_mul_bf16", "silu_mul_f16"][kind as usize];
+        let _t = self.span("act_mul", (0, 0), rows);
+        let name = ["act_mul_f32", "act_mul_bf16", "act_mul_f16"][kind as usize];
+        let code = act_code(act);
         let mut launch = self.stream.launch_builder(self.f(name));
         launch.arg(&src);
         push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
         // SAFETY: the caller's src; out (unless null) is [rows, inter], half (kind ≠ 0)
         // rows·inter 16-bit.
-        unsafe { launch.arg(&i).arg(&r).launch(cfg) }.map_err(cuda("silu_mul launch"))?;
+        unsafe { launch.arg(&i).arg(&r).arg(&code).launch(cfg) }.map_err(cuda("act_mul launch"))?;
         out.half = half;
         out.half_only = half_only;
         Ok(out)
@@ -579,4 +584,13 @@ pub(super) fn push_outputs<'a>(
         None => launch.arg(&NULL),
     };
     launch.arg(kind);
+}
+
+/// An activation's code in elementwise.cu's `act_fn`.
+pub(super) fn act_code(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+        Activation::Relu => 2,
+    }
 }

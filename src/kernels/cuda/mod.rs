@@ -196,7 +196,9 @@ pub struct CudaDevice {
     /// The graphs' input buffers are sized (by the first, largest capture) and may not move.
     graph_inputs_fixed: std::cell::Cell<bool>,
     /// The rotary inverse frequencies, uploaded on first use.
-    inv_freq: std::cell::RefCell<Option<(Vec<f32>, CudaSlice<f32>)>>,
+    /// Each rotary embedding's frequencies on the device (a model may have several: Gemma
+    /// 3's sliding and global layers), uploaded at their first use.
+    inv_freq: std::cell::RefCell<Vec<(Vec<f32>, CudaSlice<f32>)>>,
     /// The NCCL communicator of a tensor-parallel group, with this device's rank.
     comm: Option<cudarc::nccl::Comm>,
     tp: TpRank,
@@ -216,6 +218,10 @@ pub struct CudaDevice {
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
     decode_on_tensor_cores: std::cell::Cell<bool>,
+    /// Set once an attention with options (a sliding window, a soft cap) has run: from
+    /// then on every attention of the device takes the one-block-per-head kernel, the one
+    /// that honours them, so that a step's metadata serves all its layers alike.
+    plain_attention: std::cell::Cell<bool>,
     /// Whether flash_decode's blocks joined the last attention's partitions themselves.
     decode_joined: std::cell::Cell<bool>,
     /// The model's attention shape, from its first attention call: step inputs staged for
@@ -327,7 +333,7 @@ impl CudaDevice {
             inputs: Default::default(),
             graph: std::cell::Cell::new(GraphMode::Off),
             graph_inputs_fixed: std::cell::Cell::new(false),
-            inv_freq: std::cell::RefCell::new(None),
+            inv_freq: std::cell::RefCell::new(Vec::new()),
             comm,
             tp,
             pool: std::cell::RefCell::new(Arc::default()),
@@ -337,6 +343,7 @@ impl CudaDevice {
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
+            plain_attention: std::cell::Cell::new(false),
             decode_joined: std::cell::Cell::new(false),
             attn_shape: std::cell::Cell::new(None),
             lora_deltas_first: std::cell::Cell::new(false),
@@ -408,13 +415,16 @@ impl CudaDevice {
         })
     }
 
-    fn inv_freq(&self, rope: &RopeSpec) -> DevResult<()> {
-        if self.inv_freq.borrow().as_ref().is_some_and(|(h, _)| *h == rope.inv_freq) {
-            return Ok(());
+    /// The index of `rope`'s frequencies in `self.inv_freq`, uploaded if they are new (a
+    /// rotation-less `rope` gets one unread value: buffers are never empty).
+    fn inv_freq(&self, rope: &RopeSpec) -> DevResult<usize> {
+        if let Some(i) = self.inv_freq.borrow().iter().position(|(h, _)| *h == rope.inv_freq) {
+            return Ok(i);
         }
-        let dev = self.htod(&rope.inv_freq)?;
-        *self.inv_freq.borrow_mut() = Some((rope.inv_freq.clone(), dev));
-        Ok(())
+        let dev = self.htod(if rope.inv_freq.is_empty() { &[0.0] } else { &rope.inv_freq[..] })?;
+        let mut all = self.inv_freq.borrow_mut();
+        all.push((rope.inv_freq.clone(), dev));
+        Ok(all.len() - 1)
     }
 
     /// RMSNorm of each row, after `residual += x` when a residual is given (the kernel

@@ -1,14 +1,15 @@
 //! The [`Device`] operations of the CUDA device: one launch (or cuBLAS call) each, with
 //! shapes checked by the model and indices bounded by the scheduler's metadata.
 
-use cudarc::driver::{DevicePtr, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::gemm::act_code;
 use super::lora::GemmOut;
 use super::rope::RopeOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
 use crate::kernels::{
-    AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor, LoraRows,
-    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
+    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor,
+    LoraRows, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -19,6 +20,8 @@ impl Device for CudaDevice {
     type Cache = CudaCache;
     type Lora = CudaLora;
     type Graph = super::CudaGraphStep;
+
+    const SIZES_KV_CACHE: bool = true;
 
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA".into());
@@ -184,6 +187,32 @@ impl Device for CudaDevice {
         Ok(out)
     }
 
+    /// The positions come from the buffer the step's RoPE reads (staged anew for a graph).
+    fn embed_positions(&self, table: &CudaWeight, positions: &[u32], offset: u32) -> DevResult<CudaTensor> {
+        let hidden = table.shape[1];
+        let mut out = self.tensor(positions.len(), hidden)?;
+        self.rope_positions(positions)?;
+        let inputs = self.inputs().rope_positions.borrow();
+        let pos = &inputs
+            .as_ref()
+            .ok_or_else(|| DeviceError::Other("positions missing after their upload".into()))?
+            .1;
+        let (h, off) = (hidden as i32, offset as i32);
+        let name = match &table.buf {
+            WeightBuf::F32(_) => "embed_positions_f32",
+            WeightBuf::Bf16(_) => "embed_positions_bf16",
+            WeightBuf::F16(_) => "embed_positions_f16",
+        };
+        let _t = self.span("embed_positions", (0, 0), positions.len());
+        let mut launch = self.stream.launch_builder(self.f(name));
+        table.push_arg(&mut launch);
+        launch.arg(pos).arg(&mut *out.buf).arg(&h).arg(&off);
+        // SAFETY: the table holds max_positions + offset rows; positions stay below the
+        // model's maximum (checked at admission).
+        unsafe { launch.launch(Self::rows(out.rows)) }.map_err(cuda("embed_positions launch"))?;
+        Ok(out)
+    }
+
     fn linear(&self, x: &CudaTensor, w: &CudaWeight, bias: Option<&CudaWeight>) -> DevResult<CudaTensor> {
         let mut out = self.tensor(x.rows, w.shape[0])?;
         self.linear_into(x, w, bias, &mut out, 0.0)?;
@@ -279,25 +308,84 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn silu_mul(&self, gate_up: &CudaTensor) -> DevResult<CudaTensor> {
+    fn layer_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        b: Option<&CudaWeight>,
+        eps: f32,
+    ) -> DevResult<CudaTensor> {
+        let mut out = self.tensor(x.rows, x.cols)?;
+        let (cols, has_bias) = (x.cols as i32, i32::from(b.is_some()));
+        let _t = self.span("layer_norm", (0, 0), x.rows);
+        let mut launch = self.stream.launch_builder(self.f("layer_norm_f32"));
+        launch.arg(&*x.buf);
+        w.push_arg(&mut launch);
+        b.unwrap_or(w).push_arg(&mut launch);
+        launch.arg(&has_bias).arg(&mut *out.buf).arg(&cols).arg(&eps);
+        // SAFETY: x and out are [rows, cols]; w (and b) hold cols f32 (1-D weights are f32).
+        unsafe { launch.launch(Self::rows(x.rows)) }.map_err(cuda("layer_norm launch"))?;
+        Ok(out)
+    }
+
+    fn scale(&self, x: &mut CudaTensor, s: f32) -> DevResult<()> {
+        self.elementwise_f32("scale_f32", x, Param::F32(s))
+    }
+
+    fn softcap(&self, x: &mut CudaTensor, cap: f32) -> DevResult<()> {
+        self.elementwise_f32("softcap_f32", x, Param::F32(cap))
+    }
+
+    fn activation(&self, x: &mut CudaTensor, act: Activation) -> DevResult<()> {
+        self.elementwise_f32("activation_f32", x, Param::I32(act_code(act)))
+    }
+
+    fn act_mul(&self, gate_up: &CudaTensor, act: Activation) -> DevResult<CudaTensor> {
         let src = gate_up.buf.device_ptr(&self.stream).0;
         // SAFETY: gate_up holds rows · cols floats.
-        unsafe { self.silu_mul_at(src, 0, gate_up.rows, gate_up.cols / 2, true) }
+        unsafe { self.act_mul_at(src, 0, gate_up.rows, gate_up.cols / 2, true, act) }
     }
 
     /// With 16-bit weights past the GEMV's rows, the projection is written in their type
-    /// (`CudaDevice::gate_up_silu_16`), and with `gemm_only` so is the result alone.
-    fn gate_up_silu(
+    /// (`CudaDevice::gate_up_act_16`), and with `gemm_only` so is the result alone.
+    fn gate_up_act(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
         lora: LoraRows<CudaLora>,
+        act: Activation,
         gemm_only: bool,
     ) -> DevResult<CudaTensor> {
-        match self.gate_up_silu_16(x, w, lora, gemm_only)? {
-            Some(act) => Ok(act),
-            None => self.silu_mul(&self.project(x, w, None, lora)?),
+        match self.gate_up_act_16(x, w, lora, act, gemm_only)? {
+            Some(out) => Ok(out),
+            None => self.act_mul(&self.project(x, w, None, lora)?, act),
         }
+    }
+
+    fn qk_norm(
+        &self,
+        qkv: &mut CudaTensor,
+        s: AttnShape,
+        q_w: &CudaWeight,
+        k_w: &CudaWeight,
+        eps: f32,
+    ) -> DevResult<()> {
+        self.own_f32(qkv)?;
+        let (cols, heads, hd) = (qkv.cols as i32, s.num_heads as i32, s.head_dim as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (qkv.rows as u32, (s.num_heads + s.num_kv_heads) as u32, 1),
+            block_dim: (s.head_dim.div_ceil(32).clamp(1, 8) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let _t = self.span("qk_norm", (0, 0), qkv.rows);
+        let mut launch = self.stream.launch_builder(self.f("qk_norm_f32"));
+        launch.arg(&mut *qkv.buf);
+        q_w.push_arg(&mut launch);
+        k_w.push_arg(&mut launch);
+        launch.arg(&cols).arg(&heads).arg(&hd).arg(&eps);
+        // SAFETY: qkv is [rows, (heads + 2 kv_heads) · head_dim]; q_w, k_w hold head_dim f32.
+        unsafe { launch.launch(cfg) }.map_err(cuda("qk_norm launch"))?;
+        Ok(())
     }
 
     fn split_qkv_rope(
@@ -442,4 +530,50 @@ impl Device for CudaDevice {
         self.upload_lora_slots(slots)?;
         self.lora_add(y, x, modules)
     }
+}
+
+impl CudaWeight {
+    /// The weight's buffer as a kernel argument (1-D weights are always f32).
+    fn push_arg<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        match &self.buf {
+            WeightBuf::F32(b) => launch.arg(b),
+            WeightBuf::Bf16(b) => launch.arg(b),
+            WeightBuf::F16(b) => launch.arg(b),
+        };
+    }
+}
+
+impl CudaDevice {
+    /// Makes `x`'s f32 values the only ones: an in-place op then leaves no stale 16-bit
+    /// copy. Tensors kept in 16 bits alone, or with a norm left to a GEMV, are not for
+    /// in-place ops (no model applies one to them).
+    fn own_f32(&self, x: &mut CudaTensor) -> DevResult<()> {
+        if x.half_only || x.scale.is_some() {
+            return Err(DeviceError::Other("an in-place op on a tensor kept for a GEMM alone".into()));
+        }
+        x.half = None;
+        Ok(())
+    }
+
+    /// One thread per value of `x`, in place: `name(x, n, param)`.
+    fn elementwise_f32(&self, name: &'static str, x: &mut CudaTensor, param: Param) -> DevResult<()> {
+        self.own_f32(x)?;
+        let n = (x.rows * x.cols) as i64;
+        let _t = self.span(name, (0, 0), x.rows);
+        let mut launch = self.stream.launch_builder(self.f(name));
+        launch.arg(&mut *x.buf).arg(&n);
+        match &param {
+            Param::F32(v) => launch.arg(v),
+            Param::I32(v) => launch.arg(v),
+        };
+        // SAFETY: x holds n floats; the kernel touches x[i] for i < n.
+        unsafe { launch.launch(Self::grid(n as usize)) }.map_err(cuda("element-wise launch"))?;
+        Ok(())
+    }
+}
+
+/// The scalar an element-wise kernel takes after its values.
+enum Param {
+    F32(f32),
+    I32(i32),
 }

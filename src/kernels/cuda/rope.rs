@@ -41,10 +41,10 @@ impl CudaDevice {
         f: impl FnOnce(RopeInputs<'_>) -> DevResult<R>,
     ) -> DevResult<R> {
         self.rope_positions(positions)?;
-        self.inv_freq(rope)?;
+        let at = self.inv_freq(rope)?;
         let (pos, inv) = (self.inputs().rope_positions.borrow(), self.inv_freq.borrow());
         let step = self.inputs().step.borrow();
-        let (Some((_, positions)), Some((_, inv_freq))) = (pos.as_ref(), inv.as_ref()) else {
+        let (Some((_, positions)), Some((_, inv_freq))) = (pos.as_ref(), inv.get(at)) else {
             return Err(DeviceError::Other(
                 "RoPE's positions or frequencies missing after their upload".into(),
             ));
@@ -97,6 +97,7 @@ impl CudaDevice {
                 }
             }
             launch.arg(inputs.positions).arg(inputs.inv_freq).arg(&h).arg(&kvh).arg(&hd).arg(&half);
+            launch.arg(&rope.attention_scaling);
             // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a
             // cache's slots index inside it (checked by the scheduler), its rows kvh·hd wide.
             unsafe { launch.launch(cfg) }.map_err(cuda("rope launch"))?;
@@ -125,7 +126,8 @@ impl CudaDevice {
         let (n, k, m) = (w.shape[0], w.shape[1], x.rows);
         let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
         let (heads, kv_heads, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
-        let whole_heads = hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd;
+        let whole_heads =
+            hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd && rope.attention_scaling == 1.0;
         let fits = self.gemv_fits(m, k) && x.cols == k && n == (heads + 2 * kv_heads) * hd;
         if !fits || !whole_heads || !cache.k.is_half() || self.act16.get() != kind {
             return Ok(None);

@@ -3,27 +3,33 @@
 
 use crate::kernels::{AttnShape, DevResult, Device, RopeSpec};
 use crate::models::attn::AttnMetadata;
-use crate::models::config::ModelConfig;
+use crate::models::config::Rope;
 
-/// HF's rotate-half rotary embedding with the config's frequency scaling.
+/// HF's rotate-half rotary embedding with the config's frequency scaling (or none, for a
+/// model with learned positions).
 pub struct RotaryEmbedding {
     pub spec: RopeSpec,
 }
 
 impl RotaryEmbedding {
-    pub fn new(cfg: &ModelConfig) -> Self {
-        Self { spec: RopeSpec { inv_freq: cfg.inv_freq(), head_dim: cfg.head_dim } }
+    pub fn new(rope: &Rope, head_dim: usize) -> Self {
+        Self { spec: rope.spec(head_dim) }
+    }
+    /// No rotation: positions are learned embeddings added to the input.
+    pub fn none(head_dim: usize) -> Self {
+        Self { spec: RopeSpec::none(head_dim) }
     }
 }
 
+/// Attention over the paged KV cache with this rank's heads and the model's options
+/// (scale, sliding window, soft cap).
 pub struct PagedAttention {
     pub shape: AttnShape,
 }
 
 impl PagedAttention {
-    pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        Self { shape: AttnShape { num_heads, num_kv_heads, head_dim, scale } }
+    pub fn new(shape: AttnShape) -> Self {
+        Self { shape }
     }
     /// Splits fused qkv, applies RoPE, writes k/v to the cache and attends.
     /// `[n, q+2kv]` → `[n, heads·head_dim]`.

@@ -6,8 +6,8 @@
 
 use std::ops::Range;
 
-use super::RMSNorm;
-use crate::kernels::{DevResult, Device, LoraRows, TpRank};
+use super::Norm;
+use crate::kernels::{Activation, DevResult, Device, LoraRows, TpRank};
 use crate::models::ModelError;
 use crate::models::loader::{ParamView, Part};
 
@@ -106,6 +106,27 @@ impl<D: Device> QKVParallelLinear<D> {
         };
         Ok(Self { weight, bias, num_heads: q.len(), num_kv_heads: kv.len() })
     }
+    /// The same layer from a checkpoint that stores q, k and v fused already (`qkv_proj`,
+    /// rows `[q | k | v]`, as Phi-3's): this rank's rows of each part.
+    pub fn load_fused(
+        dev: &D,
+        w: &ParamView,
+        hidden: usize,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        bias: bool,
+    ) -> Result<Self, ModelError> {
+        let (q, kv) = qkv_heads(heads, kv_heads, dev.tp());
+        let (qn, kvn) = (heads * head_dim, kv_heads * head_dim);
+        let rows_of = |base: usize, r: &Range<usize>| base + r.start * head_dim..base + r.end * head_dim;
+        let picks = [rows_of(0, &q), rows_of(qn, &kv), rows_of(qn + kvn, &kv)];
+        let total = qn + 2 * kvn;
+        let weight = dev.upload(w.get_rows("qkv_proj.weight", &[total, hidden], &picks)?)?;
+        let bias = match bias {
+            true => Some(dev.upload(w.get_rows("qkv_proj.bias", &[total], &picks)?)?),
+            false => None,
+        };
+        Ok(Self { weight, bias, num_heads: q.len(), num_kv_heads: kv.len() })
+    }
     /// With `lora`, its q, k and v modules' deltas added.
     pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
         dev.project(x, &self.weight, self.bias.as_ref(), lora)
@@ -131,53 +152,86 @@ impl<D: Device> MergedColumnParallelLinear<D> {
         )?;
         Ok(Self { weight: dev.upload(t)? })
     }
-    /// `silu(gate) · up` of the projection, with `lora`'s gate and up deltas added to it
+    /// The same layer from a checkpoint that stores gate and up fused already
+    /// (`gate_up_proj`, rows `[gate | up]`, as Phi-3's): this rank's rows of each.
+    pub fn load_fused(
+        dev: &D,
+        w: &ParamView,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<Self, ModelError> {
+        let pick = shard(intermediate, dev.tp());
+        let picks = [pick.clone(), intermediate + pick.start..intermediate + pick.end];
+        let t = w.get_rows("gate_up_proj.weight", &[2 * intermediate, hidden], &picks)?;
+        Ok(Self { weight: dev.upload(t)? })
+    }
+    /// `act(gate) · up` of the projection, with `lora`'s gate and up deltas added to it
     /// first: `[n, hidden]` → `[n, intermediate / ranks]`. `gemm_only`: the down projection
-    /// that reads it applies no adapters ([`Device::gate_up_silu`]).
-    pub fn forward_silu_mul(
+    /// that reads it applies no adapters ([`Device::gate_up_act`]).
+    pub fn forward_act_mul(
         &self,
         dev: &D,
         x: &D::Tensor,
         lora: ProjLora<D>,
+        act: Activation,
         gemm_only: bool,
     ) -> DevResult<D::Tensor> {
-        dev.gate_up_silu(x, &self.weight, lora, gemm_only)
+        dev.gate_up_act(x, &self.weight, lora, act, gemm_only)
     }
 }
 
 /// Output projections (o_proj, down_proj): each rank holds the columns of its share of the
-/// input; the partial products are summed over the ranks.
+/// input; the partial products are summed over the ranks (rank 0's with the bias, if any).
 pub struct RowParallelLinear<D: Device> {
     pub weight: D::Weight,
+    pub bias: Option<D::Weight>,
 }
 
 impl<D: Device> RowParallelLinear<D> {
     pub fn load(dev: &D, w: &ParamView, input: usize, output: usize) -> Result<Self, ModelError> {
+        Self::load_with_bias(dev, w, (input, output), false)
+    }
+    pub fn load_with_bias(
+        dev: &D,
+        w: &ParamView,
+        (input, output): (usize, usize),
+        bias: bool,
+    ) -> Result<Self, ModelError> {
         let tp = dev.tp();
         let part = if tp.world == 1 { Part::Whole } else { Part::Cols(shard(input, tp)) };
-        Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)? })
+        let bias = match bias {
+            true => Some(dev.upload(w.get("bias", &[output])?)?),
+            false => None,
+        };
+        Ok(Self { weight: dev.upload(w.get_part("weight", &[output, input], part)?)?, bias })
     }
-    /// `x @ wᵀ` summed over the ranks; with `lora`, its delta (from this rank's share of the
-    /// input) joins the partial product before the sum.
+    /// `x @ wᵀ` summed over the ranks (plus the bias); with `lora`, its delta (from this
+    /// rank's share of the input) joins the partial product before the sum.
     pub fn forward(&self, dev: &D, x: &D::Tensor, lora: ProjLora<D>) -> DevResult<D::Tensor> {
-        let mut out = dev.project(x, &self.weight, None, lora)?;
+        // Rank 0's partial product carries the bias, so that the sum has it once.
+        let bias = self.bias.as_ref().filter(|_| dev.tp().rank == 0);
+        let mut out = dev.project(x, &self.weight, bias, lora)?;
         dev.all_reduce(&mut out)?;
         Ok(out)
     }
     /// [`Self::forward`] added to `residual`, then `norm` of the sum for the next projection
-    /// ([`RMSNorm::forward_to_proj`]). Without adapters on one rank the device does both in
-    /// one call ([`Device::linear_add_rms_norm`]).
+    /// ([`Norm::forward_to_proj`]). For an RMSNorm, without adapters or bias on one rank,
+    /// the device does both in one call ([`Device::linear_add_rms_norm`]).
     pub fn forward_add_norm(
         &self,
         dev: &D,
         x: &D::Tensor,
         lora: ProjLora<D>,
         residual: &mut D::Tensor,
-        norm: &RMSNorm<D>,
+        norm: &Norm<D>,
         gemm_only: bool,
     ) -> DevResult<D::Tensor> {
-        if lora.is_none() && dev.tp().world == 1 {
-            return dev.linear_add_rms_norm(x, &self.weight, residual, &norm.weight, norm.eps, gemm_only);
+        if let Norm::Rms(n) = norm
+            && lora.is_none()
+            && self.bias.is_none()
+            && dev.tp().world == 1
+        {
+            return dev.linear_add_rms_norm(x, &self.weight, residual, &n.weight, n.eps, gemm_only);
         }
         let out = self.forward(dev, x, lora)?;
         norm.forward_to_proj(dev, &out, Some(residual), gemm_only)

@@ -1,14 +1,19 @@
 //! Layers shared by model files, with vLLM's names and meaning. Each has `load` (from a
-//! prefix-scoped weight view) and `forward` (on a [`Device`]).
+//! prefix-scoped weight view) and `forward` (on a [`Device`]): linear layers split for
+//! tensor parallelism, norms, rotary embedding and paged attention, the vocabulary
+//! embedding and LM head, learned positions, and a layer's LoRA buffers.
 
 mod attention;
 mod linear;
+pub mod lora;
+mod norm;
 
 pub use attention::{PagedAttention, RotaryEmbedding};
 pub use linear::{
     ColumnParallelLinear, MergedColumnParallelLinear, ProjLora, QKVParallelLinear, RowParallelLinear,
     qkv_heads, shard,
 };
+pub use norm::{LayerNorm, Norm, RMSNorm};
 
 use super::ModelError;
 use super::loader::{ParamView, Part};
@@ -104,35 +109,37 @@ impl<D: Device> ParallelLMHead<D> {
     }
 }
 
-pub struct RMSNorm<D: Device> {
-    pub weight: D::Weight,
-    pub eps: f32,
+/// The rows of each sequence's last token, gathered, or None when they are every row in
+/// order (decode steps not padded, such as batch 1's): the hidden states then serve as they
+/// are, with the 16-bit copy the final norm wrote for the GEMM. Gathered, they would be
+/// copied, and converted again for a 16-bit lm_head: on the H200 two kernels between the
+/// last layer and lm_head at batch 1.
+pub fn gather_last_rows<D: Device>(
+    dev: &D,
+    hidden: &D::Tensor,
+    meta: &crate::models::attn::AttnMetadata,
+) -> DevResult<Option<D::Tensor>> {
+    let rows = &meta.last_token_rows;
+    let all = dev.shape(hidden).0 == rows.len() && rows.iter().enumerate().all(|(i, &r)| i == r);
+    match all {
+        true => Ok(None),
+        false => dev.gather_rows(hidden, rows).map(Some), // [num_seqs, hidden]
+    }
 }
 
-impl<D: Device> RMSNorm<D> {
-    pub fn load(dev: &D, w: &ParamView, size: usize, eps: f32) -> Result<Self, ModelError> {
-        Ok(Self { weight: dev.upload(w.get("weight", &[size])?)?, eps })
+/// Learned absolute position embeddings (OPT's), `[max_positions + offset, hidden]`,
+/// replicated on every rank: position p reads row p + offset.
+pub struct LearnedPositions<D: Device> {
+    weight: D::Weight,
+    offset: u32,
+}
+
+impl<D: Device> LearnedPositions<D> {
+    pub fn load(dev: &D, w: &ParamView, rows: usize, hidden: usize, offset: u32) -> Result<Self, ModelError> {
+        Ok(Self { weight: dev.upload(w.get("weight", &[rows, hidden])?)?, offset })
     }
-    pub fn forward(&self, dev: &D, x: &D::Tensor) -> DevResult<D::Tensor> {
-        dev.rms_norm(x, &self.weight, self.eps)
-    }
-    /// `residual += x`, then the norm of the sum.
-    pub fn forward_residual(&self, dev: &D, x: &D::Tensor, residual: &mut D::Tensor) -> DevResult<D::Tensor> {
-        dev.add_rms_norm(x, residual, &self.weight, self.eps)
-    }
-    /// `forward` (or `forward_residual` with `residual`) for a projection's input: with
-    /// `gemm_only` (the projection applies no adapters), [`Device::rms_norm_for_gemm`].
-    pub fn forward_to_proj(
-        &self,
-        dev: &D,
-        x: &D::Tensor,
-        residual: Option<&mut D::Tensor>,
-        gemm_only: bool,
-    ) -> DevResult<D::Tensor> {
-        match (gemm_only, residual) {
-            (true, residual) => dev.rms_norm_for_gemm(x, residual, &self.weight, self.eps),
-            (false, Some(r)) => self.forward_residual(dev, x, r),
-            (false, None) => self.forward(dev, x),
-        }
+    /// `[n]` positions → `[n, hidden]`.
+    pub fn forward(&self, dev: &D, positions: &[u32]) -> DevResult<D::Tensor> {
+        dev.embed_positions(&self.weight, positions, self.offset)
     }
 }

@@ -1260,3 +1260,150 @@ async fn seeded_sampling_on_the_gpu_is_batch_invariant_and_matches_the_host() {
     let other_seed = run(&gpu, prompts[0].clone(), sampled(8)).await;
     assert_ne!(alone.tokens, other_seed.tokens, "a different seed samples differently");
 }
+
+/// The general operations the architectures beyond Llama use, on the GPU against the CPU:
+/// LayerNorm with and without bias, GELU-tanh and ReLU gated and plain, scale, soft cap,
+/// q/k norms, learned positions, and attention with a sliding window, a soft cap and partial
+/// rotary embedding (through the kernel that honours them).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+fn the_general_ops_match_their_cpu_twins() {
+    let (g, _turn) = gpu();
+    let c = CpuDevice::default();
+    let both = |data: &[f32], rows, cols| {
+        (CpuTensor::new(data.to_vec(), rows, cols), g.from_host(data, rows, cols).unwrap())
+    };
+    let (n, h) = (11, 96);
+    let x = rand(n * h, 50);
+    let (xc, xg) = both(&x, n, h);
+    let (w, b) = (rand(h, 51), rand(h, 52));
+    let (wc, wg) = (c.upload(host(&w, &[h])).unwrap(), g.upload(host(&w, &[h])).unwrap());
+    let (bc, bg) = (c.upload(host(&b, &[h])).unwrap(), g.upload(host(&b, &[h])).unwrap());
+    for bias in [false, true] {
+        close(
+            &format!("layer_norm, bias {bias}"),
+            &g.to_host(&g.layer_norm(&xg, &wg, bias.then_some(&bg), 1e-5).unwrap()).unwrap(),
+            &c.to_host(&c.layer_norm(&xc, &wc, bias.then_some(&bc), 1e-5).unwrap()).unwrap(),
+            1e-4,
+        );
+    }
+    for act in [Activation::Silu, Activation::GeluTanh, Activation::Relu] {
+        close(
+            &format!("act_mul {act:?}"),
+            &g.to_host(&g.act_mul(&xg, act).unwrap()).unwrap(),
+            &c.to_host(&c.act_mul(&xc, act).unwrap()).unwrap(),
+            1e-5,
+        );
+        let (mut yc, mut yg) = both(&x, n, h);
+        c.activation(&mut yc, act).unwrap();
+        g.activation(&mut yg, act).unwrap();
+        close(&format!("activation {act:?}"), &g.to_host(&yg).unwrap(), &c.to_host(&yc).unwrap(), 1e-5);
+    }
+    let (mut yc, mut yg) = both(&x, n, h);
+    c.scale(&mut yc, 8.0).unwrap();
+    g.scale(&mut yg, 8.0).unwrap();
+    c.softcap(&mut yc, 3.0).unwrap();
+    g.softcap(&mut yg, 3.0).unwrap();
+    close("scale then softcap", &g.to_host(&yg).unwrap(), &c.to_host(&yc).unwrap(), 1e-5);
+    // q/k norms over 4 query and 2 KV heads of 16 dims.
+    let s = AttnShape::causal(4, 2, 16);
+    let qkv = rand(n * 128, 53);
+    let (qw, kw) = (rand(16, 54), rand(16, 55));
+    let (mut qc, mut qg) = both(&qkv, n, 128);
+    let up = |d: &CpuDevice, v: &[f32]| d.upload(host(v, &[16])).unwrap();
+    let upg = |v: &[f32]| g.upload(host(v, &[16])).unwrap();
+    c.qk_norm(&mut qc, s, &up(&c, &qw), &up(&c, &kw), 1e-6).unwrap();
+    g.qk_norm(&mut qg, s, &upg(&qw), &upg(&kw), 1e-6).unwrap();
+    close("qk_norm", &g.to_host(&qg).unwrap(), &c.to_host(&qc).unwrap(), 1e-5);
+    // Learned positions, offset 2.
+    let table = rand(40 * h, 56);
+    let positions: Vec<u32> = (0..n as u32).map(|i| (i * 3) % 38).collect();
+    let (tc, tg) = (c.upload(host(&table, &[40, h])).unwrap(), g.upload(host(&table, &[40, h])).unwrap());
+    close(
+        "embed_positions",
+        &g.to_host(&g.embed_positions(&tg, &positions, 2).unwrap()).unwrap(),
+        &c.to_host(&c.embed_positions(&tc, &positions, 2).unwrap()).unwrap(),
+        0.0,
+    );
+    // Attention over a context longer than a chunk of the kernel, with a window, a soft cap
+    // and rotary embedding on half of each head scaled by 1.2.
+    let ctx = 700;
+    let tables = vec![(0..(ctx as u32).div_ceil(16)).rev().collect::<Vec<u32>>()];
+    let meta = step_meta(&tables, 16, &[(0, 0..ctx as u32)]);
+    let cache_shape =
+        CacheShape { num_blocks: tables[0].len(), block_size: 16, num_kv_heads: 2, head_dim: 16 };
+    let rope = RopeSpec {
+        inv_freq: (0..4).map(|i| 1.0 / 10000f32.powf(i as f32 / 4.0)).collect(),
+        head_dim: 16,
+        attention_scaling: 1.2,
+    };
+    let qkv = rand(ctx * 128, 57);
+    for (window, softcap) in [(0, 0.0), (64, 0.0), (0, 2.5), (100, 4.0)] {
+        let s = AttnShape { window, softcap, scale: 0.3, ..AttnShape::causal(4, 2, 16) };
+        let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
+        let (qc, qg) = both(&qkv, ctx, 128);
+        let positions = meta.positions.clone();
+        close(
+            &format!("attention, window {window}, softcap {softcap}"),
+            &g.to_host(&g.qkv_attention(&qg, s, &rope, &positions, &mut cg, &meta).unwrap()).unwrap(),
+            &c.to_host(&c.qkv_attention(&qc, s, &rope, &positions, &mut cc, &meta).unwrap()).unwrap(),
+            1e-3,
+        );
+    }
+}
+
+/// Every architecture of tests/models.rs (tiny models, f32) on the GPU gives the CPU's
+/// greedy tokens for its prompts, submitted together: with graphs and eager.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn every_architecture_on_the_gpu_gives_the_cpu_tokens() {
+    let _turn = gpu_turn();
+    let dir = common::fixture("tests/fixtures/models");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().trim_end_matches(".json").to_string())
+        .collect();
+    names.sort();
+    assert!(names.len() >= 10, "{names:?}");
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(24) };
+    for name in names {
+        let g: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap())
+                .unwrap();
+        let model = common::scratch(&name);
+        common::hf_weights::write_model(&g, &model);
+        let prompts: Vec<Vec<u32>> = g["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+            .collect();
+        let outputs = |engine: Engine| {
+            let (prompts, params) = (prompts.clone(), params.clone());
+            async move {
+                let runs = prompts.iter().map(|p| run(&engine, p.clone(), params.clone()));
+                futures::future::join_all(runs).await.into_iter().map(|o| o.tokens).collect::<Vec<_>>()
+            }
+        };
+        let cpu = outputs(
+            Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap(),
+        )
+        .await;
+        for eager in [false, true] {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
+                actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            let args = EngineArgs {
+                device: DeviceArg::Cuda,
+                enforce_eager: eager,
+                num_gpu_blocks_override: Some(256),
+                ..common::args(&model)
+            };
+            let gpu = Engine::start(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+            let got = outputs(gpu).await;
+            assert_eq!(got, cpu, "{name}, eager {eager}");
+        }
+        eprintln!("{name}: the GPU gives the CPU's tokens, graphs and eager");
+    }
+}

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod golden;
+pub mod hf_weights;
 pub mod lora;
 pub mod server;
 
@@ -27,6 +28,14 @@ pub fn default_model() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// A file or directory of the repository: under the crate's directory where the tests were
+/// built, else under the current directory (the repository root of a copy on another
+/// machine, such as a GPU host running binaries built elsewhere).
+pub fn fixture(path: &str) -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    if built.exists() { built } else { Path::new(path).to_path_buf() }
 }
 
 /// A directory of the calling test's own, removed when it is dropped (see

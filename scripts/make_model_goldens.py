@@ -1,0 +1,177 @@
+"""Makes tests/fixtures/models/*.json: greedy references from Hugging Face transformers for
+tiny models of every architecture the engine registers.
+
+Each model is built by transformers from a small config; its weights are then overwritten
+with values from a counter-based generator (splitmix64 of the parameter's name and index)
+that tests/common/hf_weights.rs reproduces bit for bit, so that only this script and the
+JSON files are committed, never weights. For each model the file records the config,
+every parameter's name and shape, and for several prompts the greedy continuation (24
+tokens, EOS ignored) with the top-5 logprobs of every step, computed in float32 with eager
+attention. Prompts are kept only where every step's best token leads the runner-up by at
+least MIN_GAP in logprob, so that float noise cannot flip an argmax; some are longer than
+the model's sliding window, where it has one.
+
+    python scripts/make_model_goldens.py tests/fixtures/models [MODEL ...]
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+TOKENS = 24
+PROMPTS = 4
+MIN_GAP = 2e-3
+VOCAB = 320
+M64 = (1 << 64) - 1
+
+
+def fnv1a64(s):
+    h = 0xCBF29CE484222325
+    for b in s.encode():
+        h ^= b
+        h = (h * 0x100000001B3) & M64
+    return h
+
+
+def uniform(name, n):
+    """n values in [0, 1) with 24 bits each: splitmix64 of (fnv1a64(name) + i · golden)."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(fnv1a64(name)) + np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)).astype(np.float32) / np.float32(1 << 24)
+
+
+def values(name, shape, embed_scale):
+    """A parameter's values, by its kind (the rule hf_weights.rs follows); embeddings are
+    uniform in ±embed_scale (small for models whose tied head would otherwise only echo
+    the last token)."""
+    n = int(np.prod(shape))
+    u = uniform(name, n) - np.float32(0.5)
+    leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    if name.endswith(".bias"):
+        v = u * np.float32(0.2)
+    elif "norm" in leaf:
+        v = np.float32(1.0) + u * np.float32(0.2)
+    elif "embed" in leaf:
+        v = u * np.float32(2.0 * embed_scale)
+    else:
+        v = u * np.float32(2.0 * math.sqrt(3.0 / shape[-1]))
+    return torch.from_numpy(v.astype(np.float32).reshape(shape))
+
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=16, max_window_layers=1,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", sliding_window=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0, final_logit_softcapping=10.0, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", sliding_window=16, query_pre_attn_scalar=16,
+        sliding_window_pattern=2, rope_local_base_freq=10000.0, rope_theta=100000.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        max_position_embeddings=1024, original_max_position_embeddings=256, sliding_window=16,
+        partial_rotary_factor=0.5,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 4.0, 5.0]})),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(
+        ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=True, num_key_value_heads=None, head_dim=None,
+        intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
+    "opt-post-norm": ("OPTConfig", "OPTForCausalLM", dict(
+        ffn_dim=128, do_layer_norm_before=False, num_key_value_heads=None, head_dim=None,
+        intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
+}
+
+
+# Gemma scales its embeddings by √hidden and ties its head: with ±1 embeddings the residual
+# is the last token's embedding and every step repeats it.
+EMBED_SCALE = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05, "opt-post-norm": 4.0}
+
+
+def build(cfg_class, model_class, extra, embed_scale):
+    kwargs = {k: v for k, v in {**BASE, **extra}.items() if v is not None}
+    cfg = getattr(transformers, cfg_class)(**kwargs)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).to(torch.float32).eval()
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    params = []
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if tied and name == "lm_head.weight":
+                continue
+            p.copy_(values(name, list(p.shape), embed_scale))
+            params.append([name, list(p.shape)])
+        if tied:
+            model.tie_weights()
+    # EOS neither stops nor is masked: the engine's ignore_eos.
+    model.generation_config.eos_token_id = None
+    return cfg, model, params
+
+
+def run(model, ids):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, num_beams=1,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(ids):].tolist()
+    steps, gap = [], float("inf")
+    for logits in out.logits:
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        top = torch.topk(lp, 5)
+        gap = min(gap, (top.values[0] - top.values[1]).item())
+        steps.append([[int(i), float(v)] for v, i in zip(top.values, top.indices)])
+    return tokens, steps, gap
+
+
+def main(out_dir, only=None):
+    os.makedirs(out_dir, exist_ok=True)
+    for key, (cfg_class, model_class, extra) in MODELS.items():
+        if only and key not in only:
+            continue
+        rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
+        embed_scale = EMBED_SCALE.get(key, 1.0)
+        cfg, model, params = build(cfg_class, model_class, extra, embed_scale)
+        window = extra.get("sliding_window") or 0
+        runs, tried = [], 0
+        while len(runs) < PROMPTS and tried < 400:
+            # Short prompts and, every other one, prompts past the sliding window.
+            length = int(rng.integers(3, 9)) if tried % 2 == 0 else int(rng.integers(window + 4, window + 16))
+            tried += 1
+            ids = [int(x) for x in rng.integers(3, VOCAB, length)]
+            tokens, steps, gap = run(model, ids)
+            if gap >= MIN_GAP:
+                runs.append({"prompt_ids": ids, "output_ids": tokens, "top_logprobs": steps, "min_gap": gap})
+        assert len(runs) == PROMPTS, f"{key}: only {len(runs)} prompts with margins in {tried}"
+        config = json.loads(cfg.to_json_string(use_diff=False))
+        config["architectures"] = [model_class]
+        golden = {"model": key, "transformers": transformers.__version__, "config": config, "params": params,
+                  "embed_scale": embed_scale,
+                  "tokens": TOKENS, "runs": runs}
+        path = os.path.join(out_dir, f"{key}.json")
+        with open(path, "w") as fh:
+            json.dump(golden, fh, separators=(",", ":"))
+        print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,
+              "min gap", min(r["min_gap"] for r in runs),
+              "distinct tokens", [len(set(r["output_ids"])) for r in runs], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

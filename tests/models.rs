@@ -1,0 +1,148 @@
+//! Every architecture against transformers: tiny models of each (tests/fixtures/models/,
+//! made by scripts/make_model_goldens.py from small configs, their weights rebuilt here by
+//! the script's generator) give transformers' greedy tokens for every prompt, submitted
+//! together, with each step's top-5 logprobs within 1e-4; prompts longer than a model's
+//! sliding window are among them. Then the errors a config can give name the fix.
+
+mod common;
+
+use actorllm::Engine;
+use actorllm::SamplingParams;
+use actorllm::request::TokenEvent;
+use futures::StreamExt;
+use serde_json::Value;
+
+fn golden(name: &str) -> Value {
+    let path = format!("{}/tests/fixtures/models/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
+}
+
+/// (token, top-5 logprobs) of each step of one greedy run.
+async fn greedy_run(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u32, Vec<(u32, f32)>)> {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(tokens),
+        ignore_eos: true,
+        logprobs: Some(5),
+        ..Default::default()
+    };
+    let mut s = engine.add_request(engine.next_request_id("t"), prompt, params).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        match ev {
+            TokenEvent::Token { token_id, logprobs, .. } => out.push((token_id, logprobs.unwrap().top)),
+            TokenEvent::Error { message } => panic!("request failed: {message}"),
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Finished { .. } => {}
+        }
+    }
+    out
+}
+
+async fn matches_transformers(name: &str) {
+    let g = golden(name);
+    let dir = common::scratch(name);
+    common::hf_weights::write_model(&g, &dir);
+    let engine = Engine::start(common::args(&dir)).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+    let tokens = g["tokens"].as_u64().unwrap() as usize;
+    let runs = g["runs"].as_array().unwrap();
+    let ids =
+        |v: &Value| v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let got =
+        futures::future::join_all(runs.iter().map(|r| greedy_run(&engine, ids(&r["prompt_ids"]), tokens)))
+            .await;
+    for (i, (run, got)) in runs.iter().zip(&got).enumerate() {
+        let want = ids(&run["output_ids"]);
+        let got_ids: Vec<u32> = got.iter().map(|g| g.0).collect();
+        assert_eq!(got_ids, want, "{name}: prompt {i} ({} tokens)", ids(&run["prompt_ids"]).len());
+        for (step, (want_top, (_, got_top))) in
+            run["top_logprobs"].as_array().unwrap().iter().zip(got).enumerate()
+        {
+            for (w, (gid, glp)) in want_top.as_array().unwrap().iter().zip(got_top) {
+                let (wid, wlp) = (w[0].as_u64().unwrap() as u32, w[1].as_f64().unwrap() as f32);
+                assert_eq!(*gid, wid, "{name}: prompt {i} step {step}: top-5 ids");
+                assert!((glp - wlp).abs() < 1e-4, "{name}: prompt {i} step {step}: logprob {glp} vs {wlp}");
+            }
+        }
+    }
+}
+
+#[actix_rt::test]
+async fn llama_with_llama3_rope_scaling() {
+    matches_transformers("llama").await;
+}
+
+#[actix_rt::test]
+async fn mistral_with_a_sliding_window() {
+    matches_transformers("mistral").await;
+}
+
+#[actix_rt::test]
+async fn qwen2_with_bias_yarn_and_a_window_on_upper_layers() {
+    matches_transformers("qwen2").await;
+}
+
+#[actix_rt::test]
+async fn qwen3_with_qk_norms() {
+    matches_transformers("qwen3").await;
+}
+
+#[actix_rt::test]
+async fn gemma() {
+    matches_transformers("gemma").await;
+}
+
+#[actix_rt::test]
+async fn gemma2_with_soft_caps_and_alternating_windows() {
+    matches_transformers("gemma2").await;
+}
+
+#[actix_rt::test]
+async fn gemma3_with_local_and_global_rope() {
+    matches_transformers("gemma3").await;
+}
+
+#[actix_rt::test]
+async fn phi3_with_fused_checkpoint_longrope_and_partial_rotary() {
+    matches_transformers("phi3").await;
+}
+
+#[actix_rt::test]
+async fn opt_with_projected_embeddings() {
+    matches_transformers("opt").await;
+}
+
+#[actix_rt::test]
+async fn opt_with_norms_after_each_block() {
+    matches_transformers("opt-post-norm").await;
+}
+
+/// A config the engine cannot serve says why, naming the field and the architecture, and
+/// an unknown architecture lists those it knows before any field is read.
+#[actix_rt::test]
+async fn config_errors_name_the_field_the_architecture_and_the_choices() {
+    let start = |config: Value| async move {
+        let dir = common::scratch("bad-config");
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        Engine::start(common::args(&dir)).await.err().expect("refused").to_string()
+    };
+    let mut gemma2 = golden("gemma2")["config"].clone();
+    // An unknown architecture, with its other fields missing too: the architecture is named.
+    let e = start(serde_json::json!({"architectures": ["FalconForCausalLM"]})).await;
+    for name in
+        ["FalconForCausalLM", "Gemma2ForCausalLM", "OPTForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM"]
+    {
+        assert!(e.contains(name), "{e}");
+    }
+    gemma2.as_object_mut().unwrap().remove("intermediate_size");
+    let e = start(gemma2).await;
+    assert!(e.contains("Gemma2ForCausalLM") && e.contains("missing field `intermediate_size`"), "{e}");
+    let mut llama = golden("llama")["config"].clone();
+    llama["hidden_act"] = serde_json::json!("gelu");
+    let e = start(llama.clone()).await;
+    assert!(e.contains("LlamaForCausalLM") && e.contains("hidden_act \"gelu\"") && e.contains("silu"), "{e}");
+    llama["hidden_act"] = serde_json::json!("silu");
+    llama["rope_parameters"]["rope_type"] = serde_json::json!("ntk-by-parts");
+    let e = start(llama).await;
+    assert!(e.contains("rope type \"ntk-by-parts\"") && e.contains("longrope"), "{e}");
+}

@@ -116,15 +116,20 @@ fn ws_text(v: Value) -> awc::ws::Message {
     awc::ws::Message::Text(v.to_string().into())
 }
 
-/// The next text frame as JSON (other frames are skipped; pings are not answered).
+/// The next text frame as JSON, answering the server's pings meanwhile as a client does
+/// (other frames are skipped).
 async fn next_json<S>(ws: &mut S) -> Value
 where
-    S: futures::Stream<Item = Result<awc::ws::Frame, awc::error::WsProtocolError>> + Unpin,
+    S: futures::Stream<Item = Result<awc::ws::Frame, awc::error::WsProtocolError>>
+        + futures::Sink<awc::ws::Message, Error = awc::error::WsProtocolError>
+        + Unpin,
 {
     loop {
         let frame = tokio::time::timeout(Duration::from_secs(60), ws.next()).await.expect("a frame in time");
-        if let awc::ws::Frame::Text(t) = frame.expect("socket open").expect("a frame") {
-            return serde_json::from_slice(&t).expect("JSON frame");
+        match frame.expect("socket open").expect("a frame") {
+            awc::ws::Frame::Text(t) => return serde_json::from_slice(&t).expect("JSON frame"),
+            awc::ws::Frame::Ping(p) => ws.send(awc::ws::Message::Pong(p)).await.expect("pong sent"),
+            _ => {}
         }
     }
 }
@@ -189,7 +194,7 @@ async fn websocket_runs_concurrent_generations_and_cancels_one() {
 /// A client that answers the pings stays connected.
 #[actix_rt::test]
 async fn websocket_close_and_silence_abort_its_generations() {
-    let s = default_server(|a| a.ws_idle_timeout = 1.0).await;
+    let s = default_server(|a| a.ws_idle_timeout = 2.0).await;
     let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
     let generate =
         json!({"type": "generate", "id": "g", "endpoint": "completions", "request": long_request()});
@@ -216,9 +221,9 @@ async fn websocket_close_and_silence_abort_its_generations() {
     assert_eq!(closed.map(|r| r.code), Some(awc::ws::CloseCode::Away));
     wait_for_metric(&s, gone, 2.0).await;
     wait_for_metric(&s, "vllm:num_requests_running", 0.0).await;
-    // Answering pings for three timeouts keeps the socket open.
+    // Answering pings for two timeouts keeps the socket open.
     let (_resp, mut live) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
-    let until = Instant::now() + Duration::from_secs(3);
+    let until = Instant::now() + Duration::from_secs(4);
     let mut pings = 0;
     while let Ok(frame) = tokio::time::timeout_at(until.into(), live.next()).await {
         match frame {
@@ -229,7 +234,7 @@ async fn websocket_close_and_silence_abort_its_generations() {
             other => panic!("expected pings, got {other:?}"),
         }
     }
-    assert!(pings >= 6, "{pings} pings in three timeouts");
+    assert!(pings >= 8, "{pings} pings in two timeouts");
     let (request, want) = golden_request();
     live.send(ws_text(json!({"type": "generate", "id": "g", "endpoint": "completions", "request": request})))
         .await

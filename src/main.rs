@@ -36,7 +36,7 @@ enum Cmd {
     /// Write a model directory of a known architecture's shapes with random weights.
     MakeRandomModel {
         #[arg(long, value_enum)]
-        like: actorllm::models::random::Preset,
+        like: actorllm::models::random::Like,
         #[arg(long)]
         out: PathBuf,
         #[arg(long, value_enum, default_value_t = actorllm::config::DTypeArg::Bfloat16)]
@@ -144,7 +144,7 @@ fn main() -> anyhow::Result<()> {
                 DTypeArg::Float16 => DType::F16,
                 DTypeArg::Bfloat16 | DTypeArg::Auto => DType::BF16,
             };
-            actorllm::models::random::make_random_model(like.shape(), &out, dtype, seed, 1.0)?;
+            like.write(&out, dtype, seed)?;
             eprintln!("wrote {}", out.display());
             Ok(())
         }

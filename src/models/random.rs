@@ -13,16 +13,13 @@ use serde_json::json;
 use super::ModelError;
 use crate::kernels::DType;
 
-/// Architecture shapes a random model can take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// Llama-shaped presets (the tests' tiny model among them), as [`Shape`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
     /// A 2-layer model for fast tests (vocab 320).
     Tiny,
-    #[value(name = "smollm2-135m")]
     Smollm2_135m,
-    #[value(name = "llama-3-8b")]
     Llama3_8b,
-    #[value(name = "qwen2-0.5b")]
     Qwen2_0_5b,
 }
 
@@ -146,14 +143,7 @@ pub fn make_random_model(
     seed: u64,
     scale: f32,
 ) -> Result<(), ModelError> {
-    std::fs::create_dir_all(out).map_err(io(out))?;
     let hd = shape.hidden / shape.heads;
-    let (bos, eos) = (shape.vocab - 2, shape.vocab - 1);
-    let dtype_name = match dtype {
-        DType::F32 => "float32",
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-    };
     let config = json!({
         "architectures": [if shape.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
         "model_type": if shape.qkv_bias { "qwen2" } else { "llama" },
@@ -162,52 +152,143 @@ pub fn make_random_model(
         "num_key_value_heads": shape.kv_heads, "head_dim": hd,
         "max_position_embeddings": shape.max_pos, "rms_norm_eps": 1e-5, "rope_theta": shape.rope_theta,
         "vocab_size": shape.vocab, "tie_word_embeddings": shape.tied, "hidden_act": "silu",
-        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype_name,
     });
+    let l = LayerDims { hidden: shape.hidden, q: shape.heads * hd, kv: shape.kv_heads * hd, head_dim: hd };
+    let mut tensors = embed_and_head(shape.vocab, shape.hidden, shape.tied);
+    for i in 0..shape.layers {
+        tensors.extend(llama_layer(
+            i,
+            l,
+            shape.intermediate,
+            LayerExtras { qkv_bias: shape.qkv_bias, ..Default::default() },
+        ));
+    }
+    write_checkpoint(&Checkpoint { config, vocab: shape.vocab, tensors }, out, dtype, seed, scale)
+}
+
+/// How a random tensor is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Init {
+    /// Uniform in ±scale/√fan_in (the last dimension).
+    Weight,
+    /// 1 ± 0.1 (a norm's weight).
+    Norm,
+    /// ±0.02 (a bias).
+    Bias,
+}
+
+/// A random checkpoint to write: config.json's own fields, and every tensor.
+struct Checkpoint {
+    config: serde_json::Value,
+    vocab: usize,
+    tensors: Vec<(String, Vec<usize>, Init)>,
+}
+
+/// The widths of one attention layer.
+#[derive(Debug, Clone, Copy)]
+struct LayerDims {
+    hidden: usize,
+    q: usize,
+    kv: usize,
+    head_dim: usize,
+}
+
+/// What a Llama-shaped layer adds to Llama's tensors.
+#[derive(Debug, Clone, Copy, Default)]
+struct LayerExtras {
+    qkv_bias: bool,
+    qk_norm: bool,
+    /// Gemma 2's norms around the MLP.
+    feedforward_norms: bool,
+    /// Phi-3's fused qkv and gate/up.
+    fused: bool,
+}
+
+fn embed_and_head(vocab: usize, hidden: usize, tied: bool) -> Vec<(String, Vec<usize>, Init)> {
+    let mut t = vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, hidden], Init::Weight),
+        ("model.norm.weight".into(), vec![hidden], Init::Norm),
+    ];
+    if !tied {
+        t.push(("lm_head.weight".into(), vec![vocab, hidden], Init::Weight));
+    }
+    t
+}
+
+fn llama_layer(i: usize, d: LayerDims, inter: usize, x: LayerExtras) -> Vec<(String, Vec<usize>, Init)> {
+    let p = format!("model.layers.{i}");
+    let h = d.hidden;
+    let mut t = vec![
+        (format!("{p}.input_layernorm.weight"), vec![h], Init::Norm),
+        (format!("{p}.post_attention_layernorm.weight"), vec![h], Init::Norm),
+        (format!("{p}.self_attn.o_proj.weight"), vec![h, d.q], Init::Weight),
+        (format!("{p}.mlp.down_proj.weight"), vec![h, inter], Init::Weight),
+    ];
+    if x.fused {
+        t.push((format!("{p}.self_attn.qkv_proj.weight"), vec![d.q + 2 * d.kv, h], Init::Weight));
+        t.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * inter, h], Init::Weight));
+    } else {
+        for (name, rows) in [("q_proj", d.q), ("k_proj", d.kv), ("v_proj", d.kv)] {
+            t.push((format!("{p}.self_attn.{name}.weight"), vec![rows, h], Init::Weight));
+            if x.qkv_bias {
+                t.push((format!("{p}.self_attn.{name}.bias"), vec![rows], Init::Bias));
+            }
+        }
+        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h], Init::Weight));
+        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h], Init::Weight));
+    }
+    if x.qk_norm {
+        t.push((format!("{p}.self_attn.q_norm.weight"), vec![d.head_dim], Init::Norm));
+        t.push((format!("{p}.self_attn.k_norm.weight"), vec![d.head_dim], Init::Norm));
+    }
+    if x.feedforward_norms {
+        t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h], Init::Norm));
+        t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h], Init::Norm));
+    }
+    t
+}
+
+/// Writes `c` to `out`: config.json (with its vocabulary's BOS and EOS and the dtype),
+/// generation_config.json, the byte-level tokenizer and model.safetensors.
+fn write_checkpoint(
+    c: &Checkpoint,
+    out: &Path,
+    dtype: DType,
+    seed: u64,
+    scale: f32,
+) -> Result<(), ModelError> {
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let (bos, eos) = (c.vocab - 2, c.vocab - 1);
+    let dtype_name = match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+    };
+    let mut config = c.config.clone();
+    config["bos_token_id"] = json!(bos);
+    config["eos_token_id"] = json!(eos);
+    config["torch_dtype"] = json!(dtype_name);
     let write = |name: &str, v: &serde_json::Value| {
         let p = out.join(name);
         std::fs::write(&p, serde_json::to_string_pretty(v).expect("JSON serializes")).map_err(io(&p))
     };
     write("config.json", &config)?;
     write("generation_config.json", &json!({"bos_token_id": bos, "eos_token_id": eos}))?;
-    write_tokenizer(shape.vocab, out)?;
-
-    let mut names: Vec<(String, Vec<usize>, bool)> = vec![
-        ("model.embed_tokens.weight".into(), vec![shape.vocab, shape.hidden], false),
-        ("model.norm.weight".into(), vec![shape.hidden], true),
-    ];
-    if !shape.tied {
-        names.push(("lm_head.weight".into(), vec![shape.vocab, shape.hidden], false));
-    }
-    for l in 0..shape.layers {
-        let p = format!("model.layers.{l}");
-        let (q, kv) = (shape.heads * hd, shape.kv_heads * hd);
-        names.push((format!("{p}.input_layernorm.weight"), vec![shape.hidden], true));
-        names.push((format!("{p}.post_attention_layernorm.weight"), vec![shape.hidden], true));
-        names.push((format!("{p}.self_attn.q_proj.weight"), vec![q, shape.hidden], false));
-        names.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, shape.hidden], false));
-        names.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, shape.hidden], false));
-        names.push((format!("{p}.self_attn.o_proj.weight"), vec![shape.hidden, q], false));
-        if shape.qkv_bias {
-            names.push((format!("{p}.self_attn.q_proj.bias"), vec![q], false));
-            names.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], false));
-            names.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], false));
-        }
-        names.push((format!("{p}.mlp.gate_proj.weight"), vec![shape.intermediate, shape.hidden], false));
-        names.push((format!("{p}.mlp.up_proj.weight"), vec![shape.intermediate, shape.hidden], false));
-        names.push((format!("{p}.mlp.down_proj.weight"), vec![shape.hidden, shape.intermediate], false));
-    }
+    write_tokenizer(c.vocab, out)?;
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = names
-        .into_iter()
-        .map(|(name, shape, is_norm)| {
+    let tensors: Vec<(&String, &Vec<usize>, Vec<u8>)> = c
+        .tensors
+        .iter()
+        .map(|(name, shape, init)| {
             let n: usize = shape.iter().product();
             let fan_in = *shape.last().unwrap_or(&1) as f32;
-            let bytes = if is_norm {
-                encode((0..n).map(|_| 1.0 + rng.next(0.1)), dtype)
-            } else {
-                let s = scale / fan_in.sqrt();
-                encode((0..n).map(|_| rng.next(s)), dtype)
+            let bytes = match init {
+                Init::Norm => encode((0..n).map(|_| 1.0 + rng.next(0.1)), dtype),
+                Init::Bias => encode((0..n).map(|_| rng.next(0.02)), dtype),
+                Init::Weight => {
+                    let s = scale / fan_in.sqrt();
+                    encode((0..n).map(|_| rng.next(s)), dtype)
+                }
             };
             (name, shape, bytes)
         })
@@ -219,12 +300,187 @@ pub fn make_random_model(
     };
     let views = tensors
         .iter()
-        .map(|(n, s, b)| safetensors::tensor::TensorView::new(st_dtype, s.clone(), b).map(|v| (n.clone(), v)))
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(st_dtype, s.to_vec(), b).map(|v| (n.to_string(), v))
+        })
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ModelError::Weights(e.to_string()))?;
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     safetensors::tensor::serialize_to_file(views, &Some(meta), &out.join("model.safetensors"))
         .map_err(|e| ModelError::Weights(e.to_string()))
+}
+
+/// The real shapes of the families beyond Llama's presets (random weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Llama3_1_8b,
+    Mistral7b,
+    Qwen3_8b,
+    Gemma2_9b,
+    Gemma3_4b,
+    Phi3Mini,
+    Opt1_3b,
+}
+
+/// `make-random-model --like`: every shape a random model can take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Like {
+    Tiny,
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
+    #[value(name = "llama-3-8b")]
+    Llama3_8b,
+    #[value(name = "qwen2-0.5b")]
+    Qwen2_0_5b,
+    #[value(name = "llama-3.1-8b")]
+    Llama3_1_8b,
+    #[value(name = "mistral-7b")]
+    Mistral7b,
+    #[value(name = "qwen3-8b")]
+    Qwen3_8b,
+    #[value(name = "gemma-2-9b")]
+    Gemma2_9b,
+    #[value(name = "gemma-3-4b")]
+    Gemma3_4b,
+    #[value(name = "phi-3-mini")]
+    Phi3Mini,
+    #[value(name = "opt-1.3b")]
+    Opt1_3b,
+}
+
+impl Like {
+    /// Writes the model to `out`.
+    pub fn write(self, out: &Path, dtype: DType, seed: u64) -> Result<(), ModelError> {
+        let llama = |p: Preset| make_random_model(p.shape(), out, dtype, seed, 1.0);
+        let family = |f: Family| make_random_family(f, out, dtype, seed);
+        match self {
+            Like::Tiny => llama(Preset::Tiny),
+            Like::Smollm2_135m => llama(Preset::Smollm2_135m),
+            Like::Llama3_8b => llama(Preset::Llama3_8b),
+            Like::Qwen2_0_5b => llama(Preset::Qwen2_0_5b),
+            Like::Llama3_1_8b => family(Family::Llama3_1_8b),
+            Like::Mistral7b => family(Family::Mistral7b),
+            Like::Qwen3_8b => family(Family::Qwen3_8b),
+            Like::Gemma2_9b => family(Family::Gemma2_9b),
+            Like::Gemma3_4b => family(Family::Gemma3_4b),
+            Like::Phi3Mini => family(Family::Phi3Mini),
+            Like::Opt1_3b => family(Family::Opt1_3b),
+        }
+    }
+}
+
+impl Family {
+    fn checkpoint(self) -> Checkpoint {
+        match self {
+            Family::Opt1_3b => opt_checkpoint(),
+            _ => self.llama_shaped(),
+        }
+    }
+
+    /// (config, layers, heads, kv heads, head_dim, hidden, intermediate, vocab, tied, extras).
+    fn llama_shaped(self) -> Checkpoint {
+        let (arch, layers, heads, kv, hd, h, inter, vocab, tied, x) = match self {
+            Family::Llama3_1_8b => {
+                ("LlamaForCausalLM", 32, 32, 8, 128, 4096, 14336, 128256, false, LayerExtras::default())
+            }
+            Family::Mistral7b => {
+                ("MistralForCausalLM", 32, 32, 8, 128, 4096, 14336, 32000, false, LayerExtras::default())
+            }
+            Family::Qwen3_8b => {
+                let x = LayerExtras { qk_norm: true, ..Default::default() };
+                ("Qwen3ForCausalLM", 36, 32, 8, 128, 4096, 12288, 151936, false, x)
+            }
+            Family::Gemma2_9b => {
+                let x = LayerExtras { feedforward_norms: true, ..Default::default() };
+                ("Gemma2ForCausalLM", 42, 16, 8, 256, 3584, 14336, 256000, true, x)
+            }
+            Family::Gemma3_4b => {
+                let x = LayerExtras { feedforward_norms: true, qk_norm: true, ..Default::default() };
+                ("Gemma3ForCausalLM", 34, 8, 4, 256, 2560, 10240, 262208, true, x)
+            }
+            Family::Phi3Mini => {
+                let x = LayerExtras { fused: true, ..Default::default() };
+                ("Phi3ForCausalLM", 32, 32, 32, 96, 3072, 8192, 32064, false, x)
+            }
+            Family::Opt1_3b => unreachable!("OPT is not Llama-shaped"),
+        };
+        let mut config = json!({
+            "architectures": [arch], "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab,
+            "tie_word_embeddings": tied, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        });
+        let extra = match self {
+            Family::Llama3_1_8b => json!({"max_position_embeddings": 131072, "rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+            Family::Mistral7b => {
+                json!({"max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096})
+            }
+            Family::Qwen3_8b => json!({"max_position_embeddings": 40960, "rope_theta": 1000000.0}),
+            Family::Gemma2_9b => json!({"max_position_embeddings": 8192, "rope_theta": 10000.0,
+                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096, "query_pre_attn_scalar": 256,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+            Family::Gemma3_4b => json!({"max_position_embeddings": 131072, "rope_theta": 1000000.0,
+                "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 1024, "sliding_window_pattern": 6,
+                "query_pre_attn_scalar": 256}),
+            Family::Phi3Mini => {
+                json!({"max_position_embeddings": 4096, "rope_theta": 10000.0, "sliding_window": 2047})
+            }
+            Family::Opt1_3b => json!({}),
+        };
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            config[k] = v.clone();
+        }
+        let d = LayerDims { hidden: h, q: heads * hd, kv: kv * hd, head_dim: hd };
+        let mut tensors = embed_and_head(vocab, h, tied);
+        for i in 0..layers {
+            tensors.extend(llama_layer(i, d, inter, x));
+        }
+        Checkpoint { config, vocab, tensors }
+    }
+}
+
+/// OPT-1.3b: LayerNorms with bias, learned positions, a ReLU MLP, all projections biased.
+fn opt_checkpoint() -> Checkpoint {
+    let (layers, h, ffn, vocab, max_pos) = (24, 2048, 8192, 50272, 2048);
+    let config = json!({
+        "architectures": ["OPTForCausalLM"], "hidden_size": h, "ffn_dim": ffn, "num_hidden_layers": layers,
+        "num_attention_heads": 32, "vocab_size": vocab, "max_position_embeddings": max_pos,
+        "word_embed_proj_dim": h, "do_layer_norm_before": true, "activation_function": "relu",
+        "enable_bias": true, "tie_word_embeddings": true,
+    });
+    let p = "model.decoder";
+    let mut t = vec![
+        (format!("{p}.embed_tokens.weight"), vec![vocab, h], Init::Weight),
+        (format!("{p}.embed_positions.weight"), vec![max_pos + 2, h], Init::Weight),
+        (format!("{p}.final_layer_norm.weight"), vec![h], Init::Norm),
+        (format!("{p}.final_layer_norm.bias"), vec![h], Init::Bias),
+    ];
+    for i in 0..layers {
+        let l = format!("{p}.layers.{i}");
+        for (name, shape) in [
+            ("self_attn.q_proj", vec![h, h]),
+            ("self_attn.k_proj", vec![h, h]),
+            ("self_attn.v_proj", vec![h, h]),
+            ("self_attn.out_proj", vec![h, h]),
+            ("fc1", vec![ffn, h]),
+            ("fc2", vec![h, ffn]),
+        ] {
+            t.push((format!("{l}.{name}.bias"), vec![shape[0]], Init::Bias));
+            t.push((format!("{l}.{name}.weight"), shape, Init::Weight));
+        }
+        for norm in ["self_attn_layer_norm", "final_layer_norm"] {
+            t.push((format!("{l}.{norm}.weight"), vec![h], Init::Norm));
+            t.push((format!("{l}.{norm}.bias"), vec![h], Init::Bias));
+        }
+    }
+    Checkpoint { config, vocab, tensors: t }
+}
+
+/// Writes a random model of `family`'s real shapes to `out`.
+pub fn make_random_family(family: Family, out: &Path, dtype: DType, seed: u64) -> Result<(), ModelError> {
+    write_checkpoint(&family.checkpoint(), out, dtype, seed, 1.0)
 }
 
 pub fn write_tokenizer(vocab_size: usize, out: &Path) -> Result<(), ModelError> {

@@ -3,7 +3,7 @@ tiny models of every architecture the engine registers.
 
 Each model is built by transformers from a small config; its weights are then overwritten
 with values from a counter-based generator (splitmix64 of the parameter's name and index)
-that tests/common/hf_weights.rs reproduces bit for bit, so that only this script and the
+that actorllm::models::random::write_golden_model reproduces bit for bit, so that only this script and the
 JSON files are committed, never weights. For each model the file records the config,
 every parameter's name and shape, and for several prompts the greedy continuation (24
 tokens, EOS ignored) with the top-5 logprobs of every step, computed in float32 with eager
@@ -12,6 +12,8 @@ least MIN_GAP in logprob, so that float noise cannot flip an argmax; some are lo
 the model's sliding window, where it has one.
 
     python scripts/make_model_goldens.py tests/fixtures/models [MODEL ...]
+
+(granite, which examples/granite.rs registers out of tree, goes to tests/fixtures/out-of-tree/.)
 """
 import json
 import math
@@ -95,11 +97,16 @@ MODELS = {
     "opt": ("OPTConfig", "OPTForCausalLM", dict(
         ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=True, num_key_value_heads=None, head_dim=None,
         intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
+    # Not built in: served by examples/granite.rs, an architecture registered out of tree.
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5)),
     "opt-post-norm": ("OPTConfig", "OPTForCausalLM", dict(
         ffn_dim=128, do_layer_norm_before=False, num_key_value_heads=None, head_dim=None,
         intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
 }
 
+
+OUT_OF_TREE = {"granite"}
 
 # Gemma scales its embeddings by √hidden and ties its head: with ±1 embeddings the residual
 # is the last token's embedding and every step repeats it.
@@ -165,7 +172,10 @@ def main(out_dir, only=None):
         golden = {"model": key, "transformers": transformers.__version__, "config": config, "params": params,
                   "embed_scale": embed_scale,
                   "tokens": TOKENS, "runs": runs}
-        path = os.path.join(out_dir, f"{key}.json")
+        # Architectures served out of tree go beside, in fixtures/out-of-tree/.
+        where = out_dir if key not in OUT_OF_TREE else os.path.join(os.path.dirname(out_dir.rstrip("/")), "out-of-tree")
+        os.makedirs(where, exist_ok=True)
+        path = os.path.join(where, f"{key}.json")
         with open(path, "w") as fh:
             json.dump(golden, fh, separators=(",", ":"))
         print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,

@@ -88,10 +88,29 @@ pub struct Engine {
     inner: Arc<Inner>,
 }
 
+/// Architectures that code outside the crate adds to the registry (vLLM's out-of-tree
+/// `ModelRegistry.register_model`), for whichever device the engine runs on.
+pub trait Architectures {
+    fn register<D: Device>(registry: &mut ModelRegistry<D>);
+}
+
+/// The built-in architectures alone.
+impl Architectures for () {
+    fn register<D: Device>(_: &mut ModelRegistry<D>) {}
+}
+
 impl Engine {
     /// Loads the model and starts the actors. Must be called inside an actix System.
     /// `--device auto` takes the first CUDA GPU when one is present, else the CPU.
-    pub async fn start(mut args: EngineArgs) -> Result<Engine, EngineError> {
+    pub async fn start(args: EngineArgs) -> Result<Engine, EngineError> {
+        Self::start_with_architectures::<()>(args).await
+    }
+
+    /// As [`Engine::start`], with the architectures `A` registers beside the built-in ones
+    /// (code outside the crate serving a model of its own, on the CPU or a GPU).
+    pub async fn start_with_architectures<A: Architectures>(
+        mut args: EngineArgs,
+    ) -> Result<Engine, EngineError> {
         let cuda = match args.device {
             DeviceArg::Cpu => false,
             DeviceArg::Cuda => true,
@@ -100,9 +119,13 @@ impl Engine {
         if cuda {
             args.gpu_batch_defaults(CudaDevice::large_gpu());
             let tp = args.tensor_parallel_size;
-            Self::start_on(args, ModelRegistry::<CudaDevice>::default(), move || CudaDevice::group(tp)).await
+            let mut registry = ModelRegistry::<CudaDevice>::default();
+            A::register(&mut registry);
+            Self::start_on(args, registry, move || CudaDevice::group(tp)).await
         } else {
-            Self::start_with(args, ModelRegistry::default()).await
+            let mut registry = ModelRegistry::<CpuDevice>::default();
+            A::register(&mut registry);
+            Self::start_with(args, registry).await
         }
     }
 

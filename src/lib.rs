@@ -40,5 +40,5 @@ pub mod scratch;
 pub mod tokenizer;
 pub mod web;
 
-pub use engine::{Engine, EngineError, RequestStream};
+pub use engine::{Architectures, Engine, EngineError, RequestStream};
 pub use request::{FinishReason, SamplingParams, TokenEvent};

@@ -554,3 +554,71 @@ pub fn make_random_lora(
     safetensors::tensor::serialize_to_file(views, &None, &dir.join("adapter_model.safetensors"))
         .map_err(|e| ModelError::Weights(e.to_string()))
 }
+
+/// The weights of scripts/make_model_goldens.py's tiny models, rebuilt bit for bit: each
+/// parameter's values come from splitmix64 of (FNV-1a of its name + index · golden ratio),
+/// 24 bits each, scaled by the parameter's kind. With a golden file (its config, parameter
+/// list and embedding scale), tests write the model transformers ran, without committed
+/// weights: config.json, model.safetensors (f32) and a byte tokenizer.
+pub fn write_golden_model(golden: &serde_json::Value, dir: &Path) -> Result<(), ModelError> {
+    let bad = |what: &str| ModelError::Config(format!("golden file: {what}"));
+    let p = dir.join("config.json");
+    std::fs::write(&p, golden["config"].to_string()).map_err(io(&p))?;
+    let embed_scale = golden["embed_scale"].as_f64().unwrap_or(1.0);
+    let mut tensors = Vec::new();
+    for param in golden["params"].as_array().ok_or_else(|| bad("no params"))? {
+        let name = param[0].as_str().ok_or_else(|| bad("a parameter without a name"))?.to_string();
+        let shape: Vec<usize> = param[1]
+            .as_array()
+            .ok_or_else(|| bad("a parameter without a shape"))?
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize).ok_or_else(|| bad("a shape of non-integers")))
+            .collect::<Result<_, _>>()?;
+        let bytes = encode(golden_values(&name, &shape, embed_scale).into_iter(), DType::F32);
+        tensors.push((name, shape, bytes));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ModelError::Weights(e.to_string()))?;
+    safetensors::tensor::serialize_to_file(views, &None, &dir.join("model.safetensors"))
+        .map_err(|e| ModelError::Weights(e.to_string()))?;
+    let vocab = golden["config"]["vocab_size"].as_u64().ok_or_else(|| bad("no vocab_size"))? as usize;
+    write_tokenizer(vocab, dir)
+}
+
+/// One golden parameter's values by its kind, as the script computes them in float32.
+fn golden_values(name: &str, shape: &[usize], embed_scale: f64) -> Vec<f32> {
+    let fnv = name
+        .bytes()
+        .fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3));
+    let uniform = |i: u64| {
+        let mut z = fnv.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u32 << 24) as f32
+    };
+    let leaf = name.rsplit_once('.').map_or(name, |p| p.0);
+    let leaf = leaf.rsplit_once('.').map_or(leaf, |p| p.1);
+    let (offset, scale) = if name.ends_with(".bias") {
+        (0.0, 0.2f32)
+    } else if leaf.contains("norm") {
+        (1.0, 0.2)
+    } else if leaf.contains("embed") {
+        (0.0, (2.0 * embed_scale) as f32)
+    } else {
+        (0.0, (2.0 * (3.0 / shape[shape.len() - 1] as f64).sqrt()) as f32)
+    };
+    let n: usize = shape.iter().product();
+    (0..n as u64)
+        .map(|i| {
+            let u = uniform(i) - 0.5;
+            if offset == 0.0 { u * scale } else { offset + u * scale }
+        })
+        .collect()
+}

@@ -19,7 +19,7 @@ use actix_web::{App, HttpServer, middleware, web};
 use dashmap::DashMap;
 
 use crate::config::EngineArgs;
-use crate::engine::{Engine, EngineError};
+use crate::engine::{Architectures, Engine, EngineError};
 
 /// Request bodies larger than this get 413.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
@@ -147,7 +147,14 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 /// Loads the model, binds, and returns the running server and its address (port 0 picks
 /// a free port). The server is ready when this returns.
 pub async fn start(args: ServeArgs) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
-    let engine = Engine::start(args.engine.clone()).await?;
+    start_with_architectures::<()>(args).await
+}
+
+/// As [`start`], with the architectures `A` registers beside the built-in ones.
+pub async fn start_with_architectures<A: Architectures>(
+    args: ServeArgs,
+) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
+    let engine = Engine::start_with_architectures::<A>(args.engine.clone()).await?;
     start_with_engine(args, engine)
 }
 

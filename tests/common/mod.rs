@@ -3,7 +3,6 @@
 #![allow(dead_code)]
 
 pub mod golden;
-pub mod hf_weights;
 pub mod lora;
 pub mod server;
 

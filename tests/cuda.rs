@@ -51,6 +51,27 @@ fn gpu() -> (CudaDevice, GpuTurn) {
     (CudaDevice::new(0).expect("CUDA device opens"), turn)
 }
 
+/// The default model where it is (or ACTORLLM_TEST_MODEL), else a random model of its
+/// shapes written into a directory of the test's own: a GPU host running binaries built
+/// elsewhere has no models/.
+fn smollm2_model() -> common::ScratchDir {
+    let imported =
+        std::env::var_os("ACTORLLM_TEST_MODEL").map(std::path::PathBuf::from).unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct")
+        });
+    let dir = common::scratch("smollm2");
+    if imported.join("model.safetensors").exists() {
+        for f in std::fs::read_dir(&imported).unwrap() {
+            let f = f.unwrap();
+            std::os::unix::fs::symlink(f.path(), dir.join(f.file_name())).unwrap();
+        }
+    } else {
+        let shape = actorllm::models::random::Preset::Smollm2_135m.shape();
+        actorllm::models::random::make_random_model(shape, &dir, DType::F32, 3, 1.0).expect("random SmolLM2");
+    }
+    dir
+}
+
 /// A step's attention metadata: rows at the positions `seq_pos` gives for each sequence, in
 /// that order, their slots in the sequences' blocks of `bs` tokens (block tables `tables`).
 fn step_meta(tables: &[Vec<u32>], bs: usize, seq_pos: &[(u32, std::ops::Range<u32>)]) -> AttnMetadata {
@@ -1126,7 +1147,8 @@ async fn two_gpus_give_the_one_gpu_tokens() {
     }
 }
 
-/// bf16 on the GPU against f32 on the CPU (the default model, or ACTORLLM_TEST_MODEL): the
+/// bf16 on the GPU against f32 on the CPU (the default model, ACTORLLM_TEST_MODEL or a
+/// random model of its shapes: [`smollm2_model`]): the
 /// greedy outputs may part only where the f32 run's two best candidates were within a
 /// small logprob margin, and then for the f32 run's runner-up.
 #[actix_rt::test]
@@ -1135,7 +1157,7 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     use futures::StreamExt;
     let _turn = gpu_turn();
     const MARGIN: f32 = 0.5;
-    let model = common::default_model();
+    let model = smollm2_model();
     let prompts: Vec<Vec<u32>> =
         (0..8u32).map(|i| (0..(5 + 13 * i)).map(|j| (i * 31 + j * 11) % 4000 + 20).collect()).collect();
     async fn outputs(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
@@ -1205,13 +1227,14 @@ async fn the_kv_cache_takes_what_gpu_memory_utilization_leaves() {
     // Engines of earlier tests release their devices first.
     actorllm::actors::model_runner::wait_for_runners(std::time::Duration::from_secs(30));
     let (_, total) = probe.memory_info().expect("a GPU reports its memory");
+    let model = smollm2_model();
     let args = EngineArgs {
         device: DeviceArg::Cuda,
         max_num_seqs: Some(32),
         max_num_batched_tokens: Some(8192),
         max_model_len: Some(512),
         dtype: DTypeArg::Bfloat16,
-        ..common::args(common::default_model())
+        ..common::args(&model)
     };
     let keep = ((1.0 - args.gpu_memory_utilization) * total as f64) as i64;
     let engine = Engine::start(args).await.unwrap();

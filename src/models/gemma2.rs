@@ -13,7 +13,7 @@ use serde::Deserialize;
 use super::attn::AttnMetadata;
 use super::config::{ModelConfig, Rope, RopeConfig, parse_hf};
 use super::gemma::{gemma_act, tied};
-use super::layers::lora::{LayerLora, layer_modules, proj_lora};
+use super::layers::lora::{LayerLora, layer_modules, proj_lora, set_slot_in_layers};
 use super::layers::{
     MergedColumnParallelLinear, Norm, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm,
     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, gather_last_rows,
@@ -356,11 +356,6 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
     }
 
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            if let Some(l) = layer.lora.as_mut() {
-                l.set_slot(dev, i, slot, adapter)?;
-            }
-        }
-        Ok(())
+        set_slot_in_layers(dev, self.layers.iter_mut().map(|l| l.lora.as_mut()), slot, adapter)
     }
 }

@@ -207,3 +207,19 @@ pub fn layer_modules<'a, D: Device>(
 pub fn plain<D: Device>(lora: Option<&LayerLora<D>>, proj: Proj, meta: &AttnMetadata) -> bool {
     lora.is_none_or(|l| !l.applies(proj, meta))
 }
+
+/// Places `adapter`'s weights (or clears `slot`) in every layer's buffers, in layer order:
+/// a model's `CausalLM::set_lora_slot`.
+pub fn set_slot_in_layers<'a, D: Device>(
+    dev: &D,
+    layers: impl Iterator<Item = Option<&'a mut LayerLora<D>>>,
+    slot: usize,
+    adapter: Option<&LoraAdapter>,
+) -> DevResult<()> {
+    for (i, lora) in layers.enumerate() {
+        if let Some(l) = lora {
+            l.set_slot(dev, i, slot, adapter)?;
+        }
+    }
+    Ok(())
+}

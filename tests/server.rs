@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 
-use common::server::{TestServer, start, start_tiny};
+use common::server::{LONG, TestServer, default_server, long_request, start_tiny};
 
 async fn tiny_server() -> TestServer {
     start_tiny(21, |a| a.engine.max_model_len = Some(512)).await
@@ -85,24 +85,6 @@ async fn sse_completions_interleave_n_choices_and_cut_stop_strings() {
         (fin["finish_reason"].as_str(), fin["stop_reason"].as_str()),
         (Some("stop"), Some(stop.as_str()))
     );
-}
-
-/// A server on the default model, whose generations are slow enough on a CPU that a
-/// request of [`LONG`] tokens is still running when a test cancels it or drops its client.
-async fn default_server(tweak: impl FnOnce(&mut actorllm::web::ServeArgs)) -> TestServer {
-    start(common::default_model(), |a| {
-        a.engine.kv_cache_space = 1.0;
-        tweak(a);
-    })
-    .await
-}
-
-/// Tokens of a request that must still be running when the test acts on it: minutes of
-/// generation on the default model, never reached.
-const LONG: usize = 4000;
-
-fn long_request() -> Value {
-    json!({"prompt": [21, 22, 23], "max_tokens": LONG, "temperature": 0, "ignore_eos": true})
 }
 
 /// The first golden prompt, greedy: transformers' continuation (it ends with EOS).
@@ -204,8 +186,8 @@ async fn websocket_close_and_silence_abort_its_generations() {
     while next_json(&mut ws).await["type"] != "delta" {}
     ws.send(awc::ws::Message::Close(None)).await.unwrap();
     drop(ws);
-    wait_for_metric(&s, gone, 1.0).await;
-    wait_for_metric(&s, "vllm:num_requests_running", 0.0).await;
+    s.wait_for_metric(gone, 1.0).await;
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
     // Silent: the server closes it and aborts the generation.
     let (_resp, mut silent) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
     silent.send(ws_text(generate.clone())).await.unwrap();
@@ -219,8 +201,8 @@ async fn websocket_close_and_silence_abort_its_generations() {
         }
     };
     assert_eq!(closed.map(|r| r.code), Some(awc::ws::CloseCode::Away));
-    wait_for_metric(&s, gone, 2.0).await;
-    wait_for_metric(&s, "vllm:num_requests_running", 0.0).await;
+    s.wait_for_metric(gone, 2.0).await;
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
     // Answering pings for two timeouts keeps the socket open.
     let (_resp, mut live) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
     let until = Instant::now() + Duration::from_secs(4);
@@ -259,19 +241,6 @@ async fn websocket_close_and_silence_abort_its_generations() {
     assert_eq!(text, want);
 }
 
-/// Polls a metric until it reads `want` (at most 60 s).
-async fn wait_for_metric(s: &TestServer, name: &str, want: f64) {
-    let start = Instant::now();
-    loop {
-        let v = s.metric(name).await;
-        if v == want {
-            return;
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "{name} stayed {v}, expected {want}");
-        actix_rt::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Sixteen streams; the clients of eight go away while all sixteen are generating. Those
 /// eight are aborted (as client_disconnected) while the other eight keep running, and
 /// every block comes back once the rest are cancelled.
@@ -286,9 +255,9 @@ async fn dropped_streams_are_aborted_and_free_their_blocks() {
         let r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
         if i % 2 == 0 { keep.push(r) } else { drop_later.push(r) }
     }
-    wait_for_metric(&s, "vllm:num_requests_running", 16.0).await;
+    s.wait_for_metric("vllm:num_requests_running", 16.0).await;
     drop(drop_later);
-    wait_for_metric(&s, "vllm:num_requests_running", 8.0).await;
+    s.wait_for_metric("vllm:num_requests_running", 8.0).await;
     let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
     assert_eq!(s.metric(gone).await, 8.0);
     // The kept eight are still streaming; cancel them by id.
@@ -304,7 +273,7 @@ async fn dropped_streams_are_aborted_and_free_their_blocks() {
         }
         assert!(text.contains("\"finish_reason\":\"abort\"") && text.ends_with("data: [DONE]\n\n"), "{text}");
     }
-    wait_for_metric(&s, "actorllm:kv_cache_blocks_free", s.metric("actorllm:kv_cache_blocks_total").await)
+    s.wait_for_metric("actorllm:kv_cache_blocks_free", s.metric("actorllm:kv_cache_blocks_total").await)
         .await;
     assert_eq!(s.metric(gone).await, 8.0, "the kept streams were cancelled, not dropped");
 }
@@ -546,7 +515,7 @@ async fn metrics_count_what_the_requests_did() {
     };
     assert_eq!(s.metric(&bucket("+Inf")).await, n, "every request falls in the last bucket");
     assert_eq!(m("vllm:num_requests_running").await, 0.0);
-    wait_for_metric(&s, "vllm:kv_cache_usage_perc", 0.0).await;
+    s.wait_for_metric("vllm:kv_cache_usage_perc", 0.0).await;
 }
 
 #[actix_rt::test]

@@ -49,7 +49,7 @@ pub enum BenchMode {
         json: bool,
     },
     /// Concurrent streaming clients against the HTTP server.
-    Serve(serve::ServeBenchArgs),
+    Serve(Box<serve::ServeBenchArgs>),
     /// Decode latency of one batch (vLLM's benchmark_latency): ms/step and tok/s beside
     /// the model's bandwidth bound.
     Latency {
@@ -238,7 +238,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             with_random_loras(&mut engine, random_loras, random_lora_rank)?;
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
-        BenchMode::Serve(a) => return serve::run(a).await,
+        BenchMode::Serve(a) => return serve::run(*a).await,
         BenchMode::Latency { engine, batch_size, input_len, output_len, breakdown, json } => {
             gpu::latency(engine, gpu::LatencyRun { batch_size, input_len, output_len, breakdown }, json)
                 .await?;

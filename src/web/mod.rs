@@ -2,6 +2,7 @@
 //! the WebSocket protocol, operations routes and the playground. Handlers validate at the
 //! edge (`protocol`) and only talk to the [`Engine`].
 
+pub mod access;
 pub mod errors;
 pub mod lora;
 pub mod openai;
@@ -48,6 +49,23 @@ pub struct ServeArgs {
     /// vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S.
     #[arg(long, env = "VLLM_ENGINE_ITERATION_TIMEOUT_S", default_value_t = 120.0, value_parser = positive_seconds)]
     pub engine_iteration_timeout: f64,
+    /// Origins whose pages may use the server (CORS and the WebSocket upgrade), besides
+    /// its own origin and loopback pages; a JSON list or comma-separated, `*` for any.
+    #[arg(long, num_args = 1..)]
+    pub allowed_origins: Vec<String>,
+    /// Methods other origins may use (CORS); all when not given.
+    #[arg(long, num_args = 1..)]
+    pub allowed_methods: Vec<String>,
+    /// Request headers other origins may send (CORS); all when not given.
+    #[arg(long, num_args = 1..)]
+    pub allowed_headers: Vec<String>,
+    /// Let allowed origins send credentials (cookies, HTTP auth) across origins.
+    #[arg(long)]
+    pub allow_credentials: bool,
+    /// Host names the server answers to (against DNS rebinding). Bound to loopback, only
+    /// localhost, 127.0.0.1 and [::1] are answered unless listed here; `*` for any.
+    #[arg(long, num_args = 1..)]
+    pub allowed_hosts: Vec<String>,
 }
 
 impl ServeArgs {
@@ -61,6 +79,11 @@ impl ServeArgs {
             api_key: None,
             ws_idle_timeout: 30.0,
             engine_iteration_timeout: 120.0,
+            allowed_origins: Vec::new(),
+            allowed_methods: Vec::new(),
+            allowed_headers: Vec::new(),
+            allow_credentials: false,
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -88,6 +111,7 @@ pub struct AppState {
     pub served_model_names: Vec<String>,
     pub api_key: Option<String>,
     pub timeouts: Timeouts,
+    pub access: access::AccessPolicy,
     /// Response id → engine request ids, while the response is live (for cancellation).
     pub live: DashMap<String, Vec<String>>,
     pub started_unix: u64,
@@ -101,6 +125,7 @@ impl AppState {
         served_model_names: Vec<String>,
         api_key: Option<String>,
         timeouts: Timeouts,
+        access: access::AccessPolicy,
     ) -> Self {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         Self {
@@ -108,6 +133,7 @@ impl AppState {
             served_model_names,
             api_key,
             timeouts,
+            access,
             live: DashMap::new(),
             started_unix: now.as_secs(),
             id_salt: crate::sampling::uniform(now.as_nanos() as u64, 0, 0).to_bits(),
@@ -177,11 +203,22 @@ pub fn start_with_engine(
         ws_idle: Duration::from_secs_f64(args.ws_idle_timeout),
         engine_iteration: Duration::from_secs_f64(args.engine_iteration_timeout),
     };
-    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone(), timeouts));
+    let access = access::AccessPolicy::new(access::AccessFlags {
+        bind_host: &args.host,
+        allowed_origins: &args.allowed_origins,
+        allowed_hosts: &args.allowed_hosts,
+        allowed_methods: &args.allowed_methods,
+        allowed_headers: &args.allowed_headers,
+        allow_credentials: args.allow_credentials,
+    });
+    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone(), timeouts, access));
     let server = HttpServer::new(move || {
         App::new().app_data(state.clone()).wrap(middleware::from_fn(ops::auth_and_log)).configure(configure)
     })
     .workers(2)
+    // A client that closes its end has gone: its connection, and with it a non-streamed
+    // request still waiting for its response, is dropped (which aborts the generation).
+    .h1_allow_half_closed(false)
     .bind((args.host.as_str(), args.port))
     .map_err(|e| EngineError::Device(format!("cannot bind {}:{}: {e}", args.host, args.port)))?;
     let addr =

@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header;
 use actix_web::middleware::Next;
 use actix_web::web::Bytes;
 use actix_web::{HttpResponse, ResponseError, web};
@@ -101,27 +102,45 @@ fn authorized(req: &ServiceRequest, key: &str) -> bool {
     false
 }
 
-/// Checks the API key (when configured) and logs each request once its response has been
-/// sent in full (a stream's line comes when it ends, with its whole duration).
+/// Checks the request's Host and Origin (answering CORS preflights) and the API key (when
+/// configured), then logs each request once its response has been sent in full (a
+/// stream's line comes when it ends, with its whole duration).
 pub async fn auth_and_log(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
     let start = Instant::now();
     let (method, path) = (req.method().to_string(), req.path().to_string());
-    let key = req.app_data::<web::Data<AppState>>().and_then(|s| s.api_key.clone());
-    if let Some(key) = key
-        && !is_public(&path)
-        && !authorized(&req, &key)
+    let state = req.app_data::<web::Data<AppState>>().cloned();
+    let origin = req.headers().get(header::ORIGIN).and_then(|o| o.to_str().ok()).map(str::to_string);
+    let refused = |req: ServiceRequest, e: ApiError| {
+        tracing::info!(%method, %path, status = e.status_code().as_u16(), "request refused: {e}");
+        req.into_response(e.error_response())
+    };
+    let mut res = match state.as_ref().map(|s| s.access.admit(&req)) {
+        Some(Err(e)) => refused(req, e),
+        Some(Ok(Some(preflight))) => req.into_response(preflight),
+        _ => match state.as_ref().and_then(|s| s.api_key.as_deref()) {
+            Some(key) if !is_public(&path) && !authorized(&req, key) => refused(req, ApiError::Unauthorized),
+            _ => next.call(req).await?.map_into_boxed_body(),
+        },
+    };
+    if let (Some(origin), Some(state)) = (&origin, &state)
+        && res.status() != actix_web::http::StatusCode::FORBIDDEN
     {
-        tracing::info!(%method, %path, status = 401, "request refused: bad or missing API key");
-        return Err(ApiError::Unauthorized.into());
+        state.access.decorate(origin, res.headers_mut());
     }
-    let res = next.call(req).await?;
     let request_id =
         res.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string();
-    let line = HttpLine { method, path, status: res.status().as_u16(), request_id, start, bytes: 0 };
-    Ok(res.map_body(move |_, body| LoggedBody { body: body.boxed(), line }))
+    let line = HttpLine {
+        method: method.clone(),
+        path: path.clone(),
+        status: res.status().as_u16(),
+        request_id,
+        start,
+        bytes: 0,
+    };
+    Ok(res.map_body(move |_, body| LoggedBody { body, line }))
 }
 
 /// What the request's log line says.

@@ -6,7 +6,7 @@ use std::path::Path;
 use actorllm::config::EngineArgs;
 use actorllm::web::ServeArgs;
 use futures::StreamExt;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 pub struct TestServer {
     pub base: String,
@@ -41,6 +41,24 @@ pub async fn start_tiny(seed: u64, tweak: impl FnOnce(&mut ServeArgs)) -> TestSe
     let mut s = start(&model, tweak).await;
     s.dirs.push(model);
     s
+}
+
+/// A server on the default model, whose generations are slow enough on a CPU that a
+/// request of [`LONG`] tokens is still running when a test cancels it or drops its client.
+pub async fn default_server(tweak: impl FnOnce(&mut actorllm::web::ServeArgs)) -> TestServer {
+    start(super::default_model(), |a| {
+        a.engine.kv_cache_space = 1.0;
+        tweak(a);
+    })
+    .await
+}
+
+/// Tokens of a request that must still be running when the test acts on it: minutes of
+/// generation on the default model, never reached.
+pub const LONG: usize = 4000;
+
+pub fn long_request() -> Value {
+    json!({"prompt": [21, 22, 23], "max_tokens": LONG, "temperature": 0, "ignore_eos": true})
 }
 
 impl TestServer {
@@ -82,6 +100,22 @@ impl TestServer {
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("metric {prefix} missing"))
+    }
+
+    /// Polls a metric until it reads `want` (at most 60 s).
+    pub async fn wait_for_metric(&self, name: &str, want: f64) {
+        let start = std::time::Instant::now();
+        loop {
+            let v = self.metric(name).await;
+            if v == want {
+                return;
+            }
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(60),
+                "{name} stayed {v}, expected {want}"
+            );
+            actix_rt::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// Streams an SSE request and returns the raw `data:` payloads in order (as sent).

@@ -1,0 +1,163 @@
+//! The server under hostile or careless clients: connections that go away before their
+//! response, pages from other origins, broken WebSocket frames, floods, and a shutdown with
+//! streams still running. Real sockets and clients throughout.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use common::server::{TestServer, default_server, long_request};
+
+/// Sends a raw HTTP/1.1 request on a new connection and returns the connection.
+fn raw_post(s: &TestServer, path: &str, body: &Value) -> TcpStream {
+    let addr = s.base.trim_start_matches("http://");
+    let mut c = TcpStream::connect(addr).expect("connect");
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    c.write_all(head.as_bytes()).and_then(|_| c.write_all(body.as_bytes())).expect("request written");
+    c
+}
+
+/// Sends `request` (a whole HTTP/1.1 request, `Connection: close`) on a new connection and
+/// returns the status and the raw response.
+async fn raw_exchange(s: &TestServer, request: String) -> (u16, String) {
+    let addr = s.base.trim_start_matches("http://").to_string();
+    actix_rt::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        c.write_all(request.as_bytes()).expect("request written");
+        // Read to the end, but an upgraded connection stays open: stop after its head.
+        let (mut out, mut buf) = (Vec::new(), [0u8; 4096]);
+        while let Ok(n @ 1..) = c.read(&mut buf) {
+            out.extend_from_slice(&buf[..n]);
+            if out.starts_with(b"HTTP/1.1 101") && out.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        (status, text)
+    })
+    .await
+    .unwrap()
+}
+
+/// A GET of `path` with the given extra header lines.
+fn get(path: &str, host: &str, extra: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n")
+}
+
+/// The WebSocket upgrade of /v1/ws with the given extra header lines.
+fn upgrade(host: &str, extra: &str) -> String {
+    format!(
+        "GET /v1/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
+    )
+}
+
+/// Bound to loopback, the server answers only its loopback names (DNS rebinding gets 403),
+/// and pages of other origins can neither open the WebSocket nor call the API, unless
+/// --allowed-origins lists them; CORS preflights are answered for those it lists.
+#[actix_rt::test]
+async fn hosts_and_origins_other_than_the_servers_own_are_refused() {
+    let s = common::server::start_tiny(3, |_| {}).await;
+    let own = s.base.trim_start_matches("http://").to_string();
+    let port = own.rsplit(':').next().unwrap().to_string();
+    for host in [own.clone(), format!("localhost:{port}"), format!("[::1]:{port}")] {
+        assert_eq!(raw_exchange(&s, get("/v1/models", &host, "")).await.0, 200, "Host {host}");
+    }
+    let (st, text) = raw_exchange(&s, get("/v1/models", "evil.example", "")).await;
+    assert_eq!(st, 403, "{text}");
+    assert!(text.contains("--allowed-hosts") && text.contains("permission_error"), "{text}");
+    // The WebSocket: no Origin (a program), its own origin and loopback pages are let in.
+    for origin in ["", &format!("Origin: http://{own}\r\n"), &format!("Origin: http://localhost:{port}\r\n")]
+    {
+        let (st, text) = raw_exchange(&s, upgrade(&own, origin)).await;
+        assert_eq!(st, 101, "{origin}: {text}");
+    }
+    let (st, text) = raw_exchange(&s, upgrade(&own, "Origin: http://evil.example\r\n")).await;
+    assert_eq!(st, 403, "{text}");
+    assert!(text.contains("--allowed-origins"), "{text}");
+    // A cross-origin POST is refused before it runs, preflight or not.
+    let body = r#"{"prompt":"Hi","max_tokens":2}"#;
+    let post = |origin: &str, ctype: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {own}\r\nOrigin: {origin}\r\nContent-Type: {ctype}\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    assert_eq!(raw_exchange(&s, post("http://evil.example", "text/plain")).await.0, 403);
+    let preflight = |origin: &str| {
+        get("/v1/completions", &own, &format!(
+            "Origin: {origin}\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type\r\n"
+        ))
+        .replacen("GET", "OPTIONS", 1)
+    };
+    assert_eq!(raw_exchange(&s, preflight("http://evil.example")).await.0, 403);
+    // Listed origins and hosts are let in, with CORS headers naming the origin.
+    let s = common::server::start_tiny(3, |a| {
+        a.allowed_origins = vec![r#"["http://friend.example"]"#.into()];
+        a.allowed_hosts = vec!["api.example".into()];
+        a.allowed_methods = vec!["GET,POST".into()];
+    })
+    .await;
+    let own = s.base.trim_start_matches("http://").to_string();
+    let (st, text) = raw_exchange(&s, preflight("http://friend.example")).await;
+    assert_eq!(st, 204, "{text}");
+    let lower = text.to_ascii_lowercase();
+    assert!(lower.contains("access-control-allow-origin: http://friend.example"), "{text}");
+    assert!(lower.contains("access-control-allow-headers: content-type"), "{text}");
+    let (st, text) = raw_exchange(&s, post("http://friend.example", "application/json")).await;
+    assert_eq!(st, 200, "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("access-control-allow-origin: http://friend.example"),
+        "{text}"
+    );
+    assert_eq!(raw_exchange(&s, upgrade(&own, "Origin: http://friend.example\r\n")).await.0, 101);
+    assert_eq!(raw_exchange(&s, get("/health", "api.example:80", "")).await.0, 200);
+    let put = preflight("http://friend.example").replace("Request-Method: POST", "Request-Method: PUT");
+    assert_eq!(raw_exchange(&s, put).await.0, 403, "--allowed-methods GET,POST");
+}
+
+/// Non-streamed requests whose clients time out and close the connection are aborted, the
+/// running one and the queued one alike, and their blocks come back; a client that stays
+/// gets its whole response.
+#[actix_rt::test]
+async fn non_streamed_requests_are_aborted_when_their_client_leaves() {
+    let s = default_server(|a| a.engine.max_num_seqs = Some(1)).await;
+    let running = raw_post(&s, "/v1/completions", &long_request());
+    s.wait_for_metric("vllm:num_requests_running", 1.0).await;
+    let queued = raw_post(&s, "/v1/chat/completions", &{
+        let mut b = long_request();
+        b.as_object_mut().unwrap().remove("prompt");
+        b["messages"] = json!([{"role": "user", "content": "Hi"}]);
+        b
+    });
+    s.wait_for_metric("vllm:num_requests_waiting", 1.0).await;
+    drop((running, queued));
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
+    s.wait_for_metric("vllm:num_requests_waiting", 0.0).await;
+    let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
+    assert_eq!(s.metric(gone).await, 2.0, "both were aborted as client_disconnected");
+    s.wait_for_metric("actorllm:kv_cache_blocks_free", s.metric("actorllm:kv_cache_blocks_total").await)
+        .await;
+    // A client that waits is answered in full on the same kind of connection.
+    let mut c = raw_post(&s, "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 3, "temperature": 0}));
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let reply = actix_rt::task::spawn_blocking(move || {
+        let mut buf = [0u8; 4096];
+        let n = c.read(&mut buf).expect("response read");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    })
+    .await
+    .unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200") && reply.contains("\"completion_tokens\":3"), "{reply}");
+}

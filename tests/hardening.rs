@@ -161,3 +161,135 @@ async fn non_streamed_requests_are_aborted_when_their_client_leaves() {
     .unwrap();
     assert!(reply.starts_with("HTTP/1.1 200") && reply.contains("\"completion_tokens\":3"), "{reply}");
 }
+
+/// A masked client frame.
+fn frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![(u8::from(fin) << 7) | opcode];
+    match payload.len() {
+        n @ 0..=125 => f.push(0x80 | n as u8),
+        n @ 126..=65535 => {
+            f.push(0x80 | 126);
+            f.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            f.push(0x80 | 127);
+            f.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    let mask = [7u8, 1, 3, 5];
+    f.extend_from_slice(&mask);
+    f.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+/// The server's frames (unmasked) as (opcode, payload), from a byte stream.
+fn server_frames(mut b: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    while b.len() >= 2 {
+        let (op, len7) = (b[0] & 0x0F, (b[1] & 0x7F) as usize);
+        let (len, at) = match len7 {
+            126 => (u16::from_be_bytes([b[2], b[3]]) as usize, 4),
+            127 => (u64::from_be_bytes(b[2..10].try_into().unwrap()) as usize, 10),
+            n => (n, 2),
+        };
+        if b.len() < at + len {
+            break;
+        }
+        out.push((op, b[at..at + len].to_vec()));
+        b = &b[at + len..];
+    }
+    out
+}
+
+/// Opens /v1/ws on a raw socket, sends `bytes`, and reads what the server sends until it
+/// closes the connection (or 10 s pass): the frames, and the byte count.
+async fn ws_exchange(s: &TestServer, bytes: Vec<u8>) -> (Vec<(u8, Vec<u8>)>, usize) {
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let head = upgrade(&addr, "");
+    actix_rt::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(&addr).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(head.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = c.read(&mut buf).expect("upgrade answered");
+            got.extend_from_slice(&buf[..n]);
+        }
+        let at = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        assert!(got.starts_with(b"HTTP/1.1 101"), "{}", String::from_utf8_lossy(&got));
+        let mut rest = got.split_off(at);
+        let _ = c.write_all(&bytes);
+        while let Ok(n @ 1..) = c.read(&mut buf) {
+            rest.extend_from_slice(&buf[..n]);
+            if rest.len() > 1 << 20 {
+                break;
+            }
+        }
+        (server_frames(&rest), rest.len())
+    })
+    .await
+    .unwrap()
+}
+
+fn close_code(frames: &[(u8, Vec<u8>)]) -> Option<u16> {
+    frames.iter().find(|(op, _)| *op == 8).map(|(_, p)| u16::from_be_bytes([p[0], p[1]]))
+}
+
+/// Broken frames close the socket at once with the right code, and the server sends a few
+/// bytes, not an endless stream of errors: an announced 2⁴⁰-byte frame before its payload,
+/// an unmasked frame, reserved bits, an unknown opcode, a continuation with nothing to
+/// continue, a fragmented message over the limit, and text that is not UTF-8. A message
+/// sent in fragments is joined and runs.
+#[actix_rt::test]
+async fn broken_websocket_frames_close_the_socket_with_their_code() {
+    let s = common::server::start_tiny(3, |_| {}).await;
+    let huge = {
+        let mut f = vec![0x81, 0x80 | 127];
+        f.extend_from_slice(&(1u64 << 40).to_be_bytes());
+        f.extend_from_slice(&[1, 2, 3, 4]);
+        f.extend(vec![b'x'; 1 << 20]);
+        f
+    };
+    let mut unmasked = frame(true, 1, b"{}");
+    unmasked[1] &= 0x7F;
+    let half = vec![b' '; 600 << 10];
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("2^40-byte header", huge, 1009),
+        ("unmasked", unmasked, 1002),
+        ("RSV1", frame(true, 0x41, b"{}"), 1002),
+        ("opcode 3", frame(true, 3, b"{}"), 1002),
+        ("lone continuation", frame(true, 0, b"{}"), 1002),
+        ("1.2 MiB in two fragments", [frame(false, 1, &half), frame(true, 0, &half)].concat(), 1009),
+        ("not UTF-8", frame(true, 1, &[0xff, 0xfe]), 1007),
+    ];
+    for (what, bytes, code) in cases {
+        let (frames, n) = ws_exchange(&s, bytes).await;
+        assert_eq!(close_code(&frames), Some(code), "{what}: {frames:?}");
+        assert!(n < 4096, "{what}: the server sent {n} bytes before closing");
+    }
+    // A generate frame in three fragments, with a ping between them, runs.
+    let msg = json!({"type": "generate", "id": "f", "endpoint": "completions",
+        "request": {"prompt": "Hi", "max_tokens": 2, "temperature": 0}})
+    .to_string();
+    let (a, b) = msg.as_bytes().split_at(10);
+    let (b, c) = b.split_at(10);
+    let bytes = [frame(false, 1, a), frame(true, 9, b"p"), frame(false, 0, b), frame(true, 0, c)].concat();
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let got = actix_rt::task::spawn_blocking(move || {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        c.write_all(upgrade(&addr, "").as_bytes()).unwrap();
+        c.write_all(&bytes).unwrap();
+        let (mut got, mut buf) = (Vec::new(), [0u8; 4096]);
+        while !String::from_utf8_lossy(&got).contains("\"type\":\"done\"") {
+            let n = c.read(&mut buf).expect("frames");
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    })
+    .await
+    .unwrap();
+    assert!(got.contains("\"type\":\"started\"") && got.contains("\"finish_reason\":\"length\""), "{got}");
+}

@@ -11,6 +11,7 @@ pub mod playground;
 pub mod protocol;
 pub mod responses;
 pub mod ws;
+pub mod ws_frames;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -13,6 +13,7 @@
 //! generations.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -26,12 +27,15 @@ use super::errors::ApiError;
 use super::openai::start;
 use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, prepare_completion};
 use super::responses::GenEvent;
+use super::ws_frames::{FrameGuard, Ledger};
 use crate::request::{AbortReason, FinishReason};
 
 /// The longest time between two pings (with the default `--ws-idle-timeout` of 30 s).
 const HEARTBEAT: Duration = Duration::from_secs(5);
-/// Largest accepted frame.
+/// Largest accepted frame, and largest message once its fragments are joined.
 pub const MAX_FRAME: usize = 1 << 20;
+/// Most bytes read from one socket ahead of what its session has handled.
+pub const MAX_BUFFERED: usize = 4 << 20;
 /// Most generations one socket may run at once.
 pub const MAX_CONCURRENT: usize = 64;
 
@@ -59,6 +63,10 @@ pub struct WsSession {
     state: web::Data<AppState>,
     last_heard: Instant,
     running: HashMap<String, Generation>,
+    /// Shared with the socket's [`FrameGuard`]: frames handled, and why input was cut.
+    ledger: Rc<Ledger>,
+    /// A fragmented message being joined: whether it is text, and its bytes so far.
+    joining: Option<(bool, Vec<u8>)>,
 }
 
 fn error_frame(id: Option<&str>, e: &ApiError) -> String {
@@ -259,30 +267,81 @@ impl Actor for WsSession {
     }
 }
 
-impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsSession {
-    fn handle(&mut self, msg: Result<ws::Message, ws::ProtocolError>, ctx: &mut Self::Context) {
-        self.last_heard = Instant::now();
-        match msg {
-            Ok(ws::Message::Text(t)) => self.on_text(&t, ctx),
-            Ok(ws::Message::Ping(p)) => ctx.pong(&p),
-            Ok(ws::Message::Pong(_)) => {}
-            Ok(ws::Message::Binary(_)) => ctx.text(error_frame(
+impl WsSession {
+    /// Ends the session with a close frame of `code`.
+    fn close(&mut self, ctx: &mut ws::WebsocketContext<Self>, code: ws::CloseCode, why: String) {
+        tracing::info!(code = u16::from(code), "closing websocket: {why}");
+        ctx.close(Some(ws::CloseReason { code, description: Some(why) }));
+        ctx.stop();
+    }
+
+    /// A whole message, joined from its fragments or not.
+    fn on_message(&mut self, text: bool, bytes: &[u8], ctx: &mut ws::WebsocketContext<Self>) {
+        match (text, std::str::from_utf8(bytes)) {
+            (true, Ok(t)) => self.on_text(t, ctx),
+            (true, Err(_)) => {
+                self.close(ctx, ws::CloseCode::Invalid, "a text message that is not UTF-8".into())
+            }
+            (false, _) => ctx.text(error_frame(
                 None,
                 &ApiError::bad("binary frames are not supported; send JSON text", None),
             )),
+        }
+    }
+}
+
+impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for WsSession {
+    fn handle(&mut self, msg: Result<ws::Message, ws::ProtocolError>, ctx: &mut Self::Context) {
+        self.last_heard = Instant::now();
+        if msg.is_ok() {
+            self.ledger.handled();
+        }
+        match msg {
+            Ok(ws::Message::Text(t)) => self.on_text(&t, ctx),
+            Ok(ws::Message::Binary(b)) => self.on_message(false, &b, ctx),
+            Ok(ws::Message::Ping(p)) => ctx.pong(&p),
+            Ok(ws::Message::Pong(_)) | Ok(ws::Message::Nop) => {}
             Ok(ws::Message::Close(reason)) => {
                 ctx.close(reason);
                 ctx.stop();
             }
-            Ok(ws::Message::Continuation(_)) | Ok(ws::Message::Nop) => {}
-            Err(e) => {
-                let err = ApiError::bad(format!("websocket protocol error: {e}"), None);
-                ctx.text(error_frame(None, &err));
-                if matches!(e, ws::ProtocolError::Overflow) {
-                    ctx.close(Some(ws::CloseCode::Size.into()));
-                    ctx.stop();
+            // Fragments are joined; FrameGuard has held their announced sizes to MAX_FRAME
+            // and their order to the protocol's.
+            Ok(ws::Message::Continuation(item)) => match item {
+                actix_http::ws::Item::FirstText(b) => self.joining = Some((true, b.to_vec())),
+                actix_http::ws::Item::FirstBinary(b) => self.joining = Some((false, b.to_vec())),
+                actix_http::ws::Item::Continue(b) => {
+                    if let Some((_, buf)) = &mut self.joining {
+                        buf.extend_from_slice(&b);
+                    }
                 }
+                actix_http::ws::Item::Last(b) => {
+                    if let Some((text, mut buf)) = self.joining.take() {
+                        buf.extend_from_slice(&b);
+                        self.on_message(text, &buf, ctx);
+                    }
+                }
+            },
+            Err(e) => {
+                // The decoder's own refusals; a text frame that is not UTF-8 comes as an
+                // I/O error naming UTF-8.
+                let code = match &e {
+                    ws::ProtocolError::Overflow => ws::CloseCode::Size,
+                    ws::ProtocolError::Io(io) if io.to_string().to_lowercase().contains("utf-8") => {
+                        ws::CloseCode::Invalid
+                    }
+                    _ => ws::CloseCode::Protocol,
+                };
+                self.close(ctx, code, format!("websocket protocol error: {e}"));
             }
+        }
+    }
+
+    /// The input ended: the client closed it, or FrameGuard cut it at a violation.
+    fn finished(&mut self, ctx: &mut Self::Context) {
+        match self.ledger.violation() {
+            Some((code, why)) => self.close(ctx, code, why),
+            None => ctx.stop(),
         }
     }
 }
@@ -292,6 +351,9 @@ pub async fn connect(
     stream: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, actix_web::Error> {
-    let session = WsSession { state, last_heard: Instant::now(), running: HashMap::new() };
-    ws::WsResponseBuilder::new(session, &req, stream).frame_size(MAX_FRAME).start()
+    let (guarded, ledger) = FrameGuard::new(stream, MAX_FRAME, MAX_BUFFERED);
+    let session =
+        WsSession { state, last_heard: Instant::now(), running: HashMap::new(), ledger, joining: None };
+    // The decoder's own limit sits above the guard's, which refuses first with its reason.
+    ws::WsResponseBuilder::new(session, &req, guarded).frame_size(MAX_FRAME + 1).start()
 }

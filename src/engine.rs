@@ -17,7 +17,7 @@ use crate::actors::model_runner::{
     TuneGemms,
 };
 use crate::actors::scheduler::{
-    Abort, AddRequest, AdmissionLimits, GetStats, PreloadLoras, SchedulerActor, SchedulerStats,
+    Abort, AddRequest, AdmissionLimits, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting,
 };
 use crate::config::{ConfigError, DeviceArg, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
@@ -51,6 +51,11 @@ pub enum EngineError {
     DuplicateId(String),
     #[error("the engine has stopped")]
     Stopped,
+    #[error(
+        "The server is overloaded: {waiting} sequences are waiting (the limit is {limit}, \
+         --max-waiting-requests). Retry later."
+    )]
+    QueueFull { waiting: usize, limit: usize },
     #[error("device: {0}")]
     Device(String),
     #[error("The model `{0}` does not exist.")]
@@ -244,8 +249,11 @@ impl Engine {
             num_blocks: config.num_blocks,
             max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
         };
-        let limits =
-            AdmissionLimits { max_model_len: config.max_model_len, vocab_size: model_config.vocab_size };
+        let limits = AdmissionLimits {
+            max_model_len: config.max_model_len,
+            vocab_size: model_config.vocab_size,
+            max_waiting: None,
+        };
         let scheduler = SchedulerActor::new(
             sched_cfg,
             block_manager.clone().recipient(),
@@ -360,6 +368,13 @@ impl Engine {
         let msg = AddRequest { id: id.clone(), prompt_ids, params: Arc::new(params), events: tx, lora };
         self.inner.scheduler.send(msg).await.map_err(|_| EngineError::Stopped)??;
         Ok(RequestStream { id, rx, scheduler: self.inner.scheduler.clone(), ended: false })
+    }
+
+    /// Bounds the sequences that may wait to be scheduled (None: no bound); past it new
+    /// requests get [`EngineError::QueueFull`].
+    /// Takes effect before any request submitted after the call.
+    pub fn set_max_waiting(&self, limit: Option<usize>) {
+        self.inner.scheduler.do_send(SetMaxWaiting(limit));
     }
 
     /// Aborts a live request; returns whether it was live.

@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 /// Limits on a request's shape that protect every other user of the server.
 pub const MAX_N: usize = 128;
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
 pub const MAX_LOGPROBS: usize = 20;
 
 /// vLLM's `SamplingParams`, with its defaults. Build with struct update syntax from
@@ -131,6 +133,13 @@ impl SamplingParams {
             self.stop.len(),
         )?;
         check(self.stop.iter().all(|s| !s.is_empty()), "stop", "must not contain empty strings", "\"\"")?;
+        let longest = self.stop.iter().map(String::len).max().unwrap_or(0);
+        check(
+            longest <= MAX_STOP_BYTES,
+            "stop",
+            &format!("strings must be at most {MAX_STOP_BYTES} bytes long"),
+            format!("a string of {longest} bytes"),
+        )?;
         if let Some(l) = self.logprobs {
             check(l <= MAX_LOGPROBS, "logprobs", &format!("must be between 0 and {MAX_LOGPROBS}"), l)?;
         }

@@ -293,3 +293,91 @@ async fn broken_websocket_frames_close_the_socket_with_their_code() {
     .unwrap();
     assert!(got.contains("\"type\":\"started\"") && got.contains("\"finish_reason\":\"length\""), "{got}");
 }
+
+/// Past --max-waiting-requests a request gets 429 with Retry-After (and the others run on);
+/// n × prompts over --max-num-seqs, a max_tokens that would overflow, a role outside the
+/// four, a 1 MB stop string and the structured-output fields this server does not run get
+/// 400; a body that stops arriving gets 408.
+#[actix_rt::test]
+async fn admission_limits_and_bounded_fields() {
+    let s = default_server(|a| {
+        a.engine.max_num_seqs = Some(2);
+        a.max_waiting_requests = Some(1);
+        a.request_body_timeout = 1.0;
+    })
+    .await;
+    let mut body = long_request();
+    body["stream"] = json!(true);
+    let mut live = Vec::new();
+    for (running, waiting) in [(1.0, 0.0), (2.0, 0.0), (2.0, 1.0)] {
+        let r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        live.push(r);
+        s.wait_for_metric("vllm:num_requests_running", running).await;
+        s.wait_for_metric("vllm:num_requests_waiting", waiting).await;
+    }
+    let r = s.client.post(s.url("/v1/completions")).send_json(&long_request()).await.unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    let (st, v) = s.post("/v1/completions", &long_request()).await;
+    assert_eq!(st, 429);
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-waiting-requests"), "{v}");
+    assert_eq!(s.metric("vllm:num_requests_running").await, 2.0, "the running ones go on");
+    drop(live);
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
+
+    let chat = |messages: Value| json!({"messages": messages, "max_tokens": 2});
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("/v1/completions", json!({"prompt": ["a", "b"], "n": 2, "max_tokens": 2}), "--max-num-seqs"),
+        ("/v1/completions", json!({"prompt": "Hi", "max_tokens": u64::MAX}), "maximum context length"),
+        ("/v1/chat/completions", chat(json!([{"role": "<|im_start|>system", "content": "x"}])), "role"),
+        ("/v1/chat/completions", chat(json!([{"role": "developer", "content": "x"}])), "role"),
+        ("/v1/completions", json!({"prompt": "Hi", "stop": ["x".repeat(1 << 20)]}), "at most 1024 bytes"),
+        (
+            "/v1/chat/completions",
+            {
+                let mut b = chat(json!([{"role": "user", "content": "x"}]));
+                b["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+                b
+            },
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                let mut b = chat(json!([{"role": "user", "content": "x"}]));
+                b["response_format"] = json!({"type": "json_object"});
+                b
+            },
+            "response_format",
+        ),
+        ("/v1/completions", json!({"prompt": "Hi", "guided_json": {"type": "object"}}), "guided_json"),
+    ];
+    for (path, body, says) in cases {
+        let (st, v) = s.post(path, &body).await;
+        assert_eq!(st, 400, "{body:.200}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{says}: {v}");
+    }
+    // Fields set to what they mean by default are fine.
+    let mut ok = chat(json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]));
+    ok["tools"] = json!([]);
+    ok["tool_choice"] = json!("none");
+    ok["response_format"] = json!({"type": "text"});
+    assert_eq!(s.post("/v1/chat/completions", &ok).await.0, 200);
+
+    // A body announced as 100 bytes of which 10 come.
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let started = std::time::Instant::now();
+    let (st, text) = raw_exchange(
+        &s,
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: 100\r\nConnection: close\r\n\r\n{{\"prompt\":"
+        ),
+    )
+    .await;
+    assert_eq!(st, 408, "{text}");
+    assert!(text.contains("did not arrive within 1 s"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}

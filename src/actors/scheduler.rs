@@ -77,7 +77,15 @@ pub struct SchedulerStats {
 pub struct AdmissionLimits {
     pub max_model_len: usize,
     pub vocab_size: usize,
+    /// Most sequences that may wait to be scheduled; a request that would go past it is
+    /// refused with [`EngineError::QueueFull`]. None: no bound.
+    pub max_waiting: Option<usize>,
 }
+
+/// Sets [`AdmissionLimits::max_waiting`] (the server's `--max-waiting-requests`).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetMaxWaiting(pub Option<usize>);
 
 struct Choice {
     seq: SeqId,
@@ -204,6 +212,12 @@ impl SchedulerActor {
         }
         if self.by_id.contains_key(&msg.id) {
             return Err(EngineError::DuplicateId(msg.id.to_string()));
+        }
+        let waiting = self.core.num_waiting();
+        if let Some(limit) = self.limits.max_waiting
+            && waiting + msg.params.n > limit
+        {
+            return Err(EngineError::QueueFull { waiting, limit });
         }
         let group = self.next_group;
         self.next_group += 1;

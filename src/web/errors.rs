@@ -25,7 +25,12 @@ pub enum ApiError {
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
     Unavailable(String),
+    /// 429 with `Retry-After`.
+    #[error("{0}")]
+    Overloaded(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -59,7 +64,9 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "not_found_error",
             ApiError::Unauthorized => "authentication_error",
             ApiError::Forbidden(_) => "permission_error",
+            ApiError::Timeout(_) => "timeout_error",
             ApiError::Unavailable(_) => "service_unavailable",
+            ApiError::Overloaded(_) => "rate_limit_error",
             ApiError::Internal(_) => "internal_error",
         }
     }
@@ -90,13 +97,19 @@ impl ResponseError for ApiError {
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Timeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status_code()).json(self.body())
+        let mut res = HttpResponse::build(self.status_code());
+        if let ApiError::Overloaded(_) = self {
+            res.insert_header(("Retry-After", "1"));
+        }
+        res.json(self.body())
     }
 }
 
@@ -111,6 +124,7 @@ impl From<EngineError> for ApiError {
             EngineError::TokenOutOfRange { .. } => ApiError::bad(e.to_string(), Some("prompt")),
             EngineError::DuplicateId(_) => ApiError::bad(e.to_string(), None),
             EngineError::Stopped => ApiError::Unavailable("The engine has stopped.".into()),
+            EngineError::QueueFull { .. } => ApiError::Overloaded(e.to_string()),
             EngineError::LoraNotFound(name) => ApiError::ModelNotFound(name),
             EngineError::Lora(m) => ApiError::Internal(m),
             other => ApiError::Internal(other.to_string()),
@@ -140,6 +154,9 @@ pub fn json_error(
         J::OverflowKnownLength { limit, .. } | J::Overflow { limit } => ApiError::TooLarge { limit: *limit },
         J::ContentType => ApiError::bad("Content-Type must be application/json.", None),
         J::Deserialize(e) => ApiError::bad(format!("Invalid request body: {e}"), None),
+        J::Payload(actix_web::error::PayloadError::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+            ApiError::Timeout(e.to_string())
+        }
         other => ApiError::bad(format!("Invalid request body: {other}"), None),
     };
     api.into()

@@ -67,6 +67,13 @@ pub struct ServeArgs {
     /// localhost, 127.0.0.1 and [::1] are answered unless listed here; `*` for any.
     #[arg(long, num_args = 1..)]
     pub allowed_hosts: Vec<String>,
+    /// Most sequences that may wait for a place in the batch; a request past it gets 429
+    /// with Retry-After. Defaults to --max-num-seqs; 0 for no bound.
+    #[arg(long)]
+    pub max_waiting_requests: Option<usize>,
+    /// Seconds a request body may take to arrive in full (408 past it).
+    #[arg(long, default_value_t = 30.0, value_parser = positive_seconds)]
+    pub request_body_timeout: f64,
 }
 
 impl ServeArgs {
@@ -85,6 +92,8 @@ impl ServeArgs {
             allowed_headers: Vec::new(),
             allow_credentials: false,
             allowed_hosts: Vec::new(),
+            max_waiting_requests: None,
+            request_body_timeout: 30.0,
         }
     }
 }
@@ -103,6 +112,8 @@ pub struct Timeouts {
     pub ws_idle: Duration,
     /// A step running this long makes `/health` answer 503.
     pub engine_iteration: Duration,
+    /// A request body must arrive in full within this.
+    pub body: Duration,
 }
 
 /// Shared by every handler.
@@ -203,7 +214,10 @@ pub fn start_with_engine(
     let timeouts = Timeouts {
         ws_idle: Duration::from_secs_f64(args.ws_idle_timeout),
         engine_iteration: Duration::from_secs_f64(args.engine_iteration_timeout),
+        body: Duration::from_secs_f64(args.request_body_timeout),
     };
+    let max_waiting = args.max_waiting_requests.unwrap_or(engine.config().max_num_seqs);
+    engine.set_max_waiting((max_waiting > 0).then_some(max_waiting));
     let access = access::AccessPolicy::new(access::AccessFlags {
         bind_host: &args.host,
         allowed_origins: &args.allowed_origins,

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -122,7 +123,17 @@ pub async fn auth_and_log(
         Some(Ok(Some(preflight))) => req.into_response(preflight),
         _ => match state.as_ref().and_then(|s| s.api_key.as_deref()) {
             Some(key) if !is_public(&path) && !authorized(&req, key) => refused(req, ApiError::Unauthorized),
-            _ => next.call(req).await?.map_into_boxed_body(),
+            _ => {
+                let mut req = req;
+                if let Some(s) = &state
+                    && !req.headers().contains_key(header::UPGRADE)
+                {
+                    let body = actix_web::HttpMessage::take_payload(&mut req);
+                    let payload = Box::pin(BodyDeadline::new(body, s.timeouts.body));
+                    req.set_payload(actix_web::dev::Payload::Stream { payload });
+                }
+                next.call(req).await?.map_into_boxed_body()
+            }
         },
     };
     if let (Some(origin), Some(state)) = (&origin, &state)
@@ -141,6 +152,40 @@ pub async fn auth_and_log(
         bytes: 0,
     };
     Ok(res.map_body(move |_, body| LoggedBody { body, line }))
+}
+
+/// A request body that fails with a timeout when it has not arrived in full within
+/// `--request-body-timeout`, so that a client that stops sending does not hold its
+/// handler forever.
+struct BodyDeadline {
+    body: actix_web::dev::Payload,
+    limit: Duration,
+    deadline: Pin<Box<actix_rt::time::Sleep>>,
+}
+
+impl BodyDeadline {
+    fn new(body: actix_web::dev::Payload, limit: Duration) -> Self {
+        Self { body, limit, deadline: Box::pin(actix_rt::time::sleep(limit)) }
+    }
+}
+
+impl futures::Stream for BodyDeadline {
+    type Item = Result<Bytes, actix_web::error::PayloadError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Poll::Ready(item) = Pin::new(&mut self.body).poll_next(cx) {
+            return Poll::Ready(item);
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                Poll::Ready(Some(Err(actix_web::error::PayloadError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the request body did not arrive within {} s", self.limit.as_secs_f64()),
+                )))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// What the request's log line says.

@@ -34,6 +34,61 @@ pub struct StreamOptions {
     pub continuous_usage_stats: bool,
 }
 
+/// Structured output and tool calling fields, which this server does not run: a request
+/// that sets them gets 400 rather than output that silently ignores them.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredFields {
+    tools: Option<serde_json::Value>,
+    tool_choice: Option<serde_json::Value>,
+    response_format: Option<serde_json::Value>,
+    guided_json: Option<serde_json::Value>,
+    guided_regex: Option<serde_json::Value>,
+    guided_choice: Option<serde_json::Value>,
+    guided_grammar: Option<serde_json::Value>,
+    structured_outputs: Option<serde_json::Value>,
+}
+
+impl StructuredFields {
+    fn check(&self) -> Result<(), ApiError> {
+        use serde_json::Value;
+        let refuse = |field: &str| {
+            Err(ApiError::bad(
+                format!(
+                    "{field} is not supported by this server: structured output and tool calls are not available"
+                ),
+                Some(field),
+            ))
+        };
+        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+        if self.tools.as_ref().and_then(Value::as_array).is_some_and(|t| !t.is_empty())
+            || self.tools.as_ref().is_some_and(|t| !t.is_null() && !t.is_array())
+        {
+            return refuse("tools");
+        }
+        if self.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c != "none" && c != "auto") {
+            return refuse("tool_choice");
+        }
+        if self.response_format.as_ref().is_some_and(|f| !f.is_null() && f["type"] != "text") {
+            return refuse("response_format");
+        }
+        for (name, v) in [
+            ("guided_json", &self.guided_json),
+            ("guided_regex", &self.guided_regex),
+            ("guided_choice", &self.guided_choice),
+            ("guided_grammar", &self.guided_grammar),
+            ("structured_outputs", &self.structured_outputs),
+        ] {
+            if set(v) {
+                return refuse(name);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The roles a chat message may have.
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
 /// Sampling fields shared by both endpoints (vLLM's names).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
@@ -83,6 +138,8 @@ pub struct CompletionRequest {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub suffix: Option<String>,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// Message content: a string or a list of parts (only text parts are accepted).
@@ -122,6 +179,8 @@ pub struct ChatRequest {
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub echo: bool,
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// Which response shape a request gets.
@@ -239,11 +298,22 @@ fn resolve_target(
 }
 
 /// Rejects a request whose prompt plus completion cannot fit the context.
-fn check_context(
-    prompts: &[Vec<u32>],
-    params: &SamplingParams,
-    max_model_len: usize,
-) -> Result<(), ApiError> {
+/// Each prompt fits the context with its max_tokens, and the request's sequences (n per
+/// prompt) fit in one batch.
+fn check_context(prompts: &[Vec<u32>], params: &SamplingParams, engine: &Engine) -> Result<(), ApiError> {
+    let (max_model_len, max_seqs) = (engine.config().max_model_len, engine.config().max_num_seqs);
+    if prompts.len() * params.n > max_seqs {
+        return Err(ApiError::bad(
+            format!(
+                "n ({}) times the number of prompts ({}) is {} sequences, over this server's \
+                 --max-num-seqs of {max_seqs}: send fewer prompts or choices per request",
+                params.n,
+                prompts.len(),
+                prompts.len() * params.n
+            ),
+            Some("n"),
+        ));
+    }
     for p in prompts {
         if p.is_empty() {
             return Err(ApiError::bad("The prompt is empty.", Some("prompt")));
@@ -251,8 +321,9 @@ fn check_context(
         if p.len() >= max_model_len {
             return Err(ApiError::context_length(p.len(), 0, max_model_len));
         }
+        // p.len() < max_model_len here: no overflow whatever max_tokens is.
         if let Some(m) = params.max_tokens
-            && p.len() + m > max_model_len
+            && m > max_model_len - p.len()
         {
             return Err(ApiError::context_length(p.len(), m, max_model_len));
         }
@@ -269,6 +340,7 @@ pub fn prepare_completion(
     req: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
+    req.structured.check()?;
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
@@ -305,7 +377,7 @@ pub fn prepare_completion(
             Some("prompt"),
         ));
     }
-    check_context(&prompts, &params, engine.config().max_model_len)?;
+    check_context(&prompts, &params, engine)?;
     let echo = match req.echo {
         true => prompts
             .iter()
@@ -357,12 +429,21 @@ fn message_text(m: &MessageIn, i: usize) -> Result<String, ApiError> {
 pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
     msgs.iter()
         .enumerate()
-        .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: message_text(m, i)? }))
+        .map(|(i, m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::bad(
+                    format!("messages[{i}].role must be one of {}, not {:?}", ROLES.join(", "), m.role),
+                    Some("messages"),
+                ));
+            }
+            Ok(ChatMessage { role: m.role.clone(), content: message_text(m, i)? })
+        })
         .collect()
 }
 
 pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
+    req.structured.check()?;
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
     }
@@ -385,7 +466,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
     let text = tok.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
     let ids = tok.encode(&text, false)?;
     let prompts = vec![ids];
-    check_context(&prompts, &params, engine.config().max_model_len)?;
+    check_context(&prompts, &params, engine)?;
     let echo = vec![req.echo.then(|| messages.last().map(|m| m.content.clone()).unwrap_or_default())];
     Ok(Prepared {
         endpoint: Endpoint::Chat,

@@ -3,7 +3,7 @@
 
 use actix::prelude::*;
 
-use super::{Abort, AddRequest, GetStats, PreloadLoras, SchedulerActor, SchedulerStats};
+use super::{Abort, AddRequest, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting};
 use crate::actors::model_runner::ExecuteBatch;
 use crate::engine::EngineError;
 
@@ -17,6 +17,13 @@ impl Handler<AddRequest> for SchedulerActor {
         self.add(msg)?;
         self.maybe_step(ctx);
         Ok(())
+    }
+}
+
+impl Handler<SetMaxWaiting> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SetMaxWaiting, _: &mut Context<Self>) {
+        self.limits.max_waiting = msg.0;
     }
 }
 

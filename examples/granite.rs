@@ -210,8 +210,7 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter("actorllm=info,warn").init();
     let args = Cli::parse().serve;
     actix::System::new().block_on(async move {
-        let (server, _) = actorllm::web::start_with_architectures::<Granite>(args).await?;
-        server.await?;
+        actorllm::web::serve_with_architectures::<Granite>(args).await?;
         anyhow::Ok(())
     })
 }

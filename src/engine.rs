@@ -17,7 +17,8 @@ use crate::actors::model_runner::{
     TuneGemms,
 };
 use crate::actors::scheduler::{
-    Abort, AddRequest, AdmissionLimits, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting,
+    Abort, AddRequest, AdmissionLimits, EndAll, GetStats, PreloadLoras, SchedulerActor, SchedulerStats,
+    SetMaxWaiting,
 };
 use crate::config::{ConfigError, DeviceArg, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
@@ -375,6 +376,11 @@ impl Engine {
     /// Takes effect before any request submitted after the call.
     pub fn set_max_waiting(&self, limit: Option<usize>) {
         self.inner.scheduler.do_send(SetMaxWaiting(limit));
+    }
+
+    /// Ends every live request with an error event carrying `message`.
+    pub async fn end_all(&self, message: &str) -> Result<(), EngineError> {
+        self.inner.scheduler.send(EndAll(message.to_string())).await.map_err(|_| EngineError::Stopped)
     }
 
     /// Aborts a live request; returns whether it was live.

@@ -149,8 +149,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Serve(args) => with_engine_threads(async move {
-            let (server, _) = actorllm::web::start(args).await?;
-            server.await?;
+            actorllm::web::serve(args).await?;
             Ok(())
         }),
         Cmd::Generate(args) => with_engine_threads(generate(args)),

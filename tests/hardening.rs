@@ -381,3 +381,118 @@ async fn admission_limits_and_bounded_fields() {
     assert!(text.contains("did not arrive within 1 s"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(20));
 }
+
+/// Reads a whole HTTP/1.1 exchange's raw bytes until the server closes the connection.
+fn read_bytes(mut c: TcpStream) -> Vec<u8> {
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut out = Vec::new();
+    let _ = c.read_to_end(&mut out);
+    out
+}
+
+fn read_all(c: TcpStream) -> String {
+    String::from_utf8_lossy(&read_bytes(c)).into_owned()
+}
+
+/// `actorllm serve` in its own process, sent SIGTERM with a stream, a WebSocket generation
+/// and a short non-streamed request running: during the drain /health and new requests get
+/// 503 and the short request completes; after --shutdown-timeout the stream ends with an
+/// error event and [DONE], the WebSocket with an error frame and close 1001; the process
+/// exits cleanly.
+#[test]
+fn sigterm_drains_then_ends_what_still_runs_with_a_word() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let model = common::default_model();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_actorllm"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--shutdown-timeout", "3"])
+        .args(["--kv-cache-space", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("actorllm serve starts");
+    let mut log = BufReader::new(server.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = log.next().expect("the server says where it listens").unwrap();
+        if let Some(at) = line.find("listening on http://") {
+            break line[at + "listening on http://".len()..].split_whitespace().next().unwrap().to_string();
+        }
+    };
+    let log = std::thread::spawn(move || log.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
+    let post = |body: &Value| {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        let body = body.to_string();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        c
+    };
+    let mut stream_body = long_request();
+    stream_body["stream"] = json!(true);
+    let mut sse = post(&stream_body);
+    let mut first = [0u8; 256];
+    sse.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let n = sse.read(&mut first).unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&first[..n]));
+    let mut ws = TcpStream::connect(&addr).unwrap();
+    ws.write_all(upgrade(&addr, "").as_bytes()).unwrap();
+    let generate =
+        json!({"type": "generate", "id": "w", "endpoint": "completions", "request": long_request()});
+    ws.write_all(&frame(true, 1, generate.to_string().as_bytes())).unwrap();
+    let get = |path: &str| {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        c.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+            .unwrap();
+        read_all(c)
+    };
+    let running_reaches = |want: usize| {
+        let line = format!(
+            "vllm:num_requests_running{{model_name=\"{}\"}} {want}\n",
+            model.file_name().unwrap().to_str().unwrap()
+        );
+        for _ in 0..600 {
+            if get("/metrics").contains(&line) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{want} requests never ran");
+    };
+    running_reaches(2);
+    let short = post(&json!({"prompt": "Hi", "max_tokens": 24, "temperature": 0, "ignore_eos": true}));
+    running_reaches(3);
+    let short = std::thread::spawn(move || read_all(short));
+    let (sse, ws) = (std::thread::spawn(move || read_all(sse)), std::thread::spawn(move || read_bytes(ws)));
+    let kill = Command::new("kill").args(["-TERM", &server.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    std::thread::sleep(Duration::from_millis(300));
+    let health = get("/health");
+    assert!(health.starts_with("HTTP/1.1 503"), "draining: {health}");
+    let refused = read_all(post(&json!({"prompt": "Hi", "max_tokens": 2})));
+    assert!(refused.starts_with("HTTP/1.1 503") && refused.contains("shutting down"), "{refused}");
+    let short = short.join().unwrap();
+    assert!(short.starts_with("HTTP/1.1 200") && short.contains("\"completion_tokens\":24"), "{short}");
+    let status = server.wait().unwrap();
+    let log = log.join().unwrap();
+    assert!(status.success(), "exit {status:?}\n{log}");
+    let sse = sse.join().unwrap();
+    assert!(sse.contains("the server is shutting down"), "{sse}");
+    assert!(sse.contains("data: [DONE]") && sse.ends_with("0\r\n\r\n"), "a whole chunked body: {sse}");
+    let ws = ws.join().unwrap();
+    let at = ws.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let frames = server_frames(&ws[at..]);
+    let texts: Vec<String> = frames
+        .iter()
+        .filter(|(op, _)| *op == 1)
+        .map(|(_, p)| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert!(
+        texts.iter().any(|t| t.contains("\"type\":\"error\"") && t.contains("shutting down")),
+        "{texts:?}"
+    );
+    assert_eq!(close_code(&frames), Some(1001), "{log}");
+    assert!(log.contains("draining") && log.contains("server stopped"), "{log}");
+}

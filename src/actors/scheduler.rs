@@ -82,6 +82,12 @@ pub struct AdmissionLimits {
     pub max_waiting: Option<usize>,
 }
 
+/// Ends every live request with an error event carrying the message (the server's
+/// shutdown, once its drain time is over).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EndAll(pub String);
+
 /// Sets [`AdmissionLimits::max_waiting`] (the server's `--max-waiting-requests`).
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -348,6 +354,11 @@ impl SchedulerActor {
     fn fail_all(&mut self, message: String) {
         self.failures += 1;
         tracing::error!(%message, "engine step failed; failing every live request");
+        self.end_all(message);
+    }
+
+    /// Ends every live request with an error event carrying `message`.
+    fn end_all(&mut self, message: String) {
         let groups: Vec<u64> = self.requests.keys().copied().collect();
         for g in groups {
             if let Some(req) = self.requests.get(&g) {

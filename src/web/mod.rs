@@ -10,6 +10,7 @@ pub mod ops;
 pub mod playground;
 pub mod protocol;
 pub mod responses;
+pub mod shutdown;
 pub mod ws;
 pub mod ws_frames;
 
@@ -74,6 +75,10 @@ pub struct ServeArgs {
     /// Seconds a request body may take to arrive in full (408 past it).
     #[arg(long, default_value_t = 30.0, value_parser = positive_seconds)]
     pub request_body_timeout: f64,
+    /// Seconds running requests may take to finish after SIGTERM or SIGINT before they are
+    /// ended with an error (`actorllm serve`; see `web::shutdown`).
+    #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
+    pub shutdown_timeout: f64,
 }
 
 impl ServeArgs {
@@ -94,6 +99,7 @@ impl ServeArgs {
             allowed_hosts: Vec::new(),
             max_waiting_requests: None,
             request_body_timeout: 30.0,
+            shutdown_timeout: 30.0,
         }
     }
 }
@@ -102,6 +108,13 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
         _ => Err(format!("expected a positive number of seconds, got {s:?}")),
+    }
+}
+
+fn non_negative_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("expected a number of seconds, 0 or more, got {s:?}")),
     }
 }
 
@@ -127,6 +140,8 @@ pub struct AppState {
     /// Response id → engine request ids, while the response is live (for cancellation).
     pub live: DashMap<String, Vec<String>>,
     pub started_unix: u64,
+    /// Serving, draining or cut (`shutdown`); WebSocket sessions hold its receivers.
+    pub phase: tokio::sync::watch::Sender<shutdown::Phase>,
     id_salt: u64,
     next_id: AtomicU64,
 }
@@ -148,6 +163,7 @@ impl AppState {
             access,
             live: DashMap::new(),
             started_unix: now.as_secs(),
+            phase: tokio::sync::watch::Sender::new(shutdown::Phase::Serving),
             id_salt: crate::sampling::uniform(now.as_nanos() as u64, 0, 0).to_bits(),
             next_id: AtomicU64::new(0),
         }
@@ -201,6 +217,25 @@ pub fn start_with_engine(
     args: ServeArgs,
     engine: Engine,
 ) -> Result<(actix_web::dev::Server, SocketAddr), EngineError> {
+    bind(args, engine, false).map(|(server, addr, _)| (server, addr))
+}
+
+/// Serves until SIGTERM or SIGINT, then drains for `--shutdown-timeout` ([`shutdown`]).
+pub async fn serve(args: ServeArgs) -> Result<(), EngineError> {
+    shutdown::serve::<()>(args).await
+}
+
+/// As [`serve`], with the architectures `A` registers beside the built-in ones.
+pub async fn serve_with_architectures<A: Architectures>(args: ServeArgs) -> Result<(), EngineError> {
+    shutdown::serve::<A>(args).await
+}
+
+/// Binds the server; with `own_signals` the caller handles SIGTERM and SIGINT itself.
+fn bind(
+    args: ServeArgs,
+    engine: Engine,
+    own_signals: bool,
+) -> Result<(actix_web::dev::Server, SocketAddr, web::Data<AppState>), EngineError> {
     let mut names = args.served_model_name.clone();
     if names.is_empty() {
         names.push(
@@ -227,8 +262,12 @@ pub fn start_with_engine(
         allow_credentials: args.allow_credentials,
     });
     let state = web::Data::new(AppState::new(engine, names, args.api_key.clone(), timeouts, access));
-    let server = HttpServer::new(move || {
-        App::new().app_data(state.clone()).wrap(middleware::from_fn(ops::auth_and_log)).configure(configure)
+    let app_state = state.clone();
+    let mut server = HttpServer::new(move || {
+        App::new()
+            .app_data(app_state.clone())
+            .wrap(middleware::from_fn(ops::auth_and_log))
+            .configure(configure)
     })
     .workers(2)
     // A client that closes its end has gone: its connection, and with it a non-streamed
@@ -236,8 +275,12 @@ pub fn start_with_engine(
     .h1_allow_half_closed(false)
     .bind((args.host.as_str(), args.port))
     .map_err(|e| EngineError::Device(format!("cannot bind {}:{}: {e}", args.host, args.port)))?;
+    if own_signals {
+        // The drain has run by the time the server is stopped: what is left may go.
+        server = server.disable_signals().shutdown_timeout(1);
+    }
     let addr =
         server.addrs().first().copied().ok_or_else(|| EngineError::Device("no bound address".into()))?;
     tracing::info!(model = %name, "listening on http://{addr}");
-    Ok((server.run(), addr))
+    Ok((server.run(), addr, state))
 }

@@ -41,6 +41,9 @@ pub struct Started {
 
 /// Submits every prompt of a prepared request to the engine.
 pub async fn start(state: &web::Data<AppState>, prepared: Prepared) -> Result<Started, ApiError> {
+    if !state.serving() {
+        return Err(ApiError::Unavailable("the server is shutting down; no new requests are taken".into()));
+    }
     let prefix = match prepared.endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",

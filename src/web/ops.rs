@@ -21,6 +21,9 @@ use crate::actors::lora_manager::GetLoraStats;
 /// 200 while the step loop answers and no step has run longer than
 /// `--engine-iteration-timeout`, else 503.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    if !state.serving() {
+        return ApiError::Unavailable("the server is shutting down".into()).error_response();
+    }
     let stuck = state.timeouts.engine_iteration;
     let stats = actix_rt::time::timeout(Duration::from_secs(2), state.engine.stats()).await;
     match stats {

@@ -27,6 +27,7 @@ use super::errors::ApiError;
 use super::openai::start;
 use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, prepare_completion};
 use super::responses::GenEvent;
+use super::shutdown::{Phase, watch_phase};
 use super::ws_frames::{FrameGuard, Ledger};
 use crate::request::{AbortReason, FinishReason};
 
@@ -67,6 +68,9 @@ pub struct WsSession {
     ledger: Rc<Ledger>,
     /// A fragmented message being joined: whether it is text, and its bytes so far.
     joining: Option<(bool, Vec<u8>)>,
+    /// The server's phase: at the cut the session closes (1001) once its generations
+    /// have sent their error frames.
+    phase: tokio::sync::watch::Receiver<Phase>,
 }
 
 fn error_frame(id: Option<&str>, e: &ApiError) -> String {
@@ -197,10 +201,12 @@ impl WsSession {
                     json!({"type": "done", "id": id, "finish_reason": first, "choices": choices, "usage": usage})
                         .to_string(),
                 );
+                self.close_if_cut(ctx);
             }
             GenEvent::Error { message } => {
                 self.running.remove(id);
                 ctx.text(error_frame(Some(id), &ApiError::Internal(message)));
+                self.close_if_cut(ctx);
             }
         }
     }
@@ -245,6 +251,12 @@ impl Actor for WsSession {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         let idle = self.state.timeouts.ws_idle;
+        // At the server's cut, close as soon as no generation is left to end.
+        let mut phase = self.phase.clone();
+        let cut = async move {
+            let _ = phase.wait_for(|p| *p == Phase::Cut).await;
+        };
+        ctx.spawn(cut.into_actor(self).map(|_, act, ctx| act.close_if_cut(ctx)));
         ctx.run_interval(HEARTBEAT.min(idle / 6), move |act, ctx| {
             if act.last_heard.elapsed() > idle {
                 tracing::info!(idle_s = idle.as_secs_f64(), "websocket silent too long; closing");
@@ -268,6 +280,13 @@ impl Actor for WsSession {
 }
 
 impl WsSession {
+    /// At the server's cut, closes (1001) once no generation is left to end.
+    fn close_if_cut(&mut self, ctx: &mut ws::WebsocketContext<Self>) {
+        if *self.phase.borrow() == Phase::Cut && self.running.is_empty() {
+            self.close(ctx, ws::CloseCode::Away, "the server is shutting down".into());
+        }
+    }
+
     /// Ends the session with a close frame of `code`.
     fn close(&mut self, ctx: &mut ws::WebsocketContext<Self>, code: ws::CloseCode, why: String) {
         tracing::info!(code = u16::from(code), "closing websocket: {why}");
@@ -352,8 +371,15 @@ pub async fn connect(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, actix_web::Error> {
     let (guarded, ledger) = FrameGuard::new(stream, MAX_FRAME, MAX_BUFFERED);
-    let session =
-        WsSession { state, last_heard: Instant::now(), running: HashMap::new(), ledger, joining: None };
+    let phase = watch_phase(&state);
+    let session = WsSession {
+        state,
+        last_heard: Instant::now(),
+        running: HashMap::new(),
+        ledger,
+        joining: None,
+        phase,
+    };
     // The decoder's own limit sits above the guard's, which refuses first with its reason.
     ws::WsResponseBuilder::new(session, &req, guarded).frame_size(MAX_FRAME + 1).start()
 }

@@ -3,7 +3,9 @@
 
 use actix::prelude::*;
 
-use super::{Abort, AddRequest, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting};
+use super::{
+    Abort, AddRequest, EndAll, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting,
+};
 use crate::actors::model_runner::ExecuteBatch;
 use crate::engine::EngineError;
 
@@ -24,6 +26,14 @@ impl Handler<SetMaxWaiting> for SchedulerActor {
     type Result = ();
     fn handle(&mut self, msg: SetMaxWaiting, _: &mut Context<Self>) {
         self.limits.max_waiting = msg.0;
+    }
+}
+
+impl Handler<EndAll> for SchedulerActor {
+    type Result = ();
+    fn handle(&mut self, msg: EndAll, ctx: &mut Context<Self>) {
+        self.end_all(msg.0);
+        self.maybe_step(ctx);
     }
 }
 

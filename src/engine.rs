@@ -271,7 +271,7 @@ impl Engine {
                 let limits = LoraLimits { max_rank: l.max_rank, max_cpu_loras: l.max_cpu_loras };
                 let manager = LoraManager::new(Arc::new(model_config.clone()), limits).start();
                 for (name, path) in &l.modules {
-                    let reg = Register { name: name.clone(), path: path.clone() };
+                    let reg = Register { name: name.clone(), path: path.clone(), root: None };
                     manager.send(reg).await.map_err(|_| EngineError::Stopped)?.map_err(|e| {
                         EngineError::Lora(format!("--lora-modules {name}={}: {e}", path.display()))
                     })?;

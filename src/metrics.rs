@@ -232,6 +232,20 @@ impl Default for Metrics {
     }
 }
 
+/// A label value escaped as the Prometheus text format requires (`\\`, `\"`, `\n`).
+pub fn label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 impl Metrics {
     /// A fresh seed for a request that set none.
     pub fn random_seed(&self) -> u64 {
@@ -284,7 +298,7 @@ impl Metrics {
 
     /// Prometheus text for the counters and histograms (gauges are added by the caller).
     pub fn render(&self, model: &str, out: &mut String) {
-        let l = format!("model_name=\"{model}\"");
+        let l = format!("model_name=\"{}\"", label(model));
         let counter = |out: &mut String, name: &str, help: &str, v: u64, extra: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}{extra}}} {v}");
         };
@@ -339,5 +353,19 @@ impl Metrics {
         self.ttft.render(out, "vllm:time_to_first_token_seconds", "Time to first token.", &lbl);
         self.itl.render(out, "vllm:inter_token_latency_seconds", "Time between tokens.", &lbl);
         self.e2e.render(out, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", &lbl);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A served model name carrying a quote and a newline stays inside its label.
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(super::label("a\"} 1\nforged{x=\"\\"), "a\\\"} 1\\nforged{x=\\\"\\\\");
+        let mut out = String::new();
+        super::Metrics::default().render("m\"\nx", &mut out);
+        assert!(
+            out.lines().all(|l| l.starts_with('#') || l.starts_with("vllm:") || l.starts_with("actorllm:"))
+        );
     }
 }

@@ -251,3 +251,83 @@ async fn runtime_loading_is_off_unless_allowed() {
     assert_eq!(st, 403, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("--allow-runtime-lora"));
 }
+
+/// Adapters a hostile or careless user could register: a name that would forge metric lines,
+/// a FIFO as its config (which would hang the read), non-finite weights, an absurd
+/// lora_alpha, and a file swapped for a link out of the root after registration (refused
+/// when the adapter is read again after leaving the host cache). A path outside the root
+/// gets the same answer whether it exists or not.
+#[actix_rt::test]
+async fn hostile_adapters_are_refused_with_a_clear_error() {
+    let g = golden();
+    let base = scratch("hostile");
+    let (root, outside) = (base.path().join("root"), base.path().join("outside"));
+    let spec = |name: &str| AdapterSpec { name: name.into(), ..g.adapters[0].spec.clone() };
+    for name in ["a", "b", "nan", "alpha"] {
+        write_adapter(&root, &spec(name), false);
+    }
+    let evil = write_adapter(&outside, &spec("evil"), false);
+    // One lora_A value becomes NaN: the data section follows the 8-byte length and header.
+    let st = root.join("nan/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let at = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&st, bytes).unwrap();
+    let cfg = root.join("alpha/adapter_config.json");
+    let text =
+        std::fs::read_to_string(&cfg).unwrap().replace("\"lora_alpha\":", "\"lora_alpha\":1e30,\"x\":");
+    std::fs::write(&cfg, text).unwrap();
+    std::fs::create_dir_all(root.join("fifo")).unwrap();
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(root.join("fifo/adapter_config.json"))
+            .status()
+            .unwrap()
+            .success()
+    );
+    let s = common::server::start(&common::default_model(), |a| {
+        a.engine.lora = LoraArgs {
+            enable_lora: true,
+            max_loras: 1,
+            max_cpu_loras: Some(1),
+            allow_runtime_lora: true,
+            lora_root: Some(root.clone()),
+            ..Default::default()
+        };
+    })
+    .await;
+    let load = |name: &str, path: &str| json!({"lora_name": name, "lora_path": path});
+    for (body, status, says) in [
+        (load("x\"} 1\nvllm:forged{a=\"", "a"), 400, "is not allowed"),
+        (load("fifo", "fifo"), 403, "not an adapter directory"),
+        (load("nan", "nan"), 400, "non-finite"),
+        (load("alpha", "alpha"), 400, "lora_alpha"),
+    ] {
+        let (st, v) = s.post("/v1/load_lora_adapter", &body).await;
+        assert_eq!(st, status, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{says}: {v}");
+    }
+    let (_, metrics) = s.get_text("/metrics").await;
+    assert!(!metrics.contains("vllm:forged"), "{metrics}");
+    let missing = outside.join("nothing-here").display().to_string();
+    let (_, there) = s.post("/v1/load_lora_adapter", &load("e", &evil.display().to_string())).await;
+    let (_, absent) = s.post("/v1/load_lora_adapter", &load("e", &missing)).await;
+    let shape =
+        |v: &serde_json::Value, path: &str| v["error"]["message"].as_str().unwrap().replace(path, "P");
+    assert_eq!(shape(&there, &evil.display().to_string()), shape(&absent, &missing));
+    // Registered inside the root, then its weights swapped for a link out of it while the
+    // host cache (one adapter) holds the other one.
+    for name in ["a", "b"] {
+        assert_eq!(s.post("/v1/load_lora_adapter", &load(name, name)).await.0, 200);
+    }
+    let weights = root.join("a/adapter_model.safetensors");
+    std::fs::remove_file(&weights).unwrap();
+    std::os::unix::fs::symlink(evil.join("adapter_model.safetensors"), &weights).unwrap();
+    let (st, v) = s.post("/v1/completions", &json!({"model": "a", "prompt": "hi", "max_tokens": 2})).await;
+    assert_ne!(st, 200, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("outside the LoRA root"), "{v}");
+    assert_eq!(
+        s.post("/v1/completions", &json!({"model": "b", "prompt": "hi", "max_tokens": 2})).await.0,
+        200
+    );
+}

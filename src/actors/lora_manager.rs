@@ -22,6 +22,17 @@ pub enum LoraManagerError {
     Load(#[from] LoraError),
     #[error("loading thread failed: {0}")]
     Thread(String),
+    #[error(
+        "adapter name {0:?} is not allowed: use 1 to 128 letters, digits and the characters - _ . : / @ +"
+    )]
+    BadName(String),
+}
+
+/// Whether `name` may name an adapter: it is echoed in responses and metric labels, so it
+/// holds letters, digits and `-_.:/@+` only.
+pub fn valid_adapter_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.:/@+".contains(c))
 }
 
 /// Returns the adapter's host weights, loading them if they are not cached.
@@ -38,6 +49,9 @@ pub struct Resolve {
 pub struct Register {
     pub name: String,
     pub path: PathBuf,
+    /// The canonical root a runtime-loaded adapter must stay inside, checked again at
+    /// every read of its files; None for adapters the operator named at start-up.
+    pub root: Option<PathBuf>,
 }
 
 #[derive(Message)]
@@ -59,6 +73,7 @@ pub struct AdapterInfo {
     pub name: String,
     pub id: u64,
     pub path: PathBuf,
+    pub root: Option<PathBuf>,
     pub rank: usize,
     pub targets: Vec<String>,
 }
@@ -92,17 +107,23 @@ pub struct LoraManager {
 
 fn load_blocking(
     path: PathBuf,
+    root: Option<PathBuf>,
     name: String,
     id: u64,
     model: Arc<ModelConfig>,
     max_rank: usize,
 ) -> ResponseFuture<Result<Arc<LoraAdapter>, LoraManagerError>> {
     Box::pin(async move {
-        actix_rt::task::spawn_blocking(move || load_peft(&path, &name, id, &model, max_rank))
-            .await
-            .map_err(|e| LoraManagerError::Thread(e.to_string()))?
-            .map(Arc::new)
-            .map_err(LoraManagerError::from)
+        actix_rt::task::spawn_blocking(move || {
+            if let Some(root) = &root {
+                within_root(root, &path).map_err(|e| LoraError::Invalid(format!("adapter {name:?}: {e}")))?;
+            }
+            load_peft(&path, &name, id, &model, max_rank)
+        })
+        .await
+        .map_err(|e| LoraManagerError::Thread(e.to_string()))?
+        .map(Arc::new)
+        .map_err(LoraManagerError::from)
     })
 }
 
@@ -160,6 +181,7 @@ impl Handler<Resolve> for LoraManager {
         }
         let load = load_blocking(
             info.path.clone(),
+            info.root.clone(),
             info.name.clone(),
             info.id,
             self.model.clone(),
@@ -179,16 +201,26 @@ impl Handler<Resolve> for LoraManager {
 impl Handler<Register> for LoraManager {
     type Result = ResponseActFuture<Self, Result<AdapterInfo, LoraManagerError>>;
     fn handle(&mut self, msg: Register, _: &mut Context<Self>) -> Self::Result {
+        if !valid_adapter_name(&msg.name) {
+            return Box::pin(fut::ready(Err(LoraManagerError::BadName(msg.name))));
+        }
         let id = self.next_id;
         self.next_id += 1;
-        let load =
-            load_blocking(msg.path.clone(), msg.name.clone(), id, self.model.clone(), self.limits.max_rank);
+        let load = load_blocking(
+            msg.path.clone(),
+            msg.root.clone(),
+            msg.name.clone(),
+            id,
+            self.model.clone(),
+            self.limits.max_rank,
+        );
         Box::pin(load.into_actor(self).map(move |res, act, _| {
             let a = res?;
             let info = AdapterInfo {
                 name: msg.name.clone(),
                 id,
                 path: msg.path.clone(),
+                root: msg.root.clone(),
                 rank: a.rank,
                 targets: a.targets.clone(),
             };
@@ -234,23 +266,31 @@ impl Handler<GetLoraStats> for LoraManager {
 /// `..` components are refused, and the canonical paths of the directory and of the files
 /// the loader reads must stay inside the canonical root (symlinks cannot lead out).
 pub fn confine(root: &Path, requested: &str) -> Result<PathBuf, String> {
+    // One answer for a path that does not exist and one outside the root, so that the
+    // answer tells nothing about what lies outside it.
+    let refused = || format!("lora_path {requested:?} is not an adapter directory under the LoRA root");
     let p = Path::new(requested);
     if requested.is_empty() || p.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
         return Err(format!("lora_path {requested:?} must not contain '..'"));
     }
     let root = root.canonicalize().map_err(|e| format!("--lora-root {}: {e}", root.display()))?;
     let joined = if p.is_absolute() { p.to_path_buf() } else { root.join(p) };
-    let dir = joined
-        .canonicalize()
-        .map_err(|_| format!("lora_path {requested:?} does not exist under the LoRA root"))?;
-    if !dir.starts_with(&root) {
-        return Err(format!("lora_path {requested:?} is outside the LoRA root"));
+    within_root(&root, &joined).map_err(|_| refused())
+}
+
+/// The canonical adapter directory `dir`, when it and its two files resolve inside `root`
+/// (canonical) and the files are regular. Checked when an adapter is registered and again
+/// before each read of its files, so that a link swapped in later is refused too.
+pub fn within_root(root: &Path, dir: &Path) -> Result<PathBuf, String> {
+    let dir = dir.canonicalize().map_err(|e| e.to_string())?;
+    if !dir.starts_with(root) {
+        return Err(format!("{} is outside the LoRA root", dir.display()));
     }
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
         if let Ok(c) = dir.join(f).canonicalize()
-            && !c.starts_with(&root)
+            && (!c.starts_with(root) || !c.is_file())
         {
-            return Err(format!("lora_path {requested:?}: {f} links outside the LoRA root"));
+            return Err(format!("{f} is outside the LoRA root or not a regular file"));
         }
     }
     Ok(dir)

@@ -179,6 +179,18 @@ fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
+/// Largest `lora_alpha / r` accepted.
+pub const MAX_LORA_SCALE: f64 = 1024.0;
+
+/// Refuses anything but a regular file (a FIFO would block the read forever).
+fn regular_file(path: &Path) -> Result<(), LoraError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(io_err(path, "not a regular file")),
+        Err(e) => Err(io_err(path, e)),
+    }
+}
+
 /// Loads and validates the PEFT adapter in `dir` against the base model's shapes.
 pub fn load_peft(
     dir: &Path,
@@ -188,6 +200,7 @@ pub fn load_peft(
     max_rank: usize,
 ) -> Result<LoraAdapter, LoraError> {
     let cfg_path = dir.join("adapter_config.json");
+    regular_file(&cfg_path)?;
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| io_err(&cfg_path, e))?;
     let pc: PeftConfig = serde_json::from_str(&text).map_err(|e| io_err(&cfg_path, e))?;
     if pc.r == 0 {
@@ -195,6 +208,13 @@ pub fn load_peft(
     }
     if pc.r > max_rank {
         return Err(LoraError::RankTooLarge { rank: pc.r, max: max_rank });
+    }
+    // A scale past this is no fine-tune: it would swamp the base model's activations.
+    if !(pc.lora_alpha.is_finite() && pc.lora_alpha > 0.0 && pc.lora_alpha / pc.r as f64 <= MAX_LORA_SCALE) {
+        return Err(LoraError::Invalid(format!(
+            "lora_alpha {} is not a usable value: it must be positive and lora_alpha / r at most {MAX_LORA_SCALE}",
+            pc.lora_alpha
+        )));
     }
     if pc.use_dora {
         return Err(LoraError::Invalid("DoRA adapters (use_dora) are not supported".into()));
@@ -228,6 +248,7 @@ pub fn load_peft(
         }
         return Err(io_err(&st, "file not found"));
     }
+    regular_file(&st)?;
     let scale =
         if pc.use_rslora { pc.lora_alpha / (pc.r as f64).sqrt() } else { pc.lora_alpha / pc.r as f64 } as f32;
     let ckpt = Checkpoint::open_file(&st).map_err(|e| LoraError::Invalid(e.to_string()))?;
@@ -263,6 +284,12 @@ pub fn load_peft(
         let mut bytes = Vec::new();
         DType::F32.convert_from(t.dtype, t.bytes, &mut bytes);
         let mut v: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(LoraError::Invalid(format!(
+                "tensor {key} holds a non-finite value ({}) at {i}",
+                v[i]
+            )));
+        }
         if pc.fan_in_fan_out {
             v = transpose(&v, rows, cols);
         }

@@ -34,9 +34,10 @@ fn runtime_config(state: &AppState) -> Result<&crate::config::LoraConfig, ApiErr
 }
 
 fn manager_error(e: LoraManagerError) -> ApiError {
-    match e {
+    match &e {
         LoraManagerError::NotFound(n) => ApiError::NotFound(format!("no LoRA adapter named {n:?}")),
         LoraManagerError::Load(l) => ApiError::bad(l.to_string(), Some("lora_path")),
+        LoraManagerError::BadName(_) => ApiError::bad(e.to_string(), Some("lora_name")),
         other => ApiError::Internal(other.to_string()),
     }
 }
@@ -58,13 +59,14 @@ pub async fn load(
             Some("lora_name"),
         ));
     }
+    let canonical_root = root.canonicalize().map_err(|e| ApiError::Internal(format!("--lora-root: {e}")))?;
     let dir = web::block(move || confine(&root, &lora_path))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .map_err(ApiError::Forbidden)?;
     let manager = state.engine.lora_manager().ok_or_else(|| ApiError::Internal("no LoRA manager".into()))?;
     let info = manager
-        .send(Register { name: lora_name, path: dir })
+        .send(Register { name: lora_name, path: dir, root: Some(canonical_root) })
         .await
         .map_err(|_| ApiError::Unavailable("LoRA manager stopped".into()))?
         .map_err(manager_error)?;

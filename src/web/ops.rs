@@ -37,7 +37,8 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
 
 pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let (s, b) = state.engine.stats().await?;
-    let model = state.served_model_names.first().map_or("", String::as_str);
+    let model_name = state.served_model_names.first().map_or("", String::as_str);
+    let model = crate::metrics::label(model_name);
     let mut out = String::new();
     let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
         out.push_str(&format!(
@@ -74,11 +75,12 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
         out.push_str("# HELP actorllm:lora_requests_total Requests per LoRA adapter.\n# TYPE actorllm:lora_requests_total counter\n");
         for (name, n) in &l.requests {
             out.push_str(&format!(
-                "actorllm:lora_requests_total{{model_name=\"{model}\",lora_name=\"{name}\"}} {n}\n"
+                "actorllm:lora_requests_total{{model_name=\"{model}\",lora_name=\"{}\"}} {n}\n",
+                crate::metrics::label(name)
             ));
         }
     }
-    state.engine.metrics().render(model, &mut out);
+    state.engine.metrics().render(model_name, &mut out);
     Ok(HttpResponse::Ok().content_type("text/plain; version=0.0.4").body(out))
 }
 

@@ -6,6 +6,7 @@ import { renderMarkdown } from "/static/render.js";
 
 const STORE = "actorllm.conversation.v1";
 const THEME = "actorllm.theme";
+const KEY = "actorllm.api_key";
 const $ = (id) => document.getElementById(id);
 const els = {
   conversation: $("conversation"),
@@ -20,7 +21,20 @@ const els = {
   temperature: $("temperature"),
   top_p: $("top_p"),
   max_tokens: $("max_tokens"),
+  apiKey: $("api_key"),
+  settings: $("settings"),
 };
+
+/** The API key typed in Settings: sent as a bearer token, and as ?api_key= on the
+ * WebSocket (browsers cannot set its headers). Kept in sessionStorage only. */
+function apiKey() {
+  return els.apiKey.value.trim();
+}
+
+function authHeaders(extra = {}) {
+  const key = apiKey();
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
 
 /** A user turn that got no answer (stopped before its first token, or refused) is
  * `unanswered`: shown, but left out of the conversation sent with later messages.
@@ -138,7 +152,12 @@ async function describeHttpError(resp) {
   } catch {
     /* not JSON */
   }
-  if (resp.status === 401) return "The server needs an API key.";
+  if (resp.status === 401) {
+    els.settings.open = true;
+    return apiKey()
+      ? "The server refused the API key: check it under Settings."
+      : "The server needs an API key: enter it under Settings.";
+  }
   if (resp.status === 404) return detail || "The server does not know this model.";
   if (detail) return `The server refused the request: ${detail}`;
   return `The server answered with an error (HTTP ${resp.status}).`;
@@ -146,7 +165,7 @@ async function describeHttpError(resp) {
 
 async function loadModels() {
   try {
-    const resp = await fetch("/v1/models");
+    const resp = await fetch("/v1/models", { headers: authHeaders() });
     if (!resp.ok) throw new Error(await describeHttpError(resp));
     const list = await resp.json();
     const previous = els.model.value;
@@ -211,7 +230,7 @@ async function streamSse(body, turn, el, meter, signal) {
   try {
     resp = await fetch("/v1/chat/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: authHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(body),
       signal,
     });
@@ -266,12 +285,24 @@ function openSocket() {
   if (socket && socket.readyState <= WebSocket.OPEN) return Promise.resolve(socket);
   return new Promise((resolve, reject) => {
     const proto = location.protocol === "https:" ? "wss" : "ws";
-    const ws = new WebSocket(`${proto}://${location.host}/v1/ws`);
+    const key = apiKey();
+    const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
+    const ws = new WebSocket(`${proto}://${location.host}/v1/ws${query}`);
     ws.onopen = () => {
       socket = ws;
       resolve(ws);
     };
-    ws.onerror = () => reject(new Error("The WebSocket connection failed. Is actorllm running?"));
+    // The browser hides the refused upgrade's status: ask the models route why.
+    ws.onerror = async () => {
+      let why = "The WebSocket connection failed. Is actorllm running?";
+      try {
+        const resp = await fetch("/v1/models", { headers: authHeaders() });
+        if (resp.status === 401) why = await describeHttpError(resp);
+      } catch {
+        /* not reachable: the first message stands */
+      }
+      reject(new Error(why));
+    };
     ws.onclose = () => {
       socket = null;
       for (const h of wsHandlers.values()) h({ type: "error", error: { message: "The WebSocket connection closed." } });
@@ -399,6 +430,13 @@ els.theme.value = localStorage.getItem(THEME) || "auto";
 els.theme.addEventListener("change", () => {
   localStorage.setItem(THEME, els.theme.value);
   applyTheme(els.theme.value);
+});
+
+els.apiKey.value = sessionStorage.getItem(KEY) || "";
+els.apiKey.addEventListener("change", () => {
+  sessionStorage.setItem(KEY, apiKey());
+  if (socket) socket.close();
+  loadModels();
 });
 
 renderAll();

@@ -39,6 +39,14 @@ async fn pages_of_other_origins_cannot_use_the_server_in_chromium() {
     node("cross_origin.mjs", vec![s.base.clone(), "http://friend.example".into()], vec![]).await;
 }
 
+/// With --api-key the playground asks for the key, says when it is wrong, and with the
+/// right one lists the models and streams over SSE and the WebSocket.
+#[actix_rt::test]
+async fn the_playground_takes_an_api_key_in_chromium() {
+    let s = common::server::start_tiny(5, |a| a.api_key = Some("s3cret-key".into())).await;
+    node("api_key.mjs", vec![s.base.clone(), "s3cret-key".into()], vec![]).await;
+}
+
 #[actix_rt::test]
 async fn the_playground_streams_stops_picks_and_renders_safely_in_chromium() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

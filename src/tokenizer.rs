@@ -25,6 +25,18 @@ pub enum TokenizerError {
     Template(String),
 }
 
+/// Runs a tokenizers call, turning a panic inside it into an error.
+fn guard<T>(f: impl FnOnce() -> T) -> Result<T, TokenizerError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let why = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic".into());
+        TokenizerError::Tokenize(format!("the tokenizer failed: {why}"))
+    })
+}
+
 /// One chat turn as OpenAI clients send it (content already flattened to text).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
@@ -170,19 +182,25 @@ impl Tokenizer {
             eos_ids.push(id);
         }
         let bytes = TokenBytes::of(&inner);
-        Ok(Self { inner, chat_template, bos_token, eos_token, eos_ids, bytes })
+        let tok = Self { inner, chat_template, bos_token, eos_token, eos_ids, bytes };
+        // A tokenizer.json whose post-processor or normalizer refers to what it lacks
+        // panics inside tokenizers on the first encode: refuse it here, by name.
+        tok.encode("Hello, world!", true).map_err(|e| TokenizerError::Load {
+            path: path.display().to_string(),
+            message: format!("the tokenizer cannot encode a plain sentence ({e})"),
+        })?;
+        Ok(tok)
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
+        let enc = guard(|| self.inner.encode(text, add_special_tokens))?
             .map_err(|e| TokenizerError::Tokenize(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Tokenize(e.to_string()))
+        guard(|| self.inner.decode(ids, skip_special_tokens))?
+            .map_err(|e| TokenizerError::Tokenize(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -146,3 +146,68 @@ async fn config_errors_name_the_field_the_architecture_and_the_choices() {
     let e = start(llama).await;
     assert!(e.contains("rope type \"ntk-by-parts\"") && e.contains("longrope"), "{e}");
 }
+
+/// Numbers that size or divide, and weights, checked at load: each malformed model is
+/// refused with an error naming the file and the field (never a panic or an abort).
+#[actix_rt::test]
+async fn malformed_models_are_refused_by_field_not_by_panic() {
+    let base = common::tiny_model(71);
+    let config: Value = serde_json::from_slice(&std::fs::read(base.join("config.json")).unwrap()).unwrap();
+    let with = |edit: &dyn Fn(&mut Value)| {
+        let dir = common::scratch("malformed");
+        for f in std::fs::read_dir(base.path()).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+        let mut c = config.clone();
+        edit(&mut c);
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        dir
+    };
+    let cases: [(&str, &str, Value); 6] = [
+        ("num_hidden_layers is 0", "num_hidden_layers", 0.into()),
+        ("head_dim is 0", "head_dim", 0.into()),
+        ("vocab_size is 0", "vocab_size", 0.into()),
+        ("partial_rotary_factor", "partial_rotary_factor", 1e9.into()),
+        ("rope_theta", "rope_theta", (-1.0).into()),
+        ("rms_norm_eps", "rms_norm_eps", 0.0.into()),
+    ];
+    for (says, field, value) in cases {
+        let dir = with(&|c| c[field] = value.clone());
+        let e = Engine::start(common::args(&dir)).await.err().expect("refused").to_string();
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    // A NaN in a weight: the first value of the first tensor's data.
+    let dir = with(&|_| {});
+    let st = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let at = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[at..at + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    std::fs::write(&st, &bytes).unwrap();
+    let e = Engine::start(common::args(&dir)).await.err().expect("refused").to_string();
+    assert!(e.contains("NaN or infinite"), "{e}");
+    // A data offset past the file's end.
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let name = header.as_object().unwrap().keys().find(|k| *k != "__metadata__").unwrap().clone();
+    header[&name]["data_offsets"][1] = (u64::MAX / 2).into();
+    let mut text = header.to_string().into_bytes();
+    text.resize(header_len, b' ');
+    bytes[8..8 + header_len].copy_from_slice(&text);
+    std::fs::write(&st, &bytes).unwrap();
+    let e = Engine::start(common::args(&dir)).await.err().expect("refused").to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+    // A tokenizer whose post-processor names a token it does not have.
+    let dir = with(&|_| {});
+    let mut tok: Value = serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+    // Its special_tokens lack the entry: tokenizers panics on the first encode.
+    tok["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<nope>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    let e = Engine::start(common::args(&dir)).await.err().expect("refused").to_string();
+    assert!(e.contains("tokenizer.json") && e.contains("cannot encode"), "{e}");
+}

@@ -63,7 +63,7 @@ impl LlamaMeta {
     fn read(g: &GgufFile, vocab: usize) -> Result<Self, GgufError> {
         let u = |k: &str| g.get_u64(&format!("llama.{k}")).map(|v| v as usize);
         let heads = u("attention.head_count")?;
-        Ok(Self {
+        let m = Self {
             hidden: u("embedding_length")?,
             layers: u("block_count")?,
             heads,
@@ -73,7 +73,34 @@ impl LlamaMeta {
             ctx: u("context_length")?,
             theta: g.get_f64("llama.rope.freq_base").unwrap_or(10000.0),
             eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32,
-        })
+        };
+        let bad = |m: String| Err(GgufError::Malformed(m));
+        for (key, v) in [
+            ("embedding_length", m.hidden),
+            ("block_count", m.layers),
+            ("attention.head_count", m.heads),
+            ("attention.head_count_kv", m.kv_heads),
+            ("feed_forward_length", m.ffn),
+            ("vocab_size", m.vocab),
+            ("context_length", m.ctx),
+        ] {
+            if v == 0 {
+                return bad(format!("llama.{key} is 0"));
+            }
+        }
+        if !m.hidden.is_multiple_of(m.heads) || !m.heads.is_multiple_of(m.kv_heads) {
+            return bad(format!(
+                "llama.embedding_length {} and the head counts {} / {} do not divide",
+                m.hidden, m.heads, m.kv_heads
+            ));
+        }
+        if !(m.theta.is_finite() && m.theta > 0.0 && m.eps.is_finite() && m.eps > 0.0) {
+            return bad(format!(
+                "llama.rope.freq_base {} and llama.attention.layer_norm_rms_epsilon {} must be positive",
+                m.theta, m.eps
+            ));
+        }
+        Ok(m)
     }
     fn head_dim(&self) -> usize {
         self.hidden / self.heads

@@ -294,8 +294,12 @@ impl GgufFile {
             return Err(GgufError::Malformed(format!("general.alignment {align}")));
         }
         let data_start = (c.pos as u64).div_ceil(align) * align;
-        let mut tensors = Vec::with_capacity(raw.len());
+        let mut tensors: Vec<TensorInfo> = Vec::with_capacity(raw.len());
+        let mut names = std::collections::HashSet::new();
         for (name, dims, ty, offset) in raw {
+            if !names.insert(name.clone()) {
+                return Err(GgufError::Malformed(format!("tensor {name} is listed twice")));
+            }
             let numel = dims
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
@@ -307,15 +311,26 @@ impl GgufFile {
                 )));
             }
             let nbytes = numel / per_block * block_bytes;
-            let start = data_start + offset;
-            if start.checked_add(nbytes).is_none_or(|end| end > file_len) {
+            let start = data_start.checked_add(offset);
+            if start.and_then(|s| s.checked_add(nbytes)).is_none_or(|end| end > file_len) {
                 return Err(GgufError::Truncated {
                     what: format!("tensor {name}"),
-                    need: start.saturating_add(nbytes),
+                    need: data_start.saturating_add(offset).saturating_add(nbytes),
                     have: file_len,
                 });
             }
+            let start = start.unwrap_or_default();
             tensors.push(TensorInfo { name, dims, ty, start, nbytes });
+        }
+        // Each tensor's bytes are its own: none runs into the next.
+        let mut spans: Vec<(u64, u64, &str)> =
+            tensors.iter().map(|t| (t.start, t.nbytes, t.name.as_str())).collect();
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(GgufError::Malformed(format!(
+                "tensor {} ({} bytes at {}) overlaps tensor {} at {}",
+                w[0].2, w[0].1, w[0].0, w[1].2, w[1].0
+            )));
         }
         Ok(Self { mmap, version, metadata, tensors })
     }

@@ -112,6 +112,22 @@ fn malformed_files_are_refused_with_a_clear_error() {
     assert!(open(&bad).is_err());
     let unsupported = build(&[], &[("t", vec![32], 12, vec![0; 144])]);
     assert!(matches!(open(&unsupported), Err(GgufError::UnsupportedType { ty: 12, .. })));
+    // Duplicate names, a tensor that runs into the next (its dims say more than its
+    // bytes), and an offset that wraps past 2^64.
+    let dup = build(&[], &[("t", vec![32], 0, vec![0; 128]), ("t", vec![32], 0, vec![0; 128])]);
+    assert!(open(&dup).err().expect("duplicate refused").to_string().contains("listed twice"));
+    let overlap = build(&[], &[("a", vec![64], 0, vec![0; 128]), ("b", vec![32], 0, vec![0; 128])]);
+    assert!(open(&overlap).err().expect("overlap refused").to_string().contains("overlaps"));
+    let mut wrap = good.clone();
+    // The tensor info's offset is the last 8 bytes before the data alignment padding:
+    // name (8 + 1), n_dims (4), dim (8), type (4), offset (8) after the metadata.
+    let at = wrap.windows(1 + 4 + 8 + 4).position(|w| w[0] == b't' && w[1..5] == 1u32.to_le_bytes()).unwrap()
+        + 1
+        + 4
+        + 8
+        + 4;
+    wrap[at..at + 8].copy_from_slice(&(u64::MAX - 16).to_le_bytes());
+    assert!(matches!(open(&wrap), Err(GgufError::Truncated { .. })), "{:?}", open(&wrap).err());
 }
 
 #[test]

@@ -92,8 +92,17 @@ impl ModelConfig {
     pub fn from_hf(hf: &Arc<serde_json::Value>, architecture: &str) -> Result<Self, ModelError> {
         let c: HfCommon = parse_hf(hf, architecture)?;
         let bad = |m: String| ModelError::Config(format!("config.json of {architecture}: {m}"));
-        if c.num_attention_heads == 0 {
-            return Err(bad("num_attention_heads is 0".into()));
+        for (field, v) in [
+            ("hidden_size", c.hidden_size),
+            ("num_hidden_layers", c.num_hidden_layers),
+            ("num_attention_heads", c.num_attention_heads),
+            ("vocab_size", c.vocab_size),
+            ("head_dim", c.head_dim.unwrap_or(1)),
+            ("max_position_embeddings", c.max_position_embeddings.unwrap_or(1)),
+        ] {
+            if v == 0 {
+                return Err(bad(format!("{field} is 0")));
+            }
         }
         if c.head_dim.is_none() && !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return Err(bad(format!(
@@ -222,8 +231,24 @@ impl RopeConfig {
             _ => self.rope_scaling.clone().unwrap_or_default(),
         };
         let theta = params.rope_theta.or(self.rope_theta).unwrap_or(default_theta);
+        let bad = |m: String| ModelError::Config(format!("config.json of {arch}: {m}"));
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(bad(format!("rope_theta {theta} must be a positive number")));
+        }
+        if let Some(f) = params.factor
+            && !(f.is_finite() && f > 0.0)
+        {
+            return Err(bad(format!("rope factor {f} must be a positive number")));
+        }
         let rotary_dim = match params.partial_rotary_factor.or(self.partial_rotary_factor) {
-            Some(f) => ((head_dim as f64 * f) as usize) & !1,
+            Some(f) if f > 0.0 && f <= 1.0 && ((head_dim as f64 * f) as usize) >= 2 => {
+                ((head_dim as f64 * f) as usize) & !1
+            }
+            Some(f) => {
+                return Err(bad(format!(
+                    "partial_rotary_factor {f} must be in (0, 1] and leave at least 2 rotary dims of {head_dim}"
+                )));
+            }
             None => head_dim,
         };
         let max_pos = self.max_position_embeddings.unwrap_or(2048);

@@ -105,8 +105,19 @@ impl Checkpoint {
         let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
         let mut tensors = Vec::new();
+        let data_len = mmap.len().saturating_sub(header_len + 8);
         for (name, info) in meta.tensors() {
             let dtype = dtype_of(info.dtype, &name, &path)?;
+            let (start, end) = info.data_offsets;
+            let want = info.shape.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+            if start > end || end > data_len || want != Some(end - start) {
+                return Err(ModelError::Weights(format!(
+                    "{}: tensor {name} has offsets {start}..{end} for shape {:?} of {dtype:?} in a data \
+                     section of {data_len} bytes",
+                    path.display(),
+                    info.shape
+                )));
+            }
             tensors.push(Entry { name, dtype, shape: info.shape.clone(), range: info.data_offsets });
         }
         Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors })
@@ -202,7 +213,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
     pub fn get_part(&self, name: &str, shape: &[usize], part: Part) -> Result<HostTensor<'a>, ModelError> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
-        check_shape(&full, shape, t.shape)?;
+        check_tensor(&full, shape, t)?;
         Ok(self.convert(t, shape, part))
     }
 
@@ -230,7 +241,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 Some(c) => vec![r, c],
                 None => vec![r],
             };
-            check_shape(&shard_name, &want, t.shape)?;
+            check_tensor(&shard_name, &want, t)?;
             data.extend_from_slice(&self.convert(t, &want, Part::Rows(picks[i].clone())).data);
         }
         let total: usize = picks.iter().map(|p| p.len()).sum();
@@ -251,7 +262,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
     ) -> Result<HostTensor<'a>, ModelError> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
-        check_shape(&full, shape, t.shape)?;
+        check_tensor(&full, shape, t)?;
         let mut data = Vec::new();
         for p in picks {
             data.extend_from_slice(&self.convert(t, shape, Part::Rows(p.clone())).data);
@@ -306,6 +317,23 @@ pub enum Part {
     Rows(std::ops::Range<usize>),
     /// Columns (dim 1) `start..end` of a 2-D weight: row-parallel layers.
     Cols(std::ops::Range<usize>),
+}
+
+/// The tensor's shape is `expected` and every value is finite (NaN or infinite weights are
+/// refused at load, not found in the outputs).
+fn check_tensor(name: &str, expected: &[usize], t: &TensorRef) -> Result<(), ModelError> {
+    check_shape(name, expected, t.shape)?;
+    let bad = match t.dtype {
+        DType::F32 => t.bytes.chunks_exact(4).position(|b| b[3] & 0x7f == 0x7f && b[2] & 0x80 != 0),
+        DType::BF16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7f == 0x7f && b[0] & 0x80 != 0),
+        DType::F16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7c == 0x7c),
+    };
+    match bad {
+        Some(i) => {
+            Err(ModelError::Weights(format!("tensor {name} holds a NaN or infinite value at index {i}")))
+        }
+        None => Ok(()),
+    }
 }
 
 fn check_shape(name: &str, expected: &[usize], got: &[usize]) -> Result<(), ModelError> {

@@ -16,11 +16,13 @@ pub struct RMSNorm<D: Device> {
 
 impl<D: Device> RMSNorm<D> {
     pub fn load(dev: &D, w: &ParamView, size: usize, eps: f32) -> Result<Self, ModelError> {
+        check_eps(eps)?;
         Ok(Self { weight: dev.upload(w.get("weight", &[size])?)?, eps })
     }
     /// Gemma's RMSNorm, `(1 + w) · x/rms` in f32: the weight is kept as `1 + w`, added in
     /// f32 as transformers adds it, so that the norm is Llama's of that weight.
     pub fn load_offset(dev: &D, w: &ParamView, size: usize, eps: f32) -> Result<Self, ModelError> {
+        check_eps(eps)?;
         let t = w.get("weight", &[size])?;
         let mut f32s = Vec::new();
         DType::F32.convert_from(t.dtype, &t.data, &mut f32s);
@@ -61,6 +63,7 @@ pub struct LayerNorm<D: Device> {
 
 impl<D: Device> LayerNorm<D> {
     pub fn load(dev: &D, w: &ParamView, size: usize, eps: f32, bias: bool) -> Result<Self, ModelError> {
+        check_eps(eps)?;
         let bias = match bias {
             true => Some(dev.upload(w.get("bias", &[size])?)?),
             false => None,
@@ -120,5 +123,15 @@ impl<D: Device> From<RMSNorm<D>> for Norm<D> {
 impl<D: Device> From<LayerNorm<D>> for Norm<D> {
     fn from(n: LayerNorm<D>) -> Self {
         Norm::Layer(n)
+    }
+}
+
+/// A norm's epsilon must be a positive number (zero divides by zero on a zero row).
+fn check_eps(eps: f32) -> Result<(), ModelError> {
+    match eps.is_finite() && eps > 0.0 {
+        true => Ok(()),
+        false => Err(ModelError::Config(format!(
+            "config.json: the norm epsilon (rms_norm_eps / layer_norm_eps) is {eps}; it must be a positive number"
+        ))),
     }
 }

@@ -32,6 +32,7 @@ pub mod core;
 pub mod engine;
 pub mod gguf;
 pub mod kernels;
+pub mod mapped;
 pub mod metrics;
 pub mod models;
 pub mod request;

@@ -25,6 +25,10 @@ pub enum TokenizerError {
     Template(String),
 }
 
+/// Chat template steps allowed for a render: this much, and this much again per message.
+const TEMPLATE_FUEL_BASE: u64 = 200_000;
+const TEMPLATE_FUEL_PER_MESSAGE: u64 = 20_000;
+
 /// Runs a tokenizers call, turning a panic inside it into an error.
 fn guard<T>(f: impl FnOnce() -> T) -> Result<T, TokenizerError> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
@@ -227,6 +231,9 @@ impl Tokenizer {
         // HF renders with trim_blocks and lstrip_blocks, and exposes raise_exception.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // A template that loops without end fails instead of holding its thread: real
+        // templates spend tens of steps a message, far below this.
+        env.set_fuel(Some(TEMPLATE_FUEL_BASE + TEMPLATE_FUEL_PER_MESSAGE * messages.len() as u64));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))

@@ -344,6 +344,15 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     let tok = actorllm::tokenizer::Tokenizer::load(&jinja, &[]).unwrap();
     let msgs = [actorllm::tokenizer::ChatMessage { role: "user".into(), content: "hi".into() }];
     assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
+    // A template that would loop for ever runs out of steps and says so.
+    std::fs::write(
+        jinja.join("chat_template.jinja"),
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    let tok = actorllm::tokenizer::Tokenizer::load(&jinja, &[]).unwrap();
+    let e = tok.apply_chat_template(&msgs, true).expect_err("stopped").to_string();
+    assert!(e.contains("fuel"), "{e}");
 }
 
 /// `--async-scheduling` (the default) plans each step while the one before it runs, so a

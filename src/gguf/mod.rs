@@ -15,6 +15,8 @@ use std::path::Path;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
+use crate::mapped::FileBytes;
+
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("cannot read {path}: {source}")]
@@ -149,7 +151,7 @@ impl TensorInfo {
 }
 
 pub struct GgufFile {
-    mmap: Mmap,
+    mmap: FileBytes,
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: Vec<TensorInfo>,
@@ -244,10 +246,15 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the file is opened read-only and not modified while mapped by this process.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(mmap)
+        Self::parse(FileBytes::Mapped(mmap))
     }
 
-    fn parse(mmap: Mmap) -> Result<Self, GgufError> {
+    /// Parses a GGUF file held in memory.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Self, GgufError> {
+        Self::parse(FileBytes::Owned(bytes))
+    }
+
+    fn parse(mmap: FileBytes) -> Result<Self, GgufError> {
         let file_len = mmap.len() as u64;
         let mut c = Cursor { buf: &mmap, pos: 0 };
         let magic = c.u32("magic")?;
@@ -310,7 +317,9 @@ impl GgufFile {
                     "tensor {name}: {numel} elements is not a multiple of the {per_block}-element block"
                 )));
             }
-            let nbytes = numel / per_block * block_bytes;
+            let nbytes = (numel / per_block)
+                .checked_mul(block_bytes)
+                .ok_or_else(|| GgufError::Malformed(format!("tensor {name}: size overflows")))?;
             let start = data_start.checked_add(offset);
             if start.and_then(|s| s.checked_add(nbytes)).is_none_or(|end| end > file_len) {
                 return Err(GgufError::Truncated {

@@ -118,6 +118,10 @@ fn malformed_files_are_refused_with_a_clear_error() {
     assert!(open(&dup).err().expect("duplicate refused").to_string().contains("listed twice"));
     let overlap = build(&[], &[("a", vec![64], 0, vec![0; 128]), ("b", vec![32], 0, vec![0; 128])]);
     assert!(open(&overlap).err().expect("overlap refused").to_string().contains("overlaps"));
+    // A block count whose byte size overflows (found by the gguf fuzz target).
+    let huge = build(&[], &[("q", vec![32, (1 << 59) - 1], 8, vec![0; 34])]);
+    let e = open(&huge).err().expect("overflow refused").to_string();
+    assert!(e.contains("overflows"), "{e}");
     let mut wrap = good.clone();
     // The tensor info's offset is the last 8 bytes before the data alignment padding:
     // name (8 + 1), n_dims (4), dim (8), type (4), offset (8) after the metadata.

@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
+use crate::mapped::FileBytes;
+
 use super::ModelError;
 use crate::kernels::{DType, HostTensor};
 
@@ -38,7 +40,7 @@ struct Entry {
 
 struct MappedFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: FileBytes,
     header_len: usize,
     tensors: Vec<Entry>,
 }
@@ -98,10 +100,19 @@ impl Checkpoint {
         Ok(Self { files: vec![Self::map_file(path.to_path_buf())?] })
     }
 
+    /// One safetensors file held in memory, named `name` in errors.
+    pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Self, ModelError> {
+        Ok(Self { files: vec![Self::read_file(PathBuf::from(name), FileBytes::Owned(bytes))?] })
+    }
+
     fn map_file(path: PathBuf) -> Result<MappedFile, ModelError> {
         let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
         // SAFETY: mapped read-only; checkpoints are not modified while the engine runs.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
+        Self::read_file(path, FileBytes::Mapped(mmap))
+    }
+
+    fn read_file(path: PathBuf, mmap: FileBytes) -> Result<MappedFile, ModelError> {
         let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
         let mut tensors = Vec::new();

@@ -73,11 +73,17 @@ impl<D: Device> ModelRegistry<D> {
         if !path.exists() {
             return Err(ModelError::MissingFile { path, hint: "not a Hugging Face model directory" });
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let hf: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        let text = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        self.config_from_json(&text, &path.display().to_string())
+    }
+
+    /// Reads a config.json held in memory (`source` names it in errors), as
+    /// [`Self::read_config`] does.
+    pub fn config_from_json(&self, text: &[u8], source: &str) -> Result<ModelConfig, ModelError> {
+        let hf: serde_json::Value =
+            serde_json::from_slice(text).map_err(|e| ModelError::Config(format!("{source}: {e}")))?;
         let arch = hf["architectures"].get(0).and_then(|a| a.as_str()).ok_or_else(|| {
-            ModelError::Config(format!("{}: no `architectures` entry names the model class", path.display()))
+            ModelError::Config(format!("{source}: no `architectures` entry names the model class"))
         })?;
         let entry = self.entry(arch)?;
         (entry.config)(&Arc::new(hf.clone()), arch)

@@ -67,6 +67,17 @@ pub struct ModelConfig {
     pub hf: Arc<serde_json::Value>,
 }
 
+/// `layer_types`, when given, names one kind per layer.
+pub fn check_layer_types(arch: &str, types: Option<&[String]>, layers: usize) -> Result<(), ModelError> {
+    match types {
+        Some(t) if t.len() != layers => Err(ModelError::Config(format!(
+            "config.json of {arch}: layer_types has {} entries for {layers} layers",
+            t.len()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Parses `T` (a model file's view of config.json) from `hf`; a missing or mistyped field
 /// is named with the architecture it is for.
 pub fn parse_hf<T: DeserializeOwned>(hf: &serde_json::Value, architecture: &str) -> Result<T, ModelError> {

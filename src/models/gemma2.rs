@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use super::attn::AttnMetadata;
-use super::config::{ModelConfig, Rope, RopeConfig, parse_hf};
+use super::config::{ModelConfig, Rope, RopeConfig, check_layer_types, parse_hf};
 use super::gemma::{gemma_act, tied};
 use super::layers::lora::{LayerLora, layer_modules, proj_lora, set_slot_in_layers};
 use super::layers::{
@@ -62,26 +62,48 @@ pub struct Gemma2Arch {
 
 impl Gemma2Config {
     /// Per layer, sliding or not: `layer_types`, else sliding unless `(i + 1) % every == 0`.
-    pub fn windows(&self, layers: usize, every: usize) -> Vec<usize> {
+    pub fn windows(&self, arch: &str, layers: usize, every: usize) -> Result<Vec<usize>, ModelError> {
+        check_layer_types(arch, self.layer_types.as_deref(), layers)?;
         let w = self.sliding_window.unwrap_or(0);
-        match &self.layer_types {
+        Ok(match &self.layer_types {
             Some(types) => types.iter().map(|t| if t == "sliding_attention" { w } else { 0 }).collect(),
+            None if every == 0 => {
+                return Err(ModelError::Config(format!(
+                    "config.json of {arch}: sliding_window_pattern is 0"
+                )));
+            }
             None => (0..layers).map(|i| if (i + 1) % every != 0 { w } else { 0 }).collect(),
-        }
+        })
     }
     /// Gemma 2's options.
     pub fn arch(&self, cfg: &ModelConfig) -> Result<Gemma2Arch, ModelError> {
         let arch = cfg.architecture.as_str();
         let rope = self.rope.resolve(arch, cfg.head_dim, "full_attention", 10000.0)?;
+        let bad = |field: &str, v: f64| {
+            ModelError::Config(format!("config.json of {arch}: {field} {v} must be a positive number"))
+        };
+        let scalar = self.query_pre_attn_scalar.unwrap_or(256.0);
+        if !(scalar.is_finite() && scalar > 0.0) {
+            return Err(bad("query_pre_attn_scalar", scalar));
+        }
+        for (field, v) in [
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ] {
+            // 0 (or none) turns soft-capping off.
+            if let Some(v) = v.filter(|v| !(v.is_finite() && *v >= 0.0)) {
+                return Err(bad(field, v));
+            }
+        }
         Ok(Gemma2Arch {
             intermediate_size: self.intermediate_size,
             rms_norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
             act: gemma_act(&cfg.hf, arch)?,
             qkv_bias: self.attention_bias.unwrap_or(false),
-            scale: self.query_pre_attn_scalar.unwrap_or(256.0).powf(-0.5) as f32,
+            scale: scalar.powf(-0.5) as f32,
             attn_softcap: self.attn_logit_softcapping.unwrap_or(0.0) as f32,
             final_softcap: self.final_logit_softcapping.unwrap_or(0.0) as f32,
-            windows: self.windows(cfg.num_layers, 2),
+            windows: self.windows(arch, cfg.num_layers, 2)?,
             rope_local: rope.clone(),
             rope_full: rope,
             qk_norm: false,

@@ -34,14 +34,21 @@ pub fn arch(cfg: &ModelConfig) -> Result<Gemma2Arch, ModelError> {
     let rope_local = match per_kind {
         true => c.rope.resolve(name, cfg.head_dim, "sliding_attention", 10_000.0)?,
         false => Rope {
-            theta: extra.rope_local_base_freq.unwrap_or(10_000.0),
+            theta: match extra.rope_local_base_freq.unwrap_or(10_000.0) {
+                t if t.is_finite() && t > 0.0 => t,
+                t => {
+                    return Err(ModelError::Config(format!(
+                        "config.json of {name}: rope_local_base_freq {t} must be a positive number"
+                    )));
+                }
+            },
             rotary_dim: cfg.head_dim,
             scaling: RopeScaling::None,
             max_context: None,
         },
     };
     let mut a = c.arch(cfg)?;
-    a.windows = c.windows(cfg.num_layers, extra.sliding_window_pattern.unwrap_or(6));
+    a.windows = c.windows(name, cfg.num_layers, extra.sliding_window_pattern.unwrap_or(6))?;
     a.rope_full = rope_full;
     a.rope_local = rope_local;
     a.qk_norm = true;

@@ -10,7 +10,7 @@
 use serde::Deserialize;
 
 use super::attn::AttnMetadata;
-use super::config::{ModelConfig, Rope, RopeConfig, parse_hf, unsupported};
+use super::config::{ModelConfig, Rope, RopeConfig, check_layer_types, parse_hf, unsupported};
 use super::layers::lora::{LayerLora, layer_modules, plain, proj_lora, set_slot_in_layers};
 use super::layers::{
     MergedColumnParallelLinear, Norm, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm,
@@ -80,17 +80,18 @@ impl LlamaConfig {
     }
     /// Per layer, its window: `sliding_window` on the layers `layer_types` (or, in older
     /// files, `use_sliding_window` with `max_window_layers`) marks sliding.
-    pub fn windows(&self, layers: usize) -> Vec<usize> {
+    pub fn windows(&self, arch: &str, layers: usize) -> Result<Vec<usize>, ModelError> {
+        check_layer_types(arch, self.layer_types.as_deref(), layers)?;
         let Some(w) = self.sliding_window.filter(|_| self.use_sliding_window != Some(false)) else {
-            return vec![0; layers];
+            return Ok(vec![0; layers]);
         };
-        match (&self.layer_types, self.max_window_layers) {
+        Ok(match (&self.layer_types, self.max_window_layers) {
             (Some(types), _) => types.iter().map(|t| if t == "sliding_attention" { w } else { 0 }).collect(),
             (None, Some(first)) if self.use_sliding_window == Some(true) => {
                 (0..layers).map(|i| if i >= first { w } else { 0 }).collect()
             }
             _ => vec![w; layers],
-        }
+        })
     }
     /// The options every Llama-shaped family starts from.
     pub fn arch(&self, cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
@@ -139,7 +140,7 @@ pub fn qwen2_arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
     let c: LlamaConfig = parse_hf(&cfg.hf, &cfg.architecture)?;
     let mut a = c.arch(cfg)?;
     a.qkv_bias = c.attention_bias.unwrap_or(true);
-    a.windows = c.windows(cfg.num_layers);
+    a.windows = c.windows(&cfg.architecture, cfg.num_layers)?;
     Ok(a)
 }
 

@@ -17,7 +17,7 @@ pub fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
     let c: LlamaConfig = parse_hf(&cfg.hf, &cfg.architecture)?;
     let mut a = c.arch(cfg)?;
     a.qk_norm = true;
-    a.windows = c.windows(cfg.num_layers);
+    a.windows = c.windows(&cfg.architecture, cfg.num_layers)?;
     Ok(a)
 }
 

@@ -226,7 +226,7 @@ def svg(rows, path):
         ox, oy = (i % 2) * w, (i // 2) * h
         vmax = max(r[key] for r in rows) * 1.1 or 1
         pts = " ".join(f"{ox + pad + (r['t_min'] / tmax) * (w - 2 * pad):.1f},"
-                       f"{oy + h - pad + 10 - (r[key] / vmax) * (h - 2 * pad):.1f}" for r in rows)
+                       f"{oy + h - pad - 10 - (r[key] / vmax) * (h - 2 * pad):.1f}" for r in rows)
         parts.append(f'<text x="{ox + pad}" y="{oy + 16}">{title} (0 to {vmax:.0f}) over {tmax:.0f} min</text>')
         parts.append(f'<rect x="{ox + pad}" y="{oy + pad - 10}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#999"/>')
         parts.append(f'<polyline points="{pts}" fill="none" stroke="#1f6feb" stroke-width="1.5"/>')

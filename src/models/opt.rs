@@ -303,13 +303,7 @@ impl<D: Device> CausalLM<D> for OptForCausalLM<D> {
     }
 
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape) {
-        let shape = CacheShape {
-            num_blocks,
-            block_size,
-            num_kv_heads: self.layers[0].self_attn.attn.shape.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-        };
-        (self.cfg.num_layers, shape)
+        self.layers[0].self_attn.attn.cache_shape(self.cfg.num_layers, num_blocks, block_size)
     }
 
     fn weight_bytes(&self) -> usize {

@@ -1,7 +1,7 @@
 //! Rotary embedding and the PagedAttention layer. Prefill, decode and their mix are one
 //! call: the device kernel reads each token's context through the block tables.
 
-use crate::kernels::{AttnShape, DevResult, Device, RopeSpec};
+use crate::kernels::{AttnShape, CacheShape, DevResult, Device, RopeSpec};
 use crate::models::attn::AttnMetadata;
 use crate::models::config::Rope;
 
@@ -30,6 +30,17 @@ pub struct PagedAttention {
 impl PagedAttention {
     pub fn new(shape: AttnShape) -> Self {
         Self { shape }
+    }
+    /// `CausalLM::cache_shape` of a model of `layers` layers like this one: one paged cache
+    /// per layer for this rank's KV heads.
+    pub fn cache_shape(&self, layers: usize, num_blocks: usize, block_size: usize) -> (usize, CacheShape) {
+        let shape = CacheShape {
+            num_blocks,
+            block_size,
+            num_kv_heads: self.shape.num_kv_heads,
+            head_dim: self.shape.head_dim,
+        };
+        (layers, shape)
     }
     /// Splits fused qkv, applies RoPE, writes k/v to the cache and attends.
     /// `[n, q+2kv]` → `[n, heads·head_dim]`.

@@ -86,7 +86,12 @@ struct Inner {
     metrics: Arc<Metrics>,
     weight_bytes: usize,
     next_id: std::sync::atomic::AtomicU64,
+    /// Events each choice of a request may leave unread (see [`Engine::set_stream_backlog`]).
+    stream_backlog: std::sync::atomic::AtomicUsize,
 }
+
+/// Events each choice may leave unread before its request is aborted, by default.
+pub const DEFAULT_STREAM_BACKLOG: usize = 4096;
 
 /// Cheap to clone; every clone talks to the same actors.
 #[derive(Clone)]
@@ -302,6 +307,7 @@ impl Engine {
                 metrics,
                 weight_bytes,
                 next_id: std::sync::atomic::AtomicU64::new(0),
+                stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
             }),
         })
     }
@@ -364,7 +370,11 @@ impl Engine {
                 Some(m.send(Resolve { name: name.to_string() }).await.map_err(|_| EngineError::Stopped)??)
             }
         };
-        let (tx, rx) = mpsc::unbounded_channel();
+        // Each step sends a choice at most one token (and once its end); one place more is
+        // kept for the event that ends the request, so that a client that stops reading
+        // still learns why its stream ended.
+        let backlog = self.inner.stream_backlog.load(std::sync::atomic::Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel(params.n.max(1) * (backlog + 1) + 1);
         let id: Arc<str> = id.into();
         let msg = AddRequest { id: id.clone(), prompt_ids, params: Arc::new(params), events: tx, lora };
         self.inner.scheduler.send(msg).await.map_err(|_| EngineError::Stopped)??;
@@ -376,6 +386,14 @@ impl Engine {
     /// Takes effect before any request submitted after the call.
     pub fn set_max_waiting(&self, limit: Option<usize>) {
         self.inner.scheduler.do_send(SetMaxWaiting(limit));
+    }
+
+    /// Bounds the events each choice of a request may leave unread (at least 1). A request
+    /// whose client falls further behind is aborted with an error event, so that a client
+    /// that stops reading holds neither memory nor KV blocks. Takes effect for requests
+    /// submitted after the call.
+    pub fn set_stream_backlog(&self, events: usize) {
+        self.inner.stream_backlog.store(events.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Ends every live request with an error event carrying `message`.
@@ -578,7 +596,7 @@ fn start_runner<D: Device>(runner: ModelRunner<D>) -> Addr<ModelRunner<D>> {
 /// The events of one request. Dropping it before `Done` aborts the request in the engine.
 pub struct RequestStream {
     id: Arc<str>,
-    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    rx: mpsc::Receiver<TokenEvent>,
     scheduler: Addr<SchedulerActor>,
     ended: bool,
 }

@@ -65,6 +65,7 @@ pub struct Metrics {
     pub aborts_client: AtomicU64,
     pub aborts_cancelled: AtomicU64,
     pub aborts_engine: AtomicU64,
+    pub aborts_slow: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
     pub ttft: Histogram,
@@ -221,6 +222,7 @@ impl Default for Metrics {
             aborts_client: AtomicU64::new(0),
             aborts_cancelled: AtomicU64::new(0),
             aborts_engine: AtomicU64::new(0),
+            aborts_slow: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             ttft: Histogram::new(),
@@ -281,6 +283,7 @@ impl Metrics {
             AbortReason::ClientGone => &self.aborts_client,
             AbortReason::Cancelled => &self.aborts_cancelled,
             AbortReason::Engine => &self.aborts_engine,
+            AbortReason::SlowClient => &self.aborts_slow,
         }
         .fetch_add(1, Relaxed);
     }
@@ -292,6 +295,7 @@ impl Metrics {
             AbortReason::ClientGone => &self.aborts_client,
             AbortReason::Cancelled => &self.aborts_cancelled,
             AbortReason::Engine => &self.aborts_engine,
+            AbortReason::SlowClient => &self.aborts_slow,
         }
         .load(Relaxed)
     }
@@ -341,7 +345,9 @@ impl Metrics {
             out,
             "# HELP actorllm:request_aborts_total Aborted requests by reason.\n# TYPE actorllm:request_aborts_total counter"
         );
-        for r in [AbortReason::ClientGone, AbortReason::Cancelled, AbortReason::Engine] {
+        for r in
+            [AbortReason::ClientGone, AbortReason::Cancelled, AbortReason::Engine, AbortReason::SlowClient]
+        {
             let _ = writeln!(
                 out,
                 "actorllm:request_aborts_total{{{l},reason=\"{}\"}} {}",

@@ -185,6 +185,8 @@ pub enum AbortReason {
     Cancelled,
     /// The engine could not serve it (for example a prompt larger than the whole KV cache).
     Engine,
+    /// The client left more events unread than its stream may hold (`--stream-backlog`).
+    SlowClient,
 }
 
 impl AbortReason {
@@ -193,6 +195,7 @@ impl AbortReason {
             AbortReason::ClientGone => "client_disconnected",
             AbortReason::Cancelled => "cancelled",
             AbortReason::Engine => "engine",
+            AbortReason::SlowClient => "client_not_reading",
         }
     }
 }

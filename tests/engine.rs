@@ -438,3 +438,40 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
         assert_eq!(free, total);
     }
 }
+
+/// A client that stops reading its stream holds neither memory nor KV blocks: past
+/// `--stream-backlog` unread events per choice its request is aborted, and the events it
+/// finds when it reads again end with an error saying why. A reader beside it is served in
+/// full.
+#[actix_rt::test]
+async fn a_stream_left_unread_is_aborted_past_its_backlog() {
+    let model = tiny_model(9);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
+    engine.set_stream_backlog(8);
+    let params = SamplingParams { n: 2, ..long(200) };
+    let mut idle = engine.add_request(engine.next_request_id("idle"), vec![5, 6, 7], params).await.unwrap();
+    let reader = run(&engine, vec![8, 9, 10], long(100)).await;
+    assert_eq!(reader.tokens[0].len(), 100, "a client that reads is not held to the backlog");
+    let started = std::time::Instant::now();
+    while engine.metrics().aborts(AbortReason::SlowClient) == 0 {
+        assert!(started.elapsed().as_secs() < 60, "the unread request was never aborted");
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let (free, total) = wait_all_blocks_free(&engine).await;
+    assert_eq!(free, total, "the aborted request's blocks are back");
+    let mut tokens = [0usize; 2];
+    let mut last = None;
+    while let Some(ev) = futures::StreamExt::next(&mut idle).await {
+        match ev {
+            actorllm::request::TokenEvent::Token { index, .. } => tokens[index] += 1,
+            other => last = Some(other),
+        }
+    }
+    assert!(tokens.iter().all(|&t| (8..=9).contains(&t)), "each choice kept about its backlog: {tokens:?}");
+    match last {
+        Some(actorllm::request::TokenEvent::Error { message }) => {
+            assert!(message.contains("unread") && message.contains("--stream-backlog"), "{message}")
+        }
+        other => panic!("the stream ended with {other:?}, not an error"),
+    }
+}

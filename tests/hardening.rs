@@ -294,6 +294,53 @@ async fn broken_websocket_frames_close_the_socket_with_their_code() {
     assert!(got.contains("\"type\":\"started\"") && got.contains("\"finish_reason\":\"length\""), "{got}");
 }
 
+/// A client that asks for a stream and never reads it holds neither memory nor the batch:
+/// once it leaves --stream-backlog tokens per choice unread behind what the sockets hold,
+/// its request is aborted, over SSE and over the WebSocket (whose session is held back by
+/// its socket). Each request would otherwise run 16,000 tokens of about 1 KB. Read at last,
+/// the WebSocket's generation ends with an error frame saying why.
+#[actix_rt::test]
+async fn streams_left_unread_are_aborted_not_buffered() {
+    let s = common::server::start_tiny(3, |a| a.stream_backlog = 8).await;
+    let request = json!({"prompt": [5, 6, 7], "max_tokens": 2000, "n": 8, "ignore_eos": true,
+        "temperature": 0, "logprobs": 20});
+    let slow = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_not_reading\"}";
+    let all_free = || async {
+        s.wait_for_metric("vllm:num_requests_running", 0.0).await;
+        s.wait_for_metric("actorllm:kv_cache_blocks_free", s.metric("actorllm:kv_cache_blocks_total").await)
+            .await;
+    };
+    let mut sse = request.clone();
+    sse["stream"] = json!(true);
+    let unread_sse = raw_post(&s, "/v1/completions", &sse);
+    s.wait_for_metric(slow, 1.0).await;
+    all_free().await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut unread_ws = TcpStream::connect(&addr).unwrap();
+    let generate = json!({"type": "generate", "id": "g", "endpoint": "completions", "request": request});
+    unread_ws.write_all(upgrade(&addr, "").as_bytes()).unwrap();
+    unread_ws.write_all(&frame(true, 1, generate.to_string().as_bytes())).unwrap();
+    s.wait_for_metric(slow, 2.0).await;
+    all_free().await;
+    let gone = "actorllm:request_aborts_total{model_name=\"test-model\",reason=\"client_disconnected\"}";
+    assert_eq!(s.metric(gone).await, 0.0, "both were aborted for not reading");
+    let got = actix_rt::task::spawn_blocking(move || {
+        unread_ws.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let (mut got, mut buf) = (Vec::new(), vec![0u8; 1 << 16]);
+        while !String::from_utf8_lossy(&got).contains("\"type\":\"error\"") {
+            let n = unread_ws.read(&mut buf).expect("frames");
+            assert!(n > 0, "closed before the error frame");
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    })
+    .await
+    .unwrap();
+    let error = got.rsplit("\"type\":\"delta\"").next().unwrap();
+    assert!(error.contains("unread (--stream-backlog)"), "{error}");
+    drop(unread_sse);
+}
+
 /// Past --max-waiting-requests a request gets 429 with Retry-After (and the others run on);
 /// n × prompts over --max-num-seqs, a max_tokens that would overflow, a role outside the
 /// four, a 1 MB stop string and the structured-output fields this server does not run get

@@ -6,7 +6,9 @@
 //! handled between steps, so an abort frees its blocks at the next step. A step's events go
 //! to the clients once the next step is with the runner, or when the step ends if none was
 //! planned behind it; with `--async-scheduling` that next step is planned while the
-//! previous one still runs (two steps in flight). The message handlers are in `handlers`.
+//! previous one still runs (two steps in flight). Each request's event channel is bounded
+//! ([`crate::Engine::set_stream_backlog`]): the scheduler never waits on a client, and
+//! aborts a request whose client has stopped reading. The message handlers are in `handlers`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,7 +36,7 @@ pub struct AddRequest {
     pub id: Arc<str>,
     pub prompt_ids: Vec<u32>,
     pub params: Arc<SamplingParams>,
-    pub events: mpsc::UnboundedSender<TokenEvent>,
+    pub events: mpsc::Sender<TokenEvent>,
     /// The adapter this request runs with (None = the base model).
     pub lora: Option<Arc<LoraAdapter>>,
 }
@@ -113,7 +115,7 @@ struct LiveRequest {
     max_tokens: usize,
     prompt_len: usize,
     choices: Vec<Choice>,
-    events: mpsc::UnboundedSender<TokenEvent>,
+    events: mpsc::Sender<TokenEvent>,
     lora: Option<u64>,
     arrival: Instant,
     first_token: Option<Instant>,
@@ -157,7 +159,7 @@ pub struct SchedulerActor {
     /// step's are sent once the next step is on its way to the runner (at once when none
     /// starts), so that the device runs that step while the streams are fed; every event
     /// goes through here, so each request's stay in order.
-    outbox: Vec<(u64, mpsc::UnboundedSender<TokenEvent>, TokenEvent)>,
+    outbox: Vec<(u64, mpsc::Sender<TokenEvent>, TokenEvent)>,
 }
 
 impl SchedulerActor {
@@ -331,20 +333,34 @@ impl SchedulerActor {
         );
     }
 
-    /// Sends the waiting events; a request whose client has gone is aborted.
+    /// Sends the waiting events. A request whose client has gone is aborted, and so is one
+    /// whose client has stopped reading: its stream's last free place carries an error
+    /// event saying so.
     fn flush_events(&mut self) {
         let started = Instant::now();
         while !self.outbox.is_empty() {
-            let mut gone = Vec::new();
+            let mut ended: Vec<(u64, AbortReason)> = Vec::new();
             for (group, tx, ev) in std::mem::take(&mut self.outbox) {
-                if tx.send(ev).is_err() && !gone.contains(&group) {
-                    gone.push(group);
+                if ended.iter().any(|(g, _)| *g == group) {
+                    continue;
+                }
+                let last = matches!(ev, TokenEvent::Done { .. } | TokenEvent::Error { .. });
+                if !last && tx.capacity() <= 1 && !tx.is_closed() {
+                    let unread = tx.max_capacity() - tx.capacity();
+                    let message = format!(
+                        "the client left {unread} events of this stream unread (--stream-backlog); \
+                         the request was aborted"
+                    );
+                    let _ = tx.try_send(TokenEvent::Error { message });
+                    ended.push((group, AbortReason::SlowClient));
+                } else if tx.try_send(ev).is_err() {
+                    ended.push((group, AbortReason::ClientGone));
                 }
             }
-            // Their aborts queue events for streams already closed: sent (and lost) next round.
-            for group in gone {
+            // Their aborts queue events for streams already ended: refused and dropped next round.
+            for (group, reason) in ended {
                 if let Some(id) = self.requests.get(&group).map(|r| r.id.clone()) {
-                    self.abort(&id, AbortReason::ClientGone);
+                    self.abort(&id, reason);
                 }
             }
         }

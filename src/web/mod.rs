@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// with Retry-After. Defaults to --max-num-seqs; 0 for no bound.
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
+    /// Tokens each choice of a stream may leave unread (SSE or WebSocket) before its request
+    /// is aborted with an error event (`client_not_reading` in /metrics), so that a client
+    /// that stops reading holds neither memory nor KV blocks.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_STREAM_BACKLOG, value_parser = at_least_one)]
+    pub stream_backlog: usize,
     /// Seconds a request body may take to arrive in full (408 past it).
     #[arg(long, default_value_t = 30.0, value_parser = positive_seconds)]
     pub request_body_timeout: f64,
@@ -98,6 +103,7 @@ impl ServeArgs {
             allow_credentials: false,
             allowed_hosts: Vec::new(),
             max_waiting_requests: None,
+            stream_backlog: crate::engine::DEFAULT_STREAM_BACKLOG,
             request_body_timeout: 30.0,
             shutdown_timeout: 30.0,
         }
@@ -108,6 +114,13 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
         _ => Err(format!("expected a positive number of seconds, got {s:?}")),
+    }
+}
+
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
     }
 }
 
@@ -253,6 +266,7 @@ fn bind(
     };
     let max_waiting = args.max_waiting_requests.unwrap_or(engine.config().max_num_seqs);
     engine.set_max_waiting((max_waiting > 0).then_some(max_waiting));
+    engine.set_stream_backlog(args.stream_backlog);
     let access = access::AccessPolicy::new(access::AccessFlags {
         bind_host: &args.host,
         allowed_origins: &args.allowed_origins,

@@ -78,7 +78,7 @@ async fn an_abort_while_blocks_are_being_reserved_drops_the_request_from_the_bat
     let blocks = SlowBlocks(BlockPool::new(32, 4)).start();
     let runner = Recorder(batches.clone()).start();
     let sched = start_scheduler(blocks.recipient(), runner.recipient(), false);
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = mpsc::channel(1024);
     let params = Arc::new(SamplingParams { max_tokens: Some(20), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
     sched.send(add).await.unwrap().unwrap();
@@ -130,7 +130,7 @@ async fn async_scheduling_sends_a_token_when_its_step_ends() {
     let blocks = crate::actors::block_manager::BlockManager::new(32, 4).start();
     let runner = SlowRunner { ended: ended.clone(), busy_until: None }.start();
     let sched = start_scheduler(blocks.recipient(), runner.recipient(), true);
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = mpsc::channel(1024);
     let params = Arc::new(SamplingParams { max_tokens: Some(2), ignore_eos: true, ..Default::default() });
     let add = AddRequest { id: "a".into(), prompt_ids: vec![1, 2, 3], params, events: tx, lora: None };
     sched.send(add).await.unwrap().unwrap();
@@ -189,7 +189,7 @@ async fn a_runner_that_answers_a_step_at_the_next_message_is_always_sent_one() {
         let sched = start_scheduler(blocks.recipient(), runner.recipient(), async_scheduling);
         let mut streams = Vec::new();
         for (i, max_tokens) in [3usize, 5].into_iter().enumerate() {
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::channel(1024);
             let params = Arc::new(SamplingParams {
                 max_tokens: Some(max_tokens),
                 ignore_eos: true,

@@ -130,13 +130,20 @@ fn token_text(v: &Value) -> Option<String> {
     }
 }
 
-fn read_json(path: &Path) -> Result<Option<Value>, TokenizerError> {
-    if !path.exists() {
-        return Ok(None);
-    }
-    let err = |message: String| TokenizerError::Load { path: path.display().to_string(), message };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| err(e.to_string()))
+/// A JSON file of the tokenizer's, by name: None when absent.
+fn parse_json(name: &str, bytes: Option<&[u8]>) -> Result<Value, TokenizerError> {
+    let Some(bytes) = bytes else { return Ok(Value::Null) };
+    let err = |message: String| TokenizerError::Load { path: name.to_string(), message };
+    serde_json::from_slice(bytes).map_err(|e| err(e.to_string()))
+}
+
+/// The files of a model directory a [`Tokenizer`] is made from, as bytes (None: absent).
+#[derive(Default, Clone, Copy)]
+pub struct TokenizerFiles<'a> {
+    pub tokenizer_json: &'a [u8],
+    pub tokenizer_config: Option<&'a [u8]>,
+    pub chat_template_jinja: Option<&'a [u8]>,
+    pub generation_config: Option<&'a [u8]>,
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
@@ -154,9 +161,40 @@ impl Tokenizer {
         if !path.exists() {
             return Err(TokenizerError::Missing(path.display().to_string()));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::Load { path: path.display().to_string(), message: e.to_string() })?;
-        let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let read = |name: &str| -> Result<Option<Vec<u8>>, TokenizerError> {
+            let p = dir.join(name);
+            if !p.exists() {
+                return Ok(None);
+            }
+            let err = |e: std::io::Error| TokenizerError::Load {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            };
+            std::fs::read(&p).map(Some).map_err(err)
+        };
+        let json = read("tokenizer.json")?.unwrap_or_default();
+        let (config, jinja) = (read("tokenizer_config.json")?, read("chat_template.jinja")?);
+        let generation = read("generation_config.json")?;
+        let files = TokenizerFiles {
+            tokenizer_json: &json,
+            tokenizer_config: config.as_deref(),
+            chat_template_jinja: jinja.as_deref(),
+            generation_config: generation.as_deref(),
+        };
+        Self::from_files(files, config_eos).map_err(|e| match e {
+            TokenizerError::Load { path, message } => {
+                TokenizerError::Load { path: dir.join(path).display().to_string(), message }
+            }
+            other => other,
+        })
+    }
+
+    /// A tokenizer from its files' bytes; errors name the file (without a directory).
+    pub fn from_files(files: TokenizerFiles<'_>, config_eos: &[u32]) -> Result<Self, TokenizerError> {
+        let load_err = |name: &str, message: String| TokenizerError::Load { path: name.to_string(), message };
+        let inner = tokenizers::Tokenizer::from_bytes(files.tokenizer_json)
+            .map_err(|e| load_err("tokenizer.json", e.to_string()))?;
+        let cfg = parse_json("tokenizer_config.json", files.tokenizer_config)?;
         let mut chat_template = match &cfg["chat_template"] {
             Value::String(s) => Some(s.clone()),
             // A list of named templates: take "default".
@@ -166,16 +204,16 @@ impl Tokenizer {
                 .and_then(|t| t["template"].as_str().map(str::to_string)),
             _ => None,
         };
-        let jinja = dir.join("chat_template.jinja");
-        if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(std::fs::read_to_string(&jinja).map_err(|e| TokenizerError::Load {
-                path: jinja.display().to_string(),
-                message: e.to_string(),
-            })?);
+        if chat_template.is_none()
+            && let Some(jinja) = files.chat_template_jinja
+        {
+            let text =
+                std::str::from_utf8(jinja).map_err(|e| load_err("chat_template.jinja", e.to_string()))?;
+            chat_template = Some(text.to_string());
         }
         let bos_token = token_text(&cfg["bos_token"]).unwrap_or_default();
         let eos_token = token_text(&cfg["eos_token"]).unwrap_or_default();
-        let generation = read_json(&dir.join("generation_config.json"))?.unwrap_or(Value::Null);
+        let generation = parse_json("generation_config.json", files.generation_config)?;
         let mut eos_ids = ids_of(&generation["eos_token_id"]);
         if eos_ids.is_empty() {
             eos_ids = config_eos.to_vec();
@@ -189,9 +227,8 @@ impl Tokenizer {
         let tok = Self { inner, chat_template, bos_token, eos_token, eos_ids, bytes };
         // A tokenizer.json whose post-processor or normalizer refers to what it lacks
         // panics inside tokenizers on the first encode: refuse it here, by name.
-        tok.encode("Hello, world!", true).map_err(|e| TokenizerError::Load {
-            path: path.display().to_string(),
-            message: format!("the tokenizer cannot encode a plain sentence ({e})"),
+        tok.encode("Hello, world!", true).map_err(|e| {
+            load_err("tokenizer.json", format!("the tokenizer cannot encode a plain sentence ({e})"))
         })?;
         Ok(tok)
     }

@@ -192,7 +192,10 @@ impl Tokenizer {
     /// A tokenizer from its files' bytes; errors name the file (without a directory).
     pub fn from_files(files: TokenizerFiles<'_>, config_eos: &[u32]) -> Result<Self, TokenizerError> {
         let load_err = |name: &str, message: String| TokenizerError::Load { path: name.to_string(), message };
-        let inner = tokenizers::Tokenizer::from_bytes(files.tokenizer_json)
+        // tokenizers panics on some malformed parts (a decoder with a bad field) instead of
+        // returning an error.
+        let inner = guard(|| tokenizers::Tokenizer::from_bytes(files.tokenizer_json))
+            .map_err(|e| load_err("tokenizer.json", e.to_string()))?
             .map_err(|e| load_err("tokenizer.json", e.to_string()))?;
         let cfg = parse_json("tokenizer_config.json", files.tokenizer_config)?;
         let mut chat_template = match &cfg["chat_template"] {
@@ -436,5 +439,16 @@ mod tests {
         // Space, newline and 0xAD are not printable: they are U+0120, U+010A and U+0143.
         assert_eq!((alphabet[&'Ġ'], alphabet[&'Ċ'], alphabet[&'Ń']), (b' ', b'\n', 0xAD));
         assert_eq!(alphabet[&'A'], b'A');
+    }
+
+    /// A decoder with a malformed field makes `tokenizers` panic while parsing (found by
+    /// the tokenizer fuzz target): the load fails with an error naming the file.
+    #[test]
+    fn a_malformed_decoder_is_an_error_not_a_panic() {
+        let json = br#"{"model":{"type":"WordLevel","vocab":{"Hello":0,"[UNK]":1},"unk_token":"[UNK]"},
+            "decoder":{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":qrue,"use_regex":true}}"#;
+        let files = TokenizerFiles { tokenizer_json: json, ..TokenizerFiles::default() };
+        let err = Tokenizer::from_files(files, &[]).err().expect("refused");
+        assert!(err.to_string().starts_with("tokenizer.json: "), "{err}");
     }
 }

@@ -809,6 +809,61 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
     g.set_activation_dtype(DType::F32);
 }
 
+/// The rows of an attention step: a sequence and the positions of its rows, per sequence.
+type StepRows = Vec<(u32, std::ops::Range<u32>)>;
+
+/// Attention steps over one cache of three sequences whose blocks interleave (sequence i
+/// owns blocks i, i + 3, i + 6, ...), each step's rows at the positions its list gives (with
+/// fresh random q, k and v of its seed), each step's output checked against the CPU's within
+/// `tol`; `after` sees the GPU after each step, for the kernels it took.
+fn attention_steps(
+    g: &CudaDevice,
+    c: &CpuDevice,
+    (s, act, bs, tol): (AttnShape, DType, usize, f32),
+    steps: &[(StepRows, u64)],
+    mut after: impl FnMut(&CudaDevice, u64, &[(u32, std::ops::Range<u32>)]),
+) {
+    let (heads, kv_heads, head_dim) = (s.num_heads, s.num_kv_heads, s.head_dim);
+    let per_seq = 1280 / bs as u32;
+    let shape =
+        CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
+    let (mut cc, mut cg) = (c.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
+    let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
+    for (seq_pos, seed) in steps {
+        let meta = step_meta(&tables, bs, seq_pos);
+        let n = meta.positions.len();
+        let (q, k, v) = (
+            rand(n * heads * head_dim, *seed),
+            rand(n * kv_heads * head_dim, seed + 1),
+            rand(n * kv_heads * head_dim, seed + 2),
+        );
+        let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols).unwrap());
+        let ((qc, qg), (kc, kg), (vc, vg)) =
+            (t(&q, heads * head_dim), t(&k, kv_heads * head_dim), t(&v, kv_heads * head_dim));
+        let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta).unwrap();
+        let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta).unwrap();
+        after(g, *seed, seq_pos);
+        close(
+            &format!(
+                "attention {heads}:{kv_heads}x{head_dim}, window {}, softcap {}, {n} tokens, {act:?}, blocks of {bs}",
+                s.window, s.softcap
+            ),
+            &g.to_host(&og).unwrap(),
+            &c.to_host(&oc).unwrap(),
+            tol,
+        );
+    }
+}
+
+/// Decode rows at scattered positions of the three sequences (none consecutive, so none is
+/// a prefill run): 537 of them.
+fn scattered_decode_rows() -> StepRows {
+    [(0, 1..1101, 3), (1, 0..301, 2), (2, 0..38, 2)]
+        .into_iter()
+        .flat_map(|(seq, r, by)| r.step_by(by).map(move |p| (seq, p..p + 1)))
+        .collect()
+}
+
 /// Paged attention over long contexts (many partitions of the split kernel) and GQA groups
 /// of 1, 2, 4, 7 and 12 query heads per KV head (12 takes the one-block-per-head kernel; a
 /// prefill block over a 16-bit cache takes 1, 2 or 4 heads of a group): a
@@ -837,62 +892,76 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
         g.set_activation_dtype(act);
         let tol = if flash || act != DType::F32 { 1e-2 } else { 1e-4 };
         let s = AttnShape::causal(heads, kv_heads, head_dim);
-        let per_seq = 1280 / bs as u32;
-        let shape =
-            CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
-        let (mut cc, mut cg) = (c.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
-        // Three sequences; their blocks interleave: sequence i owns blocks i, i+3, i+6, ...
-        let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
-        let mut step = |seq_pos: &[(u32, std::ops::Range<u32>)], seed: u64| {
-            let meta = step_meta(&tables, bs, seq_pos);
-            let n = meta.positions.len();
-            let (q, k, v) = (
-                rand(n * heads * head_dim, seed),
-                rand(n * kv_heads * head_dim, seed + 1),
-                rand(n * kv_heads * head_dim, seed + 2),
-            );
-            let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols).unwrap());
-            let ((qc, qg), (kc, kg), (vc, vg)) =
-                (t(&q, heads * head_dim), t(&k, kv_heads * head_dim), t(&v, kv_heads * head_dim));
-            let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta).unwrap();
-            let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta).unwrap();
+        let steps = [
+            (vec![(0, 0..1100)], 40),
+            (vec![(1, 0..300), (2, 0..37)], 41),
+            (vec![(0, 1100..1101), (1, 300..301), (2, 37..38)], 42),
+            (scattered_decode_rows(), 44),
+            // Three rows of contexts up to 301 keys: over a 16-bit cache, partitions of 32
+            // or 48 keys that flash_decode's blocks join themselves.
+            (vec![(0, 200..201), (1, 300..301), (2, 37..38)], 45),
+            // Contexts of at most 16 keys: flash_decode gives each row one warp, which
+            // writes the output without the reduction.
+            (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 43),
+        ];
+        let tc_shape = flash && matches!(head_dim, 64 | 128);
+        attention_steps(&g, &c, (s, act, bs, tol), &steps, |g, seed, seq_pos| {
             // Prefill runs (more than one position of a sequence) take the tensor-core
             // kernel whenever it applies; decode rows never do.
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
-            let tc_shape = flash && matches!(head_dim, 64 | 128);
             assert_eq!(g.tensor_core_tiles() > 0, tc_shape && prefill);
             if seq_pos.iter().any(|(_, r)| r.len() == 1) {
                 assert_eq!(g.tensor_core_decode(), tc_shape && heads / kv_heads <= 8, "decode kernel");
             }
-            close(
-                &format!(
-                    "attention {heads}:{kv_heads}x{head_dim}, {n} tokens, tensor cores {flash}, {act:?}"
-                ),
-                &g.to_host(&og).unwrap(),
-                &c.to_host(&oc).unwrap(),
-                tol,
-            );
-        };
-        step(&[(0, 0..1100)], 40);
-        step(&[(1, 0..300), (2, 0..37)], 41);
-        step(&[(0, 1100..1101), (1, 300..301), (2, 37..38)], 42);
-        // 537 decode rows at scattered positions (none consecutive, so none is a prefill
-        // run): one warp per row and KV head for the widest groups, and partitions joined
-        // by the reduction's warp-per-head kernel for the narrower ones.
-        let many: Vec<(u32, std::ops::Range<u32>)> = [(0, 1..1101, 3), (1, 0..301, 2), (2, 0..38, 2)]
-            .into_iter()
-            .flat_map(|(seq, r, by)| r.step_by(by).map(move |p| (seq, p..p + 1)))
-            .collect();
-        step(&many, 44);
-        // Three rows of contexts up to 301 keys: over a 16-bit cache, partitions of 32 or 48
-        // keys that flash_decode's blocks join themselves.
-        step(&[(0, 200..201), (1, 300..301), (2, 37..38)], 45);
-        let joins = flash && matches!(head_dim, 64 | 128) && act != DType::F32 && heads / kv_heads <= 8;
-        assert_eq!(g.decode_joined(), joins, "{heads}:{kv_heads}x{head_dim} {act:?}: joined in the block");
-        // Contexts of at most 16 keys: flash_decode gives each row one warp, which writes
-        // the output without the reduction.
-        step(&[(0, 5..6), (1, 12..13), (2, 15..16)], 43);
+            if seed == 45 {
+                let joins = tc_shape && act != DType::F32 && heads / kv_heads <= 8;
+                assert_eq!(
+                    g.decode_joined(),
+                    joins,
+                    "{heads}:{kv_heads}x{head_dim} {act:?}: joined in the block"
+                );
+            }
+        });
     }
+}
+
+/// Sliding windows and soft caps (Mistral, Gemma 2 and 3) stay on the tensor-core kernels
+/// and match the CPU: a 700-token prefill that crosses the window, a later chunk of the
+/// same prompt beside another prompt, decode rows whose windows start mid-chunk (joined in
+/// the block, and reduced), and contexts shorter than the window; over 16-bit caches with
+/// blocks of 8, 16 and 32 keys, and over an f32 cache.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
+    let (g, _turn) = gpu();
+    let c = CpuDevice::default();
+    let cases = [
+        ((32, 8, 128), DType::BF16, 16, 100, 0.0),
+        ((16, 8, 64), DType::BF16, 8, 0, 0.25),
+        ((8, 4, 128), DType::F16, 32, 37, 0.5),
+        ((14, 2, 64), DType::F32, 16, 64, 0.25),
+    ];
+    for ((heads, kv_heads, head_dim), act, bs, window, softcap) in cases {
+        g.set_tensor_core_attention(true);
+        g.set_activation_dtype(act);
+        let s = AttnShape { window, softcap, scale: 0.5, ..AttnShape::causal(heads, kv_heads, head_dim) };
+        let steps = [
+            (vec![(0, 0..700)], 50),
+            (vec![(0, 700..760), (1, 0..300)], 51),
+            (vec![(0, 760..761), (1, 300..301), (2, 0..1)], 52),
+            (scattered_decode_rows(), 53),
+            (vec![(0, 200..201), (1, 301..302), (2, 1..2)], 54),
+            (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 55),
+        ];
+        attention_steps(&g, &c, (s, act, bs, 1e-2), &steps, |g, _, seq_pos| {
+            let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
+            assert_eq!(g.tensor_core_tiles() > 0, prefill, "prefill on tensor cores");
+            if !prefill {
+                assert!(g.tensor_core_decode(), "decode on tensor cores");
+            }
+        });
+    }
+    g.set_activation_dtype(DType::F32);
 }
 
 /// A runner on the GPU, driven step by step: once a step's shapes have been seen, it

@@ -90,7 +90,8 @@ impl CudaDevice {
     /// The step's attention metadata on the device, uploaded unless it is there already
     /// (every layer passes the same).
     pub(super) fn attention_inputs(&self, s: AttnShape, meta: &AttnMetadata) -> DevResult<()> {
-        if s.has_options() {
+        // The flash kernels honour sliding windows and soft caps; the split kernel does not.
+        if s.has_options() && !(self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8) {
             self.plain_attention.set(true);
         }
         self.attn_shape.set(Some(s));
@@ -153,6 +154,7 @@ impl CudaDevice {
             block_size: cache.shape.block_size as i32,
             scale: s.scale,
         };
+        let (window, softcap) = (s.window as i32, s.softcap);
         if b.num_tiles > 0 {
             let _t = self.span("flash_prefill", (0, 0), q.rows - b.num_rows);
             let mut launch = self.stream.launch_builder(&kk.flash[usize::from(s.head_dim == 128)]);
@@ -164,6 +166,7 @@ impl CudaDevice {
             push_tables(&mut launch, b);
             launch.arg(&b.tiles);
             dims.push(&mut launch);
+            launch.arg(&window).arg(&softcap);
             // Over a 16-bit cache a block takes several query heads of a GQA group.
             let hpb = if half_cache { prefill_heads(s, self.prefill_heads_max) } else { 1 };
             let smem = if half_cache { prefill_smem_bytes(s.head_dim, hpb) } else { 0 };
@@ -188,7 +191,7 @@ impl CudaDevice {
         // partitions of `part`.
         let parts = match tc {
             true => Some((0, b.parts_max)),
-            false if self.plain_attention.get() => None,
+            false if self.plain_attention.get() || s.has_options() => None,
             false => split_partition(b.num_rows, s, ctx_max).map(|part| (part, ctx_max.div_ceil(part))),
         };
         if let Some((part, parts_max)) = parts {
@@ -248,7 +251,7 @@ impl CudaDevice {
             }
             launch.arg(&parts_i);
             if tc {
-                launch.arg(&join_i);
+                launch.arg(&join_i).arg(&window).arg(&softcap);
             }
             // SAFETY: indices are bounded by the step's metadata; the partial buffers hold
             // rows·heads·parts_max entries (of head_dim values for part_out); out (and half)
@@ -285,6 +288,7 @@ impl CudaDevice {
             if by_warp {
                 launch.arg(&n);
             }
+            launch.arg(&window);
             // SAFETY: as above; out (and half) are [rows, heads·head_dim]; the warp kernel
             // covers n = rows · heads slots, each of a head_dim that is a multiple of 32 up
             // to 256 (the only shapes that leave partitions).
@@ -301,7 +305,6 @@ impl CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (window, softcap) = (s.window as i32, s.softcap);
         let mut launch = self.stream.launch_builder(&kk.attention);
         launch.arg(&*q.buf);
         kc.push(&mut launch);

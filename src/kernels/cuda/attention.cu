@@ -318,7 +318,8 @@ __device__ __forceinline__ void reduce_in_registers(const float* part_out, const
 // (`part` 0: the row's own partition length is at row_meta[3i + 2]; a row of one partition
 // was written by flash_decode). Partial results are indexed by the row's place i in
 // `rows`, so they take rows · heads · parts_max slots whatever the step's prefill rows;
-// the row's context length is at row_meta[3i]. Two kernels:
+// the row's context length is at row_meta[3i]; flash_decode's partitions of a row with a
+// sliding window (`window` > 0) start at its decode_first. Two kernels:
 // - paged_attention_reduce_f32: one block per (row, head), a thread per dim looping over
 //   the parts; it spreads a few rows over many SMs;
 // - paged_attention_reduce_warp_f32: one warp per (row, head), four to a block, for many
@@ -327,13 +328,15 @@ __device__ __forceinline__ void reduce_in_registers(const float* part_out, const
 extern "C" __global__ void paged_attention_reduce_f32(const float* part_out, const float* part_max,
                                                       const float* part_sum, float* out, void* out16, int kind,
                                                       const unsigned int* rows, const unsigned int* row_meta,
-                                                      int heads, int head_dim, int part, int parts_max) {
+                                                      int heads, int head_dim, int part, int parts_max,
+                                                      int window) {
     grid_dep_sync();
     int i = blockIdx.x / heads, h = blockIdx.x % heads;
     int t = rows[i], ctx = row_meta[3 * i];
     bool flash = part == 0;
     if (flash) part = row_meta[3 * i + 2];
-    int parts = (ctx + part - 1) / part;
+    int first = flash ? decode_first(ctx, window) : 0;
+    int parts = (ctx - first + part - 1) / part;
     if (flash && parts == 1) return;  // flash_decode wrote the output
     size_t base = ((size_t)i * heads + h) * parts_max;
     if (parts <= REDUCE_REGS) {
@@ -363,7 +366,7 @@ extern "C" __global__ void paged_attention_reduce_warp_f32(const float* part_out
                                                            const float* part_sum, float* out, void* out16,
                                                            int kind, const unsigned int* rows,
                                                            const unsigned int* row_meta, int heads, int head_dim,
-                                                           int part, int parts_max, int n) {
+                                                           int part, int parts_max, int n, int window) {
     grid_dep_sync();
     int lane = threadIdx.x & 31;
     int slot = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // place in rows · heads + head
@@ -372,7 +375,8 @@ extern "C" __global__ void paged_attention_reduce_warp_f32(const float* part_out
     int t = rows[i], ctx = row_meta[3 * i];
     bool flash = part == 0;
     if (flash) part = row_meta[3 * i + 2];
-    int parts = (ctx + part - 1) / part;
+    int first = flash ? decode_first(ctx, window) : 0;
+    int parts = (ctx - first + part - 1) / part;
     if (flash && parts == 1) return;  // flash_decode wrote the output
     size_t base = (size_t)slot * parts_max;
     float m = -3.0e38f;

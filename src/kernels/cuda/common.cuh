@@ -87,3 +87,14 @@ __device__ __forceinline__ void st4(__half* p, float4 v) {
     __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
     *(uint2*)p = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
 }
+
+// Sliding windows and soft caps in the flash kernels (flash.cu) and the reduction of their
+// partitions (attention.cu). A decode row of `ctx` keys with a window of `window` keys
+// (0: none) reads its keys from the window's first one rounded down to a chunk of 16, so
+// that its partitions start on flash_decode's chunks (the keys before the window masked).
+__device__ __forceinline__ int decode_first(int ctx, int window) {
+    return window > 0 ? (max(0, ctx - window) & ~15) : 0;
+}
+// A score soft-capped as Gemma 2 does (cap · tanh(score / cap)); `cap` 0: unchanged. Scores
+// in log2 units take the cap in those units too.
+__device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }

@@ -41,12 +41,14 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 }
 
 // One chunk's causal mask and online softmax for a warp's two rows of a tile (a and b:
-// rows g and g + 8 of its 16, at positions pa and pb; -1 for no row): scores of keys after
-// a row's position are masked, the scores become exp(score - new max) in place, and the
-// running sums and the output are rescaled to the new maxima.
+// rows g and g + 8 of its 16, at positions pa and pb; -1 for no row): the scores are soft-
+// capped (cap > 0), scores of keys after a row's position or before its window (keys wa
+// and wb on) are masked, the scores become exp(score - new max) in place, and the running
+// sums and the output are rescaled to the new maxima.
 template <int HD>
 __device__ __forceinline__ void softmax_chunk(float (&s)[BC / 8][4], float (&o)[HD / 8][4], int c0, int tq, int pa,
-                                              int pb, float& ma, float& mb, float& la, float& lb) {
+                                              int pb, int wa, int wb, float cap, float& ma, float& mb, float& la,
+                                              float& lb) {
     const float NEG = __int_as_float(0xff800000);  // -inf
     float mxa = ma, mxb = mb;
 #pragma unroll
@@ -54,8 +56,10 @@ __device__ __forceinline__ void softmax_chunk(float (&s)[BC / 8][4], float (&o)[
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             int key = c0 + j * 8 + tq * 2 + e;
-            if (key > pa) s[j][e] = NEG;
-            if (key > pb) s[j][2 + e] = NEG;
+            s[j][e] = soft_cap(s[j][e], cap);
+            s[j][2 + e] = soft_cap(s[j][2 + e], cap);
+            if (key > pa || key < wa) s[j][e] = NEG;
+            if (key > pb || key < wb) s[j][2 + e] = NEG;
             mxa = fmaxf(mxa, s[j][e]);
             mxb = fmaxf(mxb, s[j][2 + e]);
         }
@@ -123,7 +127,7 @@ template <int HD, typename T>
 __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, float* __restrict__ out, void* out16, int kind,
                               const unsigned int* positions, const unsigned int* token_seq,
                               const unsigned int* tables, const unsigned int* table_off, const unsigned int* tiles,
-                              int heads, int kv_heads, int block_size, float scale) {
+                              int heads, int kv_heads, int block_size, float scale, int window, float softcap) {
     constexpr int KS = HD + 8;  // padded rows: the fragment loads hit 32 distinct banks
     constexpr int VS = BC + 8;
     __shared__ __nv_bfloat16 ks[BC * KS];
@@ -141,6 +145,12 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
     int pa = va ? (int)positions[row0 + ra] : -1, pb = vb ? (int)positions[row0 + rb] : -1;
     int last = min(warp * 16 + 15, nrows - 1);
     int warp_end = warp * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
+    // With a sliding window, a row sees the keys from its position - window + 1 on: the
+    // block starts at the chunk of the tile's first row's first key, and a warp skips the
+    // chunks before its own first row's.
+    int wa = window > 0 ? pa - window + 1 : 0, wb = window > 0 ? pb - window + 1 : 0;
+    int c_first = window > 0 ? max(0, (int)positions[row0] - window + 1) / BC * BC : 0;
+    int warp_lo = window > 0 && warp * 16 < nrows ? (int)positions[row0 + warp * 16] - window + 1 : 0;
 
     unsigned qf[HD / 16][4];
     const float* qa = q + ((size_t)(row0 + ra) * heads + h) * HD;
@@ -158,7 +168,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float ma = NEG, mb = NEG, la = 0.0f, lb = 0.0f;
 
-    for (int c0 = 0; c0 < ctx_end; c0 += BC) {
+    for (int c0 = c_first; c0 < ctx_end; c0 += BC) {
         int cn = min(BC, ctx_end - c0);
         __syncthreads();
         // Where each key row of the chunk lives in the paged cache, looked up once, so that
@@ -190,7 +200,8 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
             vt[(c4 + 3) * VS + r] = __float2bfloat16(vx.w);
         }
         __syncthreads();
-        if (c0 >= warp_end) continue;  // every key of the chunk is after this warp's rows
+        // Every key of the chunk is after this warp's rows, or before their windows.
+        if (c0 >= warp_end || c0 + BC <= warp_lo) continue;
 
         float s[BC / 8][4];
 #pragma unroll
@@ -202,7 +213,7 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
                 mma_bf16(s[j], qf[kk], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
             }
         }
-        softmax_chunk<HD>(s, o, c0, tq, pa, pb, ma, mb, la, lb);
+        softmax_chunk<HD>(s, o, c0, tq, pa, pb, wa, wb, softcap, ma, mb, la, lb);
 #pragma unroll
         for (int kk = 0; kk < BC / 16; kk++) {
             unsigned a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
@@ -223,9 +234,9 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale) { grid_dep_sync();                                                       \
+        int block_size, float scale, int window, float softcap) { grid_dep_sync();                            \
         flash_prefill<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles, heads,   \
-                          kv_heads, block_size, scale);                                                         \
+                          kv_heads, block_size, scale, window, softcap);                                        \
     }
 
 FLASH_ENTRY(64, f32, float)
@@ -300,16 +311,19 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
 // warps that run together read every head of the same keys, whole cache rows, rather than
 // one head's slice of many rows (on the H200, +0.9 % throughput).
 struct DecodeWarp {
-    int warp, lane, g, tq, t, kvh, pi, start, end, h;
+    // lo: the row's first key inside its sliding window (0 without one); parts: the row's
+    // partitions.
+    int warp, lane, g, tq, t, kvh, pi, start, end, h, lo, parts;
     bool live, alone;
     const unsigned int* table;
 };
 
 // Fills `d` from the launch and the row's metadata (context, table offset and partition
-// length at row_meta[3 · place]); false when the warp has nothing to do (past parts_max, or
+// length at row_meta[3 · place]) and the layer's sliding window; false when the warp has nothing to do (past parts_max, or
 // a partition past the row's context: the reduction counts alike).
 __device__ __forceinline__ bool decode_warp(DecodeWarp& d, const unsigned int* rows, const unsigned int* row_meta,
-                                            const unsigned int* tables, int heads, int kv_heads, int parts_max) {
+                                            const unsigned int* tables, int heads, int kv_heads, int parts_max,
+                                            int window) {
     d.warp = threadIdx.x >> 5;
     d.lane = threadIdx.x & 31;
     d.g = d.lane >> 2;
@@ -323,10 +337,14 @@ __device__ __forceinline__ bool decode_warp(DecodeWarp& d, const unsigned int* r
     int group = heads / kv_heads;
     d.live = d.g < group;
     d.h = d.kvh * group + d.g;
-    d.start = d.pi * part;
+    // With a sliding window the partitions cover the row's keys from decode_first on.
+    const int first = decode_first(ctx, window);
+    d.lo = window > 0 ? max(0, ctx - window) : 0;
+    d.parts = (ctx - first + part - 1) / part;
+    d.start = first + d.pi * part;
     if (d.start >= ctx) return false;
     d.end = min(ctx, d.start + part);
-    d.alone = part >= ctx;
+    d.alone = part >= ctx - first;
     d.table = tables + meta[1];
     return true;
 }
@@ -349,14 +367,15 @@ __device__ __forceinline__ void decode_query(unsigned (&qa)[HD / 16][2], const f
     }
 }
 
-// One chunk of 16 keys, c0 .. c0 + 15 (those from `end` on masked): the group's scores from
+// One chunk of 16 keys, c0 .. c0 + 15 (those from `end` on and before `lo` masked, after the
+// soft cap `cap`): the group's scores from
 // the lane's K pieces kf[j][i] (key j·8 + g, dims i·32 + tq·8 ..), the online softmax, and
 // the output from its V pieces vf[r][i] (key 2tq + (r & 1) + (r >> 1)·8, dims g·HD/8 + i·8 ..;
 // zero past `end`, where a stale row could hold NaNs).
 template <int HD, typename T>
 __device__ __forceinline__ void decode_chunk(const unsigned (&qa)[HD / 16][2], const uint4 (&kf)[2][HD / 32],
                                              const uint4 (&vf)[4][HD / 64], float (&o)[HD / 8][2], float& m,
-                                             float& l, int c0, int end, int tq) {
+                                             float& l, int c0, int lo, int end, float cap, int tq) {
     typedef Frag16<T> F;
     constexpr int NC = HD / 32, NT = HD / 8;
     const float NEG = __int_as_float(0xff800000);  // -inf
@@ -375,12 +394,14 @@ __device__ __forceinline__ void decode_chunk(const unsigned (&qa)[HD / 16][2], c
     for (int j = 0; j < 2; j++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            if (c0 + j * 8 + 2 * tq + e >= end) s[j][e] = NEG;
+            const int key = c0 + j * 8 + 2 * tq + e;
+            s[j][e] = soft_cap(s[j][e], cap);
+            if (key >= end || key < lo) s[j][e] = NEG;
             mx = fmaxf(mx, s[j][e]);
         }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    // The chunk's first key is inside the partition: mx is finite.
+    // A key of the chunk is in the partition and the window: mx is finite.
     float f = expf(m - mx);
     float p[2][2];
 #pragma unroll
@@ -447,10 +468,10 @@ __device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float
     const float *q, const T *kc, const T *vc, float *part_out, float *part_max, float *part_sum, float *out,   \
         void *out16, int kind, const unsigned int *rows, const unsigned int *row_meta,                         \
         const unsigned int *tables, int heads, int kv_heads, int head_dim, int block_size, float scale,         \
-        int parts_max, int join
+        int parts_max, int join, int window, float softcap
 #define DECODE_CALL                                                                                             \
     (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
-     head_dim, block_size, scale, parts_max, join)
+     head_dim, block_size, scale, parts_max, join, window, softcap)
 
 // An f32 cache: each lane loads its K and V pieces of a chunk straight into registers
 // (rounded to bf16), every load of the chunk issued before the first use.
@@ -458,7 +479,7 @@ template <int HD, typename T, bool WHOLE>
 __device__ __forceinline__ void flash_decode_regs(DECODE_ARGS(T)) {
     constexpr int NC = HD / 32, NT = HD / 8;
     DecodeWarp d;
-    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) return;
+    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max, window)) return;
     const int g = d.g, tq = d.tq, kvh = d.kvh, start = d.start, end = d.end, width = kv_heads * HD;
     const unsigned int* table = d.table;
     unsigned qa[HD / 16][2];
@@ -501,7 +522,7 @@ __device__ __forceinline__ void flash_decode_regs(DECODE_ARGS(T)) {
             }
         }
         if (WHOLE && c0 + 16 < end) blk = table[(c0 + 16) >> shift];
-        decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, end, tq);
+        decode_chunk<HD, T>(qa, kf, vf, o, m, l, c0, d.lo, end, softcap, tq);
     }
     decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
 }
@@ -571,11 +592,9 @@ template <int HD> __device__ __forceinline__ int decode_piece(int r, int seg) {
 #define DECODE_JOIN_WARPS 8
 template <int HD>
 __device__ __forceinline__ void decode_join(const uint4* smem, const DecodeWarp& d, float* __restrict__ out,
-                                            void* __restrict__ out16, int kind, int heads, int group,
-                                            const unsigned int* row_meta) {
+                                            void* __restrict__ out16, int kind, int heads, int group) {
     constexpr int CHUNK = 16 * (HD / 8);
-    const unsigned int* meta = row_meta + 3 * blockIdx.y;
-    const int parts = (meta[0] + meta[2] - 1) / meta[2];
+    const int parts = d.parts;
     asm volatile("bar.sync 1, %0;" ::"r"(parts * 32) : "memory");
     const float* ws[DECODE_JOIN_WARPS];
 #pragma unroll
@@ -614,7 +633,7 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
     // the cache and the queries after it. On the H200 the 8B model's batch-1 step (tokens
     // fed on the device) took 3.89 ms so, 3.93 reading the first chunk of keys before the
     // wait too where it held no key of this step (one run), and 3.94 waiting first (the next).
-    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max)) {
+    if (!decode_warp(d, rows, row_meta, tables, heads, kv_heads, parts_max, window)) {
         grid_dep_launch();
         return;
     }
@@ -691,6 +710,7 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
 #pragma unroll
     for (int mt = 0; mt < KT; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
     float m0 = NEG, m1 = NEG, l0 = 0.0f, l1 = 0.0f;  // heads 2tq and 2tq + 1
+    const float cap2 = softcap * 1.4426950408889634f;  // the soft cap in the scores' log2 units
     for (int c0 = start, st = 0; c0 < end; c0 += 16, st ^= 1) {
         if (c0 + 16 < end) {
             stage(c0 + 16, st ^ 1);
@@ -709,10 +729,10 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
             mma16<T>(kk & 1 ? s2 : s, a, qb[kk][0], qb[kk][1]);
         }
 #pragma unroll
-        for (int e = 0; e < 4; e++) s[e] += s2[e];
-        if (c0 + g >= end) s[0] = s[1] = NEG;
-        if (c0 + g + 8 >= end) s[2] = s[3] = NEG;
-        // The chunk's first key is inside the partition: the maxima are finite.
+        for (int e = 0; e < 4; e++) s[e] = soft_cap(s[e] + s2[e], cap2);
+        if (c0 + g >= end || c0 + g < d.lo) s[0] = s[1] = NEG;
+        if (c0 + g + 8 >= end || c0 + g + 8 < d.lo) s[2] = s[3] = NEG;
+        // The chunk holds a key inside the partition and the window: the maxima are finite.
         float x0 = fmaxf(m0, fmaxf(s[0], s[2])), x1 = fmaxf(m1, fmaxf(s[1], s[3]));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
@@ -768,7 +788,7 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
                 ws[8 * HD + 8 + head] = e ? l1 : l0;
             }
         }
-        decode_join<HD>(decode_smem, d, out, out16, kind, heads, group, row_meta);
+        decode_join<HD>(decode_smem, d, out, out16, kind, heads, group);
         return;
     }
 #pragma unroll
@@ -855,7 +875,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
                                    float* __restrict__ out, void* out16, int kind, const unsigned int* positions,
                                    const unsigned int* token_seq, const unsigned int* tables,
                                    const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads,
-                                   int block_size, float scale) {
+                                   int block_size, float scale, int window, float softcap) {
     typedef Frag16<T> F;
     constexpr int RS = HD + 8;   // padded rows: fragment loads and ldmatrix hit distinct banks
     constexpr int PIECES = HD / 8;  // 16-byte pieces per row
@@ -877,6 +897,10 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
     int pa = va ? (int)positions[row0 + ra] : -1, pb = vb ? (int)positions[row0 + rb] : -1;
     int last = min(rw * 16 + 15, nrows - 1);
     int warp_end = rw * 16 < nrows ? (int)positions[row0 + last] + 1 : 0;
+    // Sliding windows as in flash_prefill.
+    int wa = window > 0 ? pa - window + 1 : 0, wb = window > 0 ? pb - window + 1 : 0;
+    int c_first = window > 0 ? max(0, (int)positions[row0] - window + 1) / BC * BC : 0;
+    int warp_lo = window > 0 && rw * 16 < nrows ? (int)positions[row0 + rw * 16] - window + 1 : 0;
 
     // Issues the copies of chunk c0 into buffer `buf` (rows past the context are zeros).
     auto stage = [&](int c0, int buf) {
@@ -891,7 +915,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    stage(0, 0);
+    stage(c_first, 0);
     // The warp's 16 query rows, scaled and rounded, 4 values a lane at a time (zeros past
     // the tile).
     for (int r = 0; r < 16; r++) {
@@ -912,7 +936,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
     for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     float ma = NEG, mb = NEG, la = 0.0f, lb = 0.0f;
 
-    for (int c0 = 0, buf = 0; c0 < ctx_end; c0 += BC, buf ^= 1) {
+    for (int c0 = c_first, buf = 0; c0 < ctx_end; c0 += BC, buf ^= 1) {
         if (c0 + BC < ctx_end) {
             stage(c0 + BC, buf ^ 1);
             asm volatile("cp.async.wait_group 1;\n" ::);
@@ -920,7 +944,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
             asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
-        if (c0 < warp_end) {
+        if (c0 < warp_end && c0 + BC > warp_lo) {
             const T* kb = ks + buf * BC * RS;
             const T* vb_ = vs + buf * BC * RS;
             float s[BC / 8][4];
@@ -938,7 +962,7 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
                     mma16<T>(s[j], a, *(const unsigned*)kr, *(const unsigned*)(kr + 8));
                 }
             }
-            softmax_chunk<HD>(s, o, c0, tq, pa, pb, ma, mb, la, lb);
+            softmax_chunk<HD>(s, o, c0, tq, pa, pb, wa, wb, softcap, ma, mb, la, lb);
 #pragma unroll
             for (int kk = 0; kk < BC / 16; kk++) {
                 unsigned a[4] = {F::pack(s[2 * kk][0], s[2 * kk][1]), F::pack(s[2 * kk][2], s[2 * kk][3]),
@@ -969,9 +993,9 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind,                           \
         const unsigned int* positions, const unsigned int* token_seq, const unsigned int* tables,              \
         const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads, int head_dim,      \
-        int block_size, float scale) { grid_dep_sync();                                                       \
+        int block_size, float scale, int window, float softcap) { grid_dep_sync();                            \
         flash_prefill_pipe<HD, T>(q, kc, vc, out, out16, kind, positions, token_seq, tables, table_off, tiles,     \
-                                  heads, kv_heads, block_size, scale);                                          \
+                                  heads, kv_heads, block_size, scale, window, softcap);                         \
     }
 
 FLASH_PIPE_ENTRY(64, bf16, __nv_bfloat16)

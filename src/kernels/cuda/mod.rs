@@ -218,9 +218,10 @@ pub struct CudaDevice {
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
     decode_on_tensor_cores: std::cell::Cell<bool>,
-    /// Set once an attention with options (a sliding window, a soft cap) has run: from
-    /// then on every attention of the device takes the one-block-per-head kernel, the one
-    /// that honours them, so that a step's metadata serves all its layers alike.
+    /// Set once an attention with options (a sliding window, a soft cap) has run that the
+    /// flash kernels cannot take (not on tensor cores, or another head size): from then on
+    /// every attention of the device takes the one-block-per-head kernel, which honours
+    /// them, so that a step's metadata serves all its layers alike.
     plain_attention: std::cell::Cell<bool>,
     /// Whether flash_decode's blocks joined the last attention's partitions themselves.
     decode_joined: std::cell::Cell<bool>,

@@ -22,6 +22,8 @@ pub(super) struct KvKernels {
     pub(super) flash: [CudaFunction; 2],
     /// flash_decode for head_dim 64 and 128.
     pub(super) decode: [CudaFunction; 2],
+    /// flash_decode for head_dim 256 (16-bit caches).
+    pub(super) decode256: Option<CudaFunction>,
     /// flash_decode_join for head_dim 64 and 128 (16-bit caches).
     pub(super) decode_join: Option<[CudaFunction; 2]>,
     /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see [`split_index`]).
@@ -29,17 +31,26 @@ pub(super) struct KvKernels {
 }
 
 impl CudaDevice {
-    /// Whether prefill attention goes to flash_prefill for this shape: 16-bit models (or as
-    /// set by [`Self::set_tensor_core_attention`]) with head_dim 64 or 128 on sm_80 or later.
-    pub(super) fn flash_for(&self, s: AttnShape) -> bool {
+    /// Whether attention runs on tensor cores: for 16-bit models (or as set by
+    /// [`Self::set_tensor_core_attention`]) on sm_80 or later.
+    fn tensor_cores(&self) -> bool {
         let on = self.tensor_core_attention.get().unwrap_or(self.act16.get() != 0);
-        on && self.sm80 && matches!(s.head_dim, 64 | 128) && !self.plain_attention.get()
+        on && self.sm80 && !self.plain_attention.get()
     }
 
-    /// Whether a step's `rows` decode rows go to flash_decode: tensor-core attention with a
-    /// GQA group of up to 8 query heads, and rows within its grid's y bound (65,535).
+    /// Whether prefill attention goes to flash_prefill for this shape: on tensor cores,
+    /// with head_dim 64 or 128.
+    pub(super) fn flash_for(&self, s: AttnShape) -> bool {
+        self.tensor_cores() && matches!(s.head_dim, 64 | 128)
+    }
+
+    /// Whether a step's `rows` rows outside flash_prefill's tiles go to flash_decode: on
+    /// tensor cores, head_dim 64 or 128 (or 256 over a 16-bit cache, where the prefill
+    /// rows come here too), a GQA group of up to 8 query heads, and rows within its grid's
+    /// y bound (65,535).
     pub(super) fn decode_on_flash(&self, s: AttnShape, rows: usize) -> bool {
-        self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
+        let head_dim = matches!(s.head_dim, 64 | 128) || (s.head_dim == 256 && self.act16.get() != 0);
+        self.tensor_cores() && head_dim && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
     }
 
     /// How many flash_prefill tiles the current step's attention launched (tests check that
@@ -79,6 +90,7 @@ impl CudaDevice {
             attention: f(format!("paged_attention_{sfx}")),
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
             decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
+            decode256: (sfx != "f32").then(|| f(format!("flash_decode_h256_{sfx}"))),
             decode_join: (sfx != "f32").then(|| {
                 [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
             }),
@@ -91,7 +103,7 @@ impl CudaDevice {
     /// (every layer passes the same).
     pub(super) fn attention_inputs(&self, s: AttnShape, meta: &AttnMetadata) -> DevResult<()> {
         // The flash kernels honour sliding windows and soft caps; the split kernel does not.
-        if s.has_options() && !(self.flash_for(s) && s.num_heads / s.num_kv_heads <= 8) {
+        if s.has_options() && !self.decode_on_flash(s, 1) {
             self.plain_attention.set(true);
         }
         self.attn_shape.set(Some(s));
@@ -202,6 +214,7 @@ impl CudaDevice {
             // Up to DECODE_JOIN_WARPS partitions a row over a 16-bit cache: one block takes
             // them all and joins them itself (flash.cu's decode_join), no reduction.
             let hd = usize::from(s.head_dim == 128);
+            // (decode_joins is false for head_dim 256, which has no join kernel.)
             let join = kk.decode_join.as_ref().filter(|_| {
                 tc && half_cache && parts_max <= self.decode_join_warps && self.decode_joins(b.num_rows, s)
             });
@@ -218,7 +231,11 @@ impl CudaDevice {
                     block_dim: (32 * warps as u32, 1, 1),
                     shared_mem_bytes: smem as u32,
                 };
-                let kernel = join.map_or(&kk.decode[hd], |j| &j[hd]);
+                let kernel = match (join, &kk.decode256) {
+                    (Some(j), _) => &j[hd],
+                    (None, Some(k)) if s.head_dim == 256 => k,
+                    (None, _) => &kk.decode[hd],
+                };
                 ("attention_decode_tc", kernel, cfg)
             } else {
                 let group = s.num_heads / s.num_kv_heads;
@@ -388,8 +405,9 @@ impl CudaDevice {
     /// a boundary between two kernels on the decode step's path. On the H200 (8B shape,
     /// contexts up to 256) batch 1 went 4.15 → 4.10 ms and batch 8 4.32 → 4.25; at batch
     /// 256 joining in the block took 9.09 → 9.21 ms, so many rows keep the reduction.
+    /// Head sizes over 128 are not joined: eight warps' chunk buffers would not fit.
     pub(super) fn decode_joins(&self, rows: usize, s: AttnShape) -> bool {
-        rows * s.num_kv_heads <= self.sms
+        rows * s.num_kv_heads <= self.sms && s.head_dim <= 128
     }
 }
 
@@ -440,7 +458,13 @@ pub(super) fn allow_flash_smem(
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
         }
-        let hd = if name.contains("_h64_") { 64 } else { 128 };
+        let hd = if name.contains("_h64_") {
+            64
+        } else if name.contains("_h256_") {
+            256
+        } else {
+            128
+        };
         let bytes = match name.starts_with("flash_decode_") {
             true if name.starts_with("flash_decode_join_") => join_warps * decode_smem_per_warp(hd),
             true => 4 * decode_smem_per_warp(hd),

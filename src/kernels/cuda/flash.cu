@@ -852,6 +852,10 @@ DECODE_ENTRY_16(64, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(64, f16, __half)
 DECODE_ENTRY_16(128, f16, __half)
+// head_dim 256 (Gemma 2 and 3) over 16-bit caches only: four warps' chunk buffers take 128
+// KiB, and the f32 cache's register kernel would spill.
+DECODE_ENTRY_16(256, bf16, __nv_bfloat16)
+DECODE_ENTRY_16(256, f16, __half)
 DECODE_JOIN_ENTRY(64, bf16, __nv_bfloat16)
 DECODE_JOIN_ENTRY(128, bf16, __nv_bfloat16)
 DECODE_JOIN_ENTRY(64, f16, __half)

@@ -86,6 +86,10 @@ pub struct EngineArgs {
     pub tensor_parallel_size: usize,
     #[command(flatten)]
     pub lora: LoraArgs,
+    /// CPU kernel family: the widest this CPU has (`auto`), or one forced for tests and
+    /// comparisons (avx512, avx2: AVX2 with FMA and F16C, portable).
+    #[arg(long, value_enum, default_value_t = crate::kernels::cpu::family::CpuKernels::Auto)]
+    pub cpu_kernels: crate::kernels::cpu::family::CpuKernels,
     /// Set by the offline benchmarks (vLLM's LLM class): larger default batches.
     #[arg(skip)]
     pub offline: bool,
@@ -188,6 +192,7 @@ impl Default for EngineArgs {
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),
+            cpu_kernels: crate::kernels::cpu::family::CpuKernels::Auto,
             offline: false,
         }
     }

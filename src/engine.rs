@@ -147,7 +147,12 @@ impl Engine {
         registry: ModelRegistry<CpuDevice>,
     ) -> Result<Engine, EngineError> {
         let tp = args.tensor_parallel_size;
-        Self::start_on(args, registry, move || Ok(CpuDevice::group(tp))).await
+        let family = crate::kernels::cpu::family::choose(args.cpu_kernels).map_err(EngineError::Device)?;
+        tracing::info!(family = family.name(), threads = rayon::current_num_threads(), "CPU kernels");
+        Self::start_on(args, registry, move || {
+            Ok(CpuDevice::group(tp).into_iter().map(|d| d.with_family(family)).collect())
+        })
+        .await
     }
 
     /// Starts the actors with one ModelRunner per device that `make` opens: one device, or

@@ -47,6 +47,17 @@ async fn greedy_output_matches_transformers_over_three_ranks() {
     greedy_matches(EngineArgs { tensor_parallel_size: 3, ..common::args(common::default_model()) }).await;
 }
 
+/// Under every CPU kernel family this machine runs (an AVX-512 machine runs the AVX2 and
+/// portable kernels too), the default model gives transformers' tokens and text.
+#[actix_rt::test]
+async fn greedy_output_matches_transformers_under_every_cpu_kernel_family() {
+    for family in actorllm::kernels::cpu::Family::all_supported() {
+        eprintln!("CPU kernels: {}", family.name());
+        greedy_matches(EngineArgs { cpu_kernels: family.arg(), ..common::args(common::default_model()) })
+            .await;
+    }
+}
+
 #[actix_rt::test]
 async fn two_ranks_cannot_split_nine_heads() {
     let args = EngineArgs { tensor_parallel_size: 2, ..common::args(common::default_model()) };

@@ -8,6 +8,7 @@ mod common;
 
 use actorllm::Engine;
 use actorllm::SamplingParams;
+use actorllm::config::EngineArgs;
 use actorllm::request::TokenEvent;
 use futures::StreamExt;
 use serde_json::Value;
@@ -39,17 +40,25 @@ async fn greedy_run(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u3
     out
 }
 
+/// Under every CPU kernel family this machine runs.
 async fn matches_transformers(name: &str) {
     let g = golden(name);
     let dir = common::scratch(name);
     actorllm::models::random::write_golden_model(&g, &dir).unwrap();
-    let engine = Engine::start(common::args(&dir)).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+    for family in actorllm::kernels::cpu::Family::all_supported() {
+        let args = EngineArgs { cpu_kernels: family.arg(), ..common::args(&dir) };
+        let engine = Engine::start(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+        matches_on(&engine, &g, &format!("{name} ({})", family.name())).await;
+    }
+}
+
+async fn matches_on(engine: &Engine, g: &Value, name: &str) {
     let tokens = g["tokens"].as_u64().unwrap() as usize;
     let runs = g["runs"].as_array().unwrap();
     let ids =
         |v: &Value| v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
     let got =
-        futures::future::join_all(runs.iter().map(|r| greedy_run(&engine, ids(&r["prompt_ids"]), tokens)))
+        futures::future::join_all(runs.iter().map(|r| greedy_run(engine, ids(&r["prompt_ids"]), tokens)))
             .await;
     for (i, (run, got)) in runs.iter().zip(&got).enumerate() {
         let want = ids(&run["output_ids"]);

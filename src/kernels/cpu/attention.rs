@@ -8,7 +8,7 @@
 
 use rayon::prelude::*;
 
-use super::{CpuCache, CpuTensor};
+use super::{CpuCache, CpuTensor, Family};
 use crate::kernels::AttnShape;
 use crate::models::attn::AttnMetadata;
 
@@ -59,14 +59,22 @@ fn cap_scores(scores: &mut [f32], cap: f32) {
 
 /// `softmax(q·Kᵀ · scale) · V` per (token, head) over the token's causal context (the last
 /// `window` positions of it with a sliding window), the scores soft-capped when asked.
-pub fn attend(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> CpuTensor {
+pub fn attend(
+    q: &CpuTensor,
+    cache: &CpuCache,
+    s: AttnShape,
+    meta: &AttnMetadata,
+    family: Family,
+) -> CpuTensor {
     let (hd, nh) = (s.head_dim, s.num_heads);
     let group = nh / s.num_kv_heads;
     let width = s.num_kv_heads * hd;
     let bs = cache.shape.block_size;
     let mut out = vec![0f32; q.rows * nh * hd];
     #[cfg(target_arch = "x86_64")]
-    let simd = std::arch::is_x86_feature_detected!("avx512f") && hd % 16 == 0;
+    let simd = family == Family::Avx512 && hd % 16 == 0;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = family;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
         let (t, h) = (i / nh, i % nh);
         let pos = meta.positions[t] as usize;

@@ -3,6 +3,7 @@
 //! the rayon pool (both cores of a small machine).
 
 mod attention;
+pub mod family;
 pub mod group;
 pub mod lora;
 pub mod matmul;
@@ -20,6 +21,7 @@ use super::{
 };
 use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
+pub use family::Family;
 use group::CpuGroup;
 pub use matmul::WeightData;
 
@@ -43,9 +45,9 @@ impl CpuTensor {
 
 /// A weight in the layout its matmul wants.
 pub enum Layout {
-    /// Row-major `[out, in]` (1-D weights, and every weight on CPUs without AVX-512).
+    /// Row-major `[out, in]` (1-D weights, and every weight of a portable run).
     Rows(WeightData),
-    /// AVX-512 panel layout of a 2-D weight.
+    /// The SIMD families' panel layout of a 2-D weight.
     #[cfg(target_arch = "x86_64")]
     Packed(PackedData),
 }
@@ -95,16 +97,8 @@ impl CpuWeight {
     }
 }
 
-fn use_packed(shape: &[usize]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        shape.len() == 2 && std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = shape;
-        false
-    }
+fn use_packed(shape: &[usize], family: Family) -> bool {
+    shape.len() == 2 && matches!(family, Family::Avx512 | Family::Avx2)
 }
 
 /// One layer's paged cache: K and V, each `[num_blocks, block_size, kv_heads, head_dim]`.
@@ -120,6 +114,8 @@ pub struct CpuDevice {
     group: Option<Arc<Member>>,
     /// With [`CpuDevice::feeding_sampled_tokens`]: samplings issued and not yet collected.
     fed: Option<Arc<std::sync::Mutex<FedSamples>>>,
+    /// The kernel family it lays weights out for and runs.
+    family: Family,
 }
 
 /// A feeding CPU device's samplings issued and not yet collected, by number.
@@ -150,8 +146,22 @@ impl CpuDevice {
         }
         let g = Arc::new(CpuGroup::new(world));
         (0..world)
-            .map(|rank| CpuDevice { group: Some(Arc::new(Member { group: g.clone(), rank })), fed: None })
+            .map(|rank| CpuDevice {
+                group: Some(Arc::new(Member { group: g.clone(), rank })),
+                ..CpuDevice::default()
+            })
             .collect()
+    }
+
+    /// The same device running the kernel family `family` (which this CPU must support:
+    /// [`family::choose`]), for weights uploaded from now on.
+    pub fn with_family(self, family: Family) -> Self {
+        Self { family, ..self }
+    }
+
+    /// The kernel family the device runs.
+    pub fn family(&self) -> Family {
+        self.family
     }
 
     /// A CPU device that, as a GPU does, leaves a step's sampled tokens to be collected
@@ -160,7 +170,7 @@ impl CpuDevice {
     /// The CPU gains nothing by it (its forward runs as it is issued); it lets machines
     /// without a GPU test that protocol.
     pub fn feeding_sampled_tokens() -> Self {
-        CpuDevice { group: None, fed: Some(Arc::default()) }
+        CpuDevice { fed: Some(Arc::default()), ..CpuDevice::default() }
     }
 
     /// The samplings issued and not yet collected, on a feeding device.
@@ -253,7 +263,7 @@ impl Device for CpuDevice {
             }
         };
         #[cfg(target_arch = "x86_64")]
-        if use_packed(&t.shape) {
+        if use_packed(&t.shape, self.family) {
             let (n, k) = (t.shape[0], t.shape[1]);
             let packed = match data {
                 WeightData::F32(v) => PackedData::F32(packed::Packed::pack(&v, n, k)),
@@ -305,14 +315,16 @@ impl Device for CpuDevice {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
         let mut out = CpuTensor::zeros(x.rows, n);
+        #[cfg(target_arch = "x86_64")]
+        let avx512 = self.family == Family::Avx512;
         match &w.layout {
             Layout::Rows(data) => matmul::matmul(&x.data, x.rows, k, data, n, &mut out.data),
             #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::F32(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+            Layout::Packed(PackedData::F32(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
             #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::Bf16(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+            Layout::Packed(PackedData::Bf16(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
             #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::F16(p)) => packed::matmul(&x.data, x.rows, p, &mut out.data),
+            Layout::Packed(PackedData::F16(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
         }
         if let Some(b) = bias {
             let b = b.to_f32();
@@ -467,7 +479,7 @@ impl Device for CpuDevice {
         meta: &AttnMetadata,
     ) -> DevResult<CpuTensor> {
         attention::write_kv(cache, k, v, &meta.slot_mapping);
-        Ok(attention::attend(q, cache, shape, meta))
+        Ok(attention::attend(q, cache, shape, meta, self.family))
     }
 
     fn alloc_lora(&self, shapes: &[LoraShape]) -> Result<Vec<lora::CpuLora>, DeviceError> {

@@ -67,10 +67,18 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
         for (step, (want_top, (_, got_top))) in
             run["top_logprobs"].as_array().unwrap().iter().zip(got).enumerate()
         {
-            for (w, (gid, glp)) in want_top.as_array().unwrap().iter().zip(got_top) {
+            // Each of transformers' top 5 is in ours with its logprob (within 1e-4) at its
+            // place, except that the last may give way to a token tied with it within that
+            // (the sixth, which the golden file does not hold).
+            let want_top = want_top.as_array().unwrap();
+            for (place, (w, (gid, glp))) in want_top.iter().zip(got_top).enumerate() {
                 let (wid, wlp) = (w[0].as_u64().unwrap() as u32, w[1].as_f64().unwrap() as f32);
-                assert_eq!(*gid, wid, "{name}: prompt {i} step {step}: top-5 ids");
-                assert!((glp - wlp).abs() < 1e-4, "{name}: prompt {i} step {step}: logprob {glp} vs {wlp}");
+                let what = format!("{name}: prompt {i} step {step}: top-5 place {place}");
+                assert!(
+                    (glp - wlp).abs() < 1e-4,
+                    "{what}: logprob {glp} (token {gid}) vs {wlp} (token {wid})"
+                );
+                assert!(*gid == wid || place == want_top.len() - 1, "{what}: token {gid} vs {wid}");
             }
         }
     }

@@ -73,6 +73,8 @@ pub fn attend(
     let mut out = vec![0f32; q.rows * nh * hd];
     #[cfg(target_arch = "x86_64")]
     let simd = family == Family::Avx512 && hd % 16 == 0;
+    #[cfg(target_arch = "x86_64")]
+    let simd2 = family == Family::Avx2 && hd % 8 == 0;
     #[cfg(not(target_arch = "x86_64"))]
     let _ = family;
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
@@ -94,6 +96,13 @@ pub fn attend(
         if simd {
             // SAFETY: AVX-512F is present and head_dim is a multiple of 16 (checked above).
             unsafe { avx512::head(qv, cache, &ctx, s, scores, o) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if simd2 {
+            // SAFETY: the AVX2 family runs only where AVX2 and FMA are; head_dim is a
+            // multiple of 8 (checked above).
+            unsafe { avx2::head(qv, cache, &ctx, s, scores, o) };
             return;
         }
         portable_head(qv, cache, &ctx, s, scores, o);
@@ -182,6 +191,61 @@ mod avx512 {
             }
             // SAFETY: c·16 + 16 <= hd = o.len().
             unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * 16), acc) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
+
+    /// One (token, head) with head_dim a multiple of 8, as `avx512::head` in 8-lane steps.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available and `q.len()` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn head(
+        q: &[f32],
+        cache: &CpuCache,
+        ctx: &Context,
+        s: AttnShape,
+        scores: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let hd = q.len();
+        let chunks = hd / 8;
+        assert!(o.len() == hd && scores.len() == ctx.len);
+        for (p, sc) in scores.iter_mut().enumerate() {
+            let at = ctx.offset(p);
+            let k = &cache.k[at..at + hd];
+            let mut acc = _mm256_setzero_ps();
+            for c in 0..chunks {
+                // SAFETY: c·8 + 8 <= hd for both slices.
+                unsafe {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
+                    acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.as_ptr().add(c * 8)), acc);
+                }
+            }
+            // The eight lanes summed: halves, then pairs, then the last two.
+            let half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            let sum = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
+            *sc = _mm_cvtss_f32(sum) * s.scale;
+        }
+        cap_scores(scores, s.softcap);
+        softmax_in_place(scores);
+        for c in 0..chunks {
+            let mut acc = _mm256_setzero_ps();
+            for (p, &w) in scores.iter().enumerate() {
+                let at = ctx.offset(p) + c * 8;
+                let v = &cache.v[at..at + 8];
+                // SAFETY: the slice holds 8 elements.
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w), unsafe { _mm256_loadu_ps(v.as_ptr()) }, acc);
+            }
+            // SAFETY: c·8 + 8 <= hd = o.len().
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(c * 8), acc) };
         }
     }
 }

@@ -71,12 +71,12 @@ pub fn attend(
     let width = s.num_kv_heads * hd;
     let bs = cache.shape.block_size;
     let mut out = vec![0f32; q.rows * nh * hd];
-    #[cfg(target_arch = "x86_64")]
-    let simd = family == Family::Avx512 && hd % 16 == 0;
-    #[cfg(target_arch = "x86_64")]
-    let simd2 = family == Family::Avx2 && hd % 8 == 0;
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = family;
+    // SIMD lanes of the family's head, where head_dim is a multiple of them (0: portable).
+    let lanes = match family {
+        Family::Avx512 if hd % 16 == 0 => 16,
+        Family::Avx2 if hd % 8 == 0 => 8,
+        _ => 0,
+    };
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
         let (t, h) = (i / nh, i % nh);
         let pos = meta.positions[t] as usize;
@@ -92,18 +92,13 @@ pub fn attend(
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
         scores.clear();
         scores.resize(ctx.len, 0.0);
+        // SAFETY: a device runs a family only where the CPU has it, and head_dim is a
+        // multiple of the lanes (checked above).
         #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: AVX-512F is present and head_dim is a multiple of 16 (checked above).
-            unsafe { avx512::head(qv, cache, &ctx, s, scores, o) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if simd2 {
-            // SAFETY: the AVX2 family runs only where AVX2 and FMA are; head_dim is a
-            // multiple of 8 (checked above).
-            unsafe { avx2::head(qv, cache, &ctx, s, scores, o) };
-            return;
+        match lanes {
+            16 => return unsafe { simd::head16(qv, cache, &ctx, s, scores, o) },
+            8 => return unsafe { simd::head8(qv, cache, &ctx, s, scores, o) },
+            _ => {}
         }
         portable_head(qv, cache, &ctx, s, scores, o);
     });
@@ -144,18 +139,148 @@ fn portable_head(
     }
 }
 
+/// The SIMD heads: one body, run 16 lanes at a time under AVX-512 and 8 under AVX2.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+mod simd {
     use std::arch::x86_64::*;
 
     use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
 
-    /// One (token, head) with head_dim a multiple of 16.
+    /// A vector of f32 lanes. Its methods are inlined into the `#[target_feature]` entry
+    /// points below, which are only called where the CPU has the instructions.
+    ///
+    /// # Safety
+    /// Every method needs the vector's instructions; load and store need N elements.
+    trait Lanes: Copy {
+        const N: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn sum(self) -> f32;
+    }
+
+    impl Lanes for __m512 {
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller guarantees 16 readable elements.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller guarantees 16 writable elements.
+            unsafe { _mm512_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm512_reduce_add_ps(self) }
+        }
+    }
+
+    impl Lanes for __m256 {
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            // SAFETY: the caller guarantees 8 readable elements.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            // SAFETY: the caller guarantees 8 writable elements.
+            unsafe { _mm256_storeu_ps(p, self) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            // Halves, then pairs, then the last two.
+            // SAFETY: the instructions are there (the trait's contract).
+            unsafe {
+                let half = _mm_add_ps(_mm256_castps256_ps128(self), _mm256_extractf128_ps(self, 1));
+                let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
+            }
+        }
+    }
+
+    /// One (token, head), `V::N` dims at a time.
+    ///
+    /// # Safety
+    /// The CPU has `V`'s instructions and `q.len()` is a multiple of `V::N`.
+    #[inline(always)]
+    unsafe fn head<V: Lanes>(
+        q: &[f32],
+        cache: &CpuCache,
+        ctx: &Context,
+        s: AttnShape,
+        scores: &mut [f32],
+        o: &mut [f32],
+    ) {
+        let hd = q.len();
+        let chunks = hd / V::N;
+        assert!(o.len() == hd && scores.len() == ctx.len);
+        // SAFETY (whole body): every load and store covers c·N .. c·N + N <= hd elements of
+        // a slice of hd; the instructions are there (the caller's contract).
+        unsafe {
+            for (p, sc) in scores.iter_mut().enumerate() {
+                let at = ctx.offset(p);
+                let k = &cache.k[at..at + hd];
+                let mut acc = V::zero();
+                for c in 0..chunks {
+                    acc = V::fmadd(V::load(q.as_ptr().add(c * V::N)), V::load(k.as_ptr().add(c * V::N)), acc);
+                }
+                *sc = acc.sum() * s.scale;
+            }
+            cap_scores(scores, s.softcap);
+            softmax_in_place(scores);
+            for c in 0..chunks {
+                let mut acc = V::zero();
+                for (p, &w) in scores.iter().enumerate() {
+                    let v = &cache.v[ctx.offset(p) + c * V::N..][..V::N];
+                    acc = V::fmadd(V::splat(w), V::load(v.as_ptr()), acc);
+                }
+                acc.store(o.as_mut_ptr().add(c * V::N));
+            }
+        }
+    }
+
+    /// [`head`] on AVX-512.
     ///
     /// # Safety
     /// AVX-512F is available and `q.len()` is a multiple of 16.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn head(
+    pub unsafe fn head16(
         q: &[f32],
         cache: &CpuCache,
         ctx: &Context,
@@ -163,50 +288,16 @@ mod avx512 {
         scores: &mut [f32],
         o: &mut [f32],
     ) {
-        let hd = q.len();
-        let chunks = hd / 16;
-        assert!(o.len() == hd && scores.len() == ctx.len);
-        for (p, sc) in scores.iter_mut().enumerate() {
-            let at = ctx.offset(p);
-            let k = &cache.k[at..at + hd];
-            let mut acc = _mm512_setzero_ps();
-            for c in 0..chunks {
-                // SAFETY: c·16 + 16 <= hd for both slices.
-                unsafe {
-                    let qv = _mm512_loadu_ps(q.as_ptr().add(c * 16));
-                    acc = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k.as_ptr().add(c * 16)), acc);
-                }
-            }
-            *sc = _mm512_reduce_add_ps(acc) * s.scale;
-        }
-        cap_scores(scores, s.softcap);
-        softmax_in_place(scores);
-        for c in 0..chunks {
-            let mut acc = _mm512_setzero_ps();
-            for (p, &w) in scores.iter().enumerate() {
-                let at = ctx.offset(p) + c * 16;
-                let v = &cache.v[at..at + 16];
-                // SAFETY: the slice holds 16 elements.
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(w), unsafe { _mm512_loadu_ps(v.as_ptr()) }, acc);
-            }
-            // SAFETY: c·16 + 16 <= hd = o.len().
-            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * 16), acc) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { head::<__m512>(q, cache, ctx, s, scores, o) }
     }
-}
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
-
-    /// One (token, head) with head_dim a multiple of 8, as `avx512::head` in 8-lane steps.
+    /// [`head`] on AVX2.
     ///
     /// # Safety
     /// AVX2 and FMA are available and `q.len()` is a multiple of 8.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn head(
+    pub unsafe fn head8(
         q: &[f32],
         cache: &CpuCache,
         ctx: &Context,
@@ -214,38 +305,7 @@ mod avx2 {
         scores: &mut [f32],
         o: &mut [f32],
     ) {
-        let hd = q.len();
-        let chunks = hd / 8;
-        assert!(o.len() == hd && scores.len() == ctx.len);
-        for (p, sc) in scores.iter_mut().enumerate() {
-            let at = ctx.offset(p);
-            let k = &cache.k[at..at + hd];
-            let mut acc = _mm256_setzero_ps();
-            for c in 0..chunks {
-                // SAFETY: c·8 + 8 <= hd for both slices.
-                unsafe {
-                    let qv = _mm256_loadu_ps(q.as_ptr().add(c * 8));
-                    acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k.as_ptr().add(c * 8)), acc);
-                }
-            }
-            // The eight lanes summed: halves, then pairs, then the last two.
-            let half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-            let sum = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
-            *sc = _mm_cvtss_f32(sum) * s.scale;
-        }
-        cap_scores(scores, s.softcap);
-        softmax_in_place(scores);
-        for c in 0..chunks {
-            let mut acc = _mm256_setzero_ps();
-            for (p, &w) in scores.iter().enumerate() {
-                let at = ctx.offset(p) + c * 8;
-                let v = &cache.v[at..at + 8];
-                // SAFETY: the slice holds 8 elements.
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(w), unsafe { _mm256_loadu_ps(v.as_ptr()) }, acc);
-            }
-            // SAFETY: c·8 + 8 <= hd = o.len().
-            unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(c * 8), acc) };
-        }
+        // SAFETY: the caller's contract.
+        unsafe { head::<__m256>(q, cache, ctx, s, scores, o) }
     }
 }

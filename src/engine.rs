@@ -20,52 +20,18 @@ use crate::actors::scheduler::{
     Abort, AddRequest, AdmissionLimits, EndAll, GetStats, PreloadLoras, SchedulerActor, SchedulerStats,
     SetMaxWaiting,
 };
-use crate::config::{ConfigError, DeviceArg, EngineArgs, EngineConfig};
+use crate::config::{DeviceArg, EngineArgs, EngineConfig};
 use crate::core::scheduler::SchedulerConfig;
+pub use crate::error::EngineError;
 use crate::kernels::cpu::CpuDevice;
 use crate::kernels::cuda::CudaDevice;
 use crate::kernels::{Device, DeviceError};
 use crate::metrics::Metrics;
 use crate::models::config::ModelConfig;
 use crate::models::registry::ModelRegistry;
-use crate::models::{LoadOptions, LoraCapacity, ModelError};
-use crate::request::{AbortReason, SamplingParams, TokenEvent, ValidationError};
-use crate::tokenizer::{Tokenizer, TokenizerError};
-
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error(transparent)]
-    InvalidParams(#[from] ValidationError),
-    #[error("Input prompt ({prompt_tokens} tokens) is too long and exceeds limit of {max_model_len}")]
-    PromptTooLong { prompt_tokens: usize, max_model_len: usize },
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("token id {token} is out of vocabulary (size {vocab_size})")]
-    TokenOutOfRange { token: u32, vocab_size: usize },
-    #[error("a request with id {0:?} is already running")]
-    DuplicateId(String),
-    #[error("the engine has stopped")]
-    Stopped,
-    #[error(
-        "The server is overloaded: {waiting} sequences are waiting (the limit is {limit}, \
-         --max-waiting-requests). Retry later."
-    )]
-    QueueFull { waiting: usize, limit: usize },
-    #[error("device: {0}")]
-    Device(String),
-    #[error("The model `{0}` does not exist.")]
-    LoraNotFound(String),
-    #[error("LoRA adapter: {0}")]
-    Lora(String),
-    #[error("this server was started without --enable-lora")]
-    LoraDisabled,
-}
+use crate::models::{LoadOptions, LoraCapacity};
+use crate::request::{AbortReason, SamplingParams, TokenEvent};
+use crate::tokenizer::Tokenizer;
 
 impl From<LoraManagerError> for EngineError {
     fn from(e: LoraManagerError) -> Self {

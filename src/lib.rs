@@ -30,6 +30,7 @@ pub mod bench;
 pub mod config;
 pub mod core;
 pub mod engine;
+pub mod error;
 pub mod gguf;
 pub mod kernels;
 pub mod mapped;

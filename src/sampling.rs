@@ -34,7 +34,7 @@ pub struct SampleInput<'a> {
 }
 
 impl SampleInput<'_> {
-    fn generated(&self) -> usize {
+    pub(crate) fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
 
@@ -101,13 +101,13 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// What the masking and penalty rules do to one token.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
-struct TokenRule {
+pub(crate) struct TokenRule {
     /// An end token while fewer than `min_tokens` are generated: never sampled.
-    masked: bool,
+    pub(crate) masked: bool,
     /// In the prompt or the output: the repetition penalty applies.
-    seen: bool,
+    pub(crate) seen: bool,
     /// Times in the output (presence and frequency penalties).
-    count: u32,
+    pub(crate) count: u32,
 }
 
 /// What the penalty rules need of a sequence: each distinct token of the prompt and output
@@ -137,7 +137,7 @@ impl TokenHistory {
 }
 
 /// The distinct tokens (below `vocab`) the masking and penalty rules touch, in no order.
-fn token_rules(inp: &SampleInput, vocab: usize) -> Vec<(u32, TokenRule)> {
+pub(crate) fn token_rules(inp: &SampleInput, vocab: usize) -> Vec<(u32, TokenRule)> {
     let p = inp.params;
     let (rep, counted) =
         (p.repetition_penalty != 1.0, p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
@@ -258,97 +258,6 @@ fn draw(logits: &[f32], p: &SamplingParams, base: u64) -> u32 {
         }
     }
     best.1
-}
-
-/// Words per row of a device sampler's parameters (the layout sampling.cu reads).
-pub const PARAM_WORDS: usize = 13;
-/// Words per entry of a device sampler's token rules (the third is written by the device).
-pub const ENTRY_WORDS: usize = 3;
-/// Words per row of a device sampler's logprob output: the chosen token's logprob, then
-/// up to [`crate::request::MAX_LOGPROBS`] (id, logprob) pairs.
-pub const LOGPROB_WORDS: usize = 1 + 2 * crate::request::MAX_LOGPROBS;
-
-/// A step's sampling rows encoded for a device sampler (see sampling.cu for the layout).
-#[derive(Debug, Default)]
-pub struct DeviceRows {
-    pub params: Vec<u32>,
-    pub entries: Vec<u32>,
-    /// Whether any row asked for logprobs (only then do they come back).
-    pub logprobs: bool,
-    /// Whether any row needs the full per-row pass (logprobs, or a top-k or top-p cut to
-    /// search for).
-    pub full: bool,
-    /// Whether any row does not (the split sampler takes those).
-    pub split: bool,
-}
-
-impl DeviceRows {
-    pub fn encode(inputs: &[SampleInput], vocab: usize) -> Self {
-        let mut rows = DeviceRows::default();
-        for inp in inputs {
-            let p = inp.params;
-            let first = rows.entries.len() / ENTRY_WORDS;
-            for (t, r) in token_rules(inp, vocab) {
-                let info = (r.masked as u32) << 31 | (r.seen as u32) << 30 | r.count.min(0x3fff_ffff);
-                rows.entries.extend([t, info, 0]);
-            }
-            let base = noise_base(inp.seed, inp.index, inp.generated());
-            let n_logprobs = p.logprobs.map_or(-1, |n| n.min(crate::request::MAX_LOGPROBS) as i32);
-            rows.logprobs |= n_logprobs >= 0;
-            let temperature = if p.greedy() { 0.0 } else { p.temperature };
-            let full = n_logprobs >= 0 || (!p.greedy() && (p.top_k > 0 || p.top_p < 1.0));
-            rows.full |= full;
-            rows.split |= !full;
-            rows.params.extend([
-                temperature.to_bits(),
-                p.top_p.to_bits(),
-                p.min_p.to_bits(),
-                p.top_k.max(0) as u32,
-                p.repetition_penalty.to_bits(),
-                p.presence_penalty.to_bits(),
-                p.frequency_penalty.to_bits(),
-                n_logprobs as u32,
-                first as u32,
-                (rows.entries.len() / ENTRY_WORDS - first) as u32,
-                base as u32,
-                (base >> 32) as u32,
-                full as u32,
-            ]);
-        }
-        rows
-    }
-
-    /// The logprobs each row asked for, all that [`Self::decode`] needs of the inputs: a
-    /// sampling whose results are read later keeps this instead of the inputs.
-    pub fn logprob_counts(inputs: &[SampleInput]) -> Vec<Option<usize>> {
-        inputs.iter().map(|inp| inp.params.logprobs).collect()
-    }
-
-    /// The sampled tokens, with their logprobs where asked (`logprobs[i]` for row i, as
-    /// [`Self::logprob_counts`] gives them), from the device's output words
-    /// (`logprob_words` empty when no row asked).
-    pub fn decode(
-        logprobs: &[Option<usize>],
-        tokens: &[u32],
-        logprob_words: &[u32],
-        vocab: usize,
-    ) -> Vec<(u32, Option<TokenLogprobs>)> {
-        let f = f32::from_bits;
-        logprobs
-            .iter()
-            .zip(tokens)
-            .enumerate()
-            .map(|(i, (asked, &token))| {
-                let logprobs = asked.map(|n| {
-                    let w = &logprob_words[i * LOGPROB_WORDS..(i + 1) * LOGPROB_WORDS];
-                    let n = n.min(crate::request::MAX_LOGPROBS).min(vocab);
-                    let top = (0..n).map(|j| (w[1 + 2 * j], f(w[2 + 2 * j]))).collect();
-                    TokenLogprobs { token_id: token, logprob: f(w[0]), top }
-                });
-                (token, logprobs)
-            })
-            .collect()
-    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use super::model_runner::{BatchSeq, ExecuteBatch, NewSeq, StepOutput};
 use crate::core::block_pool::{AllocStatus, BlockError, SeqId};
 use crate::core::output::{SeqOutput, StopLimits};
 use crate::core::scheduler::{PENDING, ScheduledSeq, Scheduler, SchedulerConfig};
-use crate::engine::EngineError;
+use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::models::lora::LoraAdapter;
 use crate::request::{AbortReason, FinishReason, SamplingParams, TokenEvent, Usage};

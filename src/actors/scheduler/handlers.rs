@@ -7,7 +7,7 @@ use super::{
     Abort, AddRequest, EndAll, GetStats, PreloadLoras, SchedulerActor, SchedulerStats, SetMaxWaiting,
 };
 use crate::actors::model_runner::ExecuteBatch;
-use crate::engine::EngineError;
+use crate::error::EngineError;
 
 impl Actor for SchedulerActor {
     type Context = Context<Self>;

@@ -36,6 +36,7 @@ mod rope;
 mod sample;
 mod step;
 mod tune;
+pub mod wire;
 
 use attend::KvKernels;
 use gemm::{GateUpPath, push_outputs};

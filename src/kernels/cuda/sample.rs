@@ -6,9 +6,10 @@
 
 use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
 
+use super::wire::{DeviceRows, LOGPROB_WORDS};
 use super::{CudaDevice, CudaTensor, DeviceError, cuda};
 use crate::kernels::{DevResult, FED_TOKEN, SampleTicket, Sampled};
-use crate::sampling::{DeviceRows, LOGPROB_WORDS, SampleInput};
+use crate::sampling::SampleInput;
 
 /// Samplings issued and not yet collected: their results go to two page-locked buffers in
 /// turn, so that one step's can be read while the next step's are on their way.
@@ -229,8 +230,8 @@ fn split_slices(rows: usize, cols: usize) -> (usize, usize) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::wire::{ENTRY_WORDS, LOGPROB_WORDS, PARAM_WORDS};
     use super::{SPLIT_THREADS, split_slices};
-    use crate::sampling::{ENTRY_WORDS, LOGPROB_WORDS, PARAM_WORDS};
 
     #[test]
     fn the_sampling_kernel_reads_the_layout_the_host_writes() {

@@ -14,8 +14,8 @@
 
 use std::sync::Arc;
 
+use actorllm::kernels::attn::AttnMetadata;
 use actorllm::kernels::{AttnShape, CacheShape, DevResult, Device};
-use actorllm::models::attn::AttnMetadata;
 use actorllm::models::config::{ModelConfig, RopeConfig, parse_hf};
 use actorllm::models::layers::{
     MergedColumnParallelLinear, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm, RotaryEmbedding,
@@ -118,7 +118,6 @@ impl<D: Device> CausalLM<D> for GraniteForCausalLM<D> {
         &self,
         dev: &D,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
@@ -127,7 +126,7 @@ impl<D: Device> CausalLM<D> for GraniteForCausalLM<D> {
         for (layer, cache) in self.layers.iter().zip(kv_caches.iter_mut()) {
             let x = layer.input_layernorm.forward(dev, &residual)?;
             let qkv = layer.qkv_proj.forward(dev, &x, None)?; // [n, (heads + 2·kv_heads)·head_dim]
-            let attn = layer.attn.forward(dev, &qkv, positions, &self.rotary_emb, cache, meta)?;
+            let attn = layer.attn.forward(dev, &qkv, &self.rotary_emb, cache, meta)?;
             let mut out = layer.o_proj.forward(dev, &attn, None)?; // [n, hidden]
             dev.scale(&mut out, self.c.residual_multiplier)?;
             let x = layer.post_attention_layernorm.forward_residual(dev, &out, &mut residual)?;

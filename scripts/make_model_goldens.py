@@ -9,7 +9,8 @@ every parameter's name and shape, and for several prompts the greedy continuatio
 tokens, EOS ignored) with the top-5 logprobs of every step, computed in float32 with eager
 attention. Prompts are kept only where every step's best token leads the runner-up by at
 least MIN_GAP in logprob, so that float noise cannot flip an argmax; some are longer than
-the model's sliding window, where it has one.
+the model's sliding window, where it has one, or than the context its rotary embedding
+changes at (dynamic NTK, LongRoPE), where it has one; the short ones generate past it.
 
     python scripts/make_model_goldens.py tests/fixtures/models [MODEL ...]
 
@@ -94,6 +95,14 @@ MODELS = {
         max_position_embeddings=1024, original_max_position_embeddings=256, sliding_window=16,
         partial_rotary_factor=0.5,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 4.0, 5.0]})),
+    # LongRoPE past its original context: forwards longer than 16 tokens take the long
+    # factors (keys cached before keep their rotation).
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        max_position_embeddings=1024, original_max_position_embeddings=16, partial_rotary_factor=0.5,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 4.0, 5.0]})),
+    # Dynamic NTK past max_position_embeddings: the base grows with each forward's length.
+    "llama-dynamic": ("LlamaConfig", "LlamaForCausalLM", dict(
+        max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(
         ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=True, num_key_value_heads=None, head_dim=None,
         intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
@@ -107,6 +116,10 @@ MODELS = {
 
 
 OUT_OF_TREE = {"granite"}
+
+# The lengths of the long prompts where they are not the sliding window's: past the context
+# the rotary embedding changes at.
+LONG_PROMPTS = {"phi3-longrope": (18, 30), "llama-dynamic": (26, 40)}
 
 # Gemma scales its embeddings by √hidden and ties its head: with ±1 embeddings the residual
 # is the last token's embedding and every step repeats it.
@@ -135,6 +148,12 @@ def build(cfg_class, model_class, extra, embed_scale):
 
 
 def run(model, ids):
+    # transformers keeps dynamic NTK's grown frequencies from one generate to the next: each
+    # prompt starts from the original ones, as a fresh model (and the engine) would.
+    for m in model.modules():
+        if hasattr(m, "original_max_seq_len") and hasattr(m, "original_inv_freq"):
+            m.max_seq_len_cached = m.original_max_seq_len
+            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, num_beams=1,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -160,7 +179,8 @@ def main(out_dir, only=None):
         runs, tried = [], 0
         while len(runs) < PROMPTS and tried < 400:
             # Short prompts and, every other one, prompts past the sliding window.
-            length = int(rng.integers(3, 9)) if tried % 2 == 0 else int(rng.integers(window + 4, window + 16))
+            long = LONG_PROMPTS.get(key, (window + 4, window + 16))
+            length = int(rng.integers(3, 9)) if tried % 2 == 0 else int(rng.integers(*long))
             tried += 1
             ids = [int(x) for x in rng.integers(3, VOCAB, length)]
             tokens, steps, gap = run(model, ids)

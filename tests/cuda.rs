@@ -11,13 +11,14 @@ mod common;
 use actorllm::Engine;
 use actorllm::actors::model_runner::{BatchSeq, ExecuteBatch, ModelRunner, NewSeq, RunnerConfig};
 use actorllm::config::{DTypeArg, DeviceArg, EngineArgs};
+use actorllm::kernels::attn::AttnMetadata;
 use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
 use actorllm::kernels::cuda::CudaDevice;
 use actorllm::kernels::{
-    Activation, AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeSpec,
+    Activation, AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeByLen,
+    RopeSpec,
 };
 use actorllm::models::LoadOptions;
-use actorllm::models::attn::AttnMetadata;
 use actorllm::models::registry::ModelRegistry;
 use actorllm::request::SamplingParams;
 use actorllm::sampling::{self, SampleInput};
@@ -356,12 +357,16 @@ fn every_kernel_matches_its_cpu_twin() {
     // cache; this part checks the f32 ones exactly.
     g.set_activation_dtype(DType::F32);
     // RoPE + paged attention: GQA 6:2, head_dim 32, block size 4; sequence 0 prefills
-    // 9 tokens, sequence 1 decodes its 14th token over blocks out of order.
+    // 9 tokens, sequence 1 decodes its 14th token over blocks out of order. LongRoPE's
+    // factors switch past 10 tokens: sequence 0 takes the short ones, sequence 1 (a prompt
+    // of 13) the long ones, in the same step.
     let s = AttnShape::causal(6, 2, 32);
+    let plain: Vec<f32> = (0..16).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 32.0)).collect();
     let rope = RopeSpec {
-        inv_freq: (0..16).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / 32.0)).collect(),
+        inv_freq: plain.iter().map(|f| f / 1.5).collect(),
         head_dim: 32,
-        attention_scaling: 1.0,
+        attention_scaling: 1.1,
+        by_len: RopeByLen::Long { original: 10, long: plain.iter().map(|f| f / 4.0).collect() },
     };
     let cache_shape = CacheShape { num_blocks: 12, block_size: 4, num_kv_heads: 2, head_dim: 32 };
     let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
@@ -381,19 +386,20 @@ fn every_kernel_matches_its_cpu_twin() {
             block_tables: tables.clone(),
             last_token_rows: vec![],
             lora_slots: vec![],
+            prompt_lens: vec![9, 13],
         };
         let nt = positions.len();
         let qkv = rand(nt * (6 + 4) * 32, seed);
         let (qc, qg) = both(&qkv, nt, 320);
-        let (q1, k1, v1) = c.split_qkv_rope(&qc, s, &rope, &positions).unwrap();
-        let (q2, k2, v2) = g.split_qkv_rope(&qg, s, &rope, &positions).unwrap();
+        let (q1, k1, v1) = c.split_qkv_rope(&qc, s, &rope, &meta).unwrap();
+        let (q2, k2, v2) = g.split_qkv_rope(&qg, s, &rope, &meta).unwrap();
         close("rope q", &g.to_host(&q2).unwrap(), &c.to_host(&q1).unwrap(), 1e-4);
         close("rope k", &g.to_host(&k2).unwrap(), &c.to_host(&k1).unwrap(), 1e-4);
         close("split v", &g.to_host(&v2).unwrap(), &c.to_host(&v1).unwrap(), 0.0);
         let oc = c.paged_attention(&q1, &k1, &v1, &mut cc, s, &meta).unwrap();
         let og = g.paged_attention(&q2, &k2, &v2, &mut cg, s, &meta).unwrap();
         close("paged_attention", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-4);
-        let og2 = g.qkv_attention(&qg, s, &rope, &positions, &mut cg2, &meta).unwrap();
+        let og2 = g.qkv_attention(&qg, s, &rope, &mut cg2, &meta).unwrap();
         close("qkv_attention", &g.to_host(&og2).unwrap(), &c.to_host(&oc).unwrap(), 1e-4);
     };
     step((0..13).collect(), vec![1; 13], 8);
@@ -743,23 +749,28 @@ fn a_projection_into_the_residual_leaves_its_norm_to_the_next_gemv() {
 /// attention it leads to matches the projection, RoPE kernel and attention run apart, over
 /// a prefill, a decode step with a padding row (no slot: no cache write), an input whose
 /// norm's scale the GEMV applies (`linear_add_rms_norm`), and past 8 rows (not fused).
-/// Head dims 128 and 64 (384 and 60 blocks: both GEMV widths on the H200).
+/// Head dims 128 and 64 (384 and 60 blocks: both GEMV widths on the H200); frequencies
+/// fixed, or following each token's length (LongRoPE's switch with scaled cos and sin,
+/// dynamic NTK's growing base), each past 7 tokens.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
     let (g, _turn) = gpu();
     let (hidden, bs) = (256, 16);
-    for (dt, (heads, kv_heads, hd)) in
-        [DType::BF16, DType::F16].into_iter().flat_map(|d| [(d, (32, 8, 128)), (d, (9, 3, 64))])
+    let kinds = [(DType::BF16, 0), (DType::F16, 0), (DType::BF16, 1), (DType::BF16, 2)];
+    for ((dt, kind), (heads, kv_heads, hd)) in
+        kinds.into_iter().flat_map(|k| [(k, (32, 8, 128)), (k, (9, 3, 64))])
     {
         g.set_activation_dtype(dt);
-        let what = format!("{dt:?}, {heads}:{kv_heads}x{hd}");
+        let what = format!("{dt:?}, rope kind {kind}, {heads}:{kv_heads}x{hd}");
         let s = AttnShape::causal(heads, kv_heads, hd);
-        let rope = RopeSpec {
-            inv_freq: (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect(),
-            head_dim: hd,
-            attention_scaling: 1.0,
+        let plain: Vec<f32> = (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect();
+        let (attention_scaling, by_len) = match kind {
+            0 => (1.0, RopeByLen::Fixed),
+            1 => (1.1, RopeByLen::Long { original: 7, long: plain.iter().map(|f| f / 4.0).collect() }),
+            _ => (1.0, RopeByLen::Ntk { original: 7, theta: 10000.0, factor: 2.0 }),
         };
+        let rope = RopeSpec { inv_freq: plain, head_dim: hd, attention_scaling, by_len };
         let n = (heads + 2 * kv_heads) * hd;
         let up = |w: &[f32], shape: &[usize], dt: DType| {
             let mut bytes = Vec::new();
@@ -798,11 +809,10 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
                     h
                 }
             };
-            let pos = meta.positions.clone();
-            let a = g.project_qkv_attention(&x, &wg, None, (s, &rope, &pos), &mut fused, &meta).unwrap();
+            let a = g.project_qkv_attention(&x, &wg, None, (s, &rope), &mut fused, &meta).unwrap();
             assert_eq!(g.qkv_rope_on_gemv(), m <= 8, "{what}, step {i}: RoPE in the GEMV");
             let qkv = g.linear(&x, &wg, None).unwrap();
-            let b = g.qkv_attention(&qkv, s, &rope, &pos, &mut apart, &meta).unwrap();
+            let b = g.qkv_attention(&qkv, s, &rope, &mut apart, &meta).unwrap();
             close(&format!("{what}, step {i}"), &g.to_host(&a).unwrap(), &g.to_host(&b).unwrap(), 2e-3);
         }
     }
@@ -1431,17 +1441,17 @@ fn the_general_ops_match_their_cpu_twins() {
         inv_freq: (0..4).map(|i| 1.0 / 10000f32.powf(i as f32 / 4.0)).collect(),
         head_dim: 16,
         attention_scaling: 1.2,
+        by_len: RopeByLen::Fixed,
     };
     let qkv = rand(ctx * 128, 57);
     for (window, softcap) in [(0, 0.0), (64, 0.0), (0, 2.5), (100, 4.0)] {
         let s = AttnShape { window, softcap, scale: 0.3, ..AttnShape::causal(4, 2, 16) };
         let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
         let (qc, qg) = both(&qkv, ctx, 128);
-        let positions = meta.positions.clone();
         close(
             &format!("attention, window {window}, softcap {softcap}"),
-            &g.to_host(&g.qkv_attention(&qg, s, &rope, &positions, &mut cg, &meta).unwrap()).unwrap(),
-            &c.to_host(&c.qkv_attention(&qc, s, &rope, &positions, &mut cc, &meta).unwrap()).unwrap(),
+            &g.to_host(&g.qkv_attention(&qg, s, &rope, &mut cg, &meta).unwrap()).unwrap(),
+            &c.to_host(&c.qkv_attention(&qc, s, &rope, &mut cc, &meta).unwrap()).unwrap(),
             1e-3,
         );
     }

@@ -10,9 +10,9 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use actorllm::config::EngineArgs;
+use actorllm::kernels::attn::AttnMetadata;
 use actorllm::kernels::cpu::CpuDevice;
 use actorllm::kernels::{CacheShape, DevResult, Device, DeviceError};
-use actorllm::models::attn::AttnMetadata;
 use actorllm::models::llama::{LlamaForCausalLM, STACKED_PARAMS, skip_tensor};
 use actorllm::models::lora::LoraAdapter;
 use actorllm::models::registry::{ModelEntry, ModelRegistry};
@@ -52,15 +52,14 @@ impl CausalLM<CpuDevice> for Faulty {
         &self,
         dev: &CpuDevice,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [<CpuDevice as Device>::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<<CpuDevice as Device>::Tensor> {
         match self.fault {
-            Fault::Fail if positions.contains(&FAIL_AT) => {
+            Fault::Fail if meta.positions.contains(&FAIL_AT) => {
                 return Err(DeviceError::Other(format!("injected failure at position {FAIL_AT}")));
             }
-            Fault::Stall if positions.contains(&STALL_AT) => {
+            Fault::Stall if meta.positions.contains(&STALL_AT) => {
                 let mut released = RELEASED.0.lock().unwrap();
                 while !*released {
                     released = RELEASED.1.wait(released).unwrap();
@@ -68,7 +67,7 @@ impl CausalLM<CpuDevice> for Faulty {
             }
             _ => {}
         }
-        self.inner.forward(dev, input_ids, positions, kv_caches, meta)
+        self.inner.forward(dev, input_ids, kv_caches, meta)
     }
     fn compute_logits(
         &self,
@@ -94,6 +93,9 @@ impl CausalLM<CpuDevice> for Faulty {
     }
     fn has_lora(&self) -> bool {
         self.inner.has_lora()
+    }
+    fn recompute_past(&self) -> Option<u32> {
+        self.inner.recompute_past()
     }
 }
 

@@ -124,6 +124,42 @@ async fn phi3_with_fused_checkpoint_longrope_and_partial_rotary() {
     matches_transformers("phi3").await;
 }
 
+/// Prompts past the original 16 tokens take the long factors; short ones switch to them as
+/// they generate past it, their earlier keys keeping the short factors' rotation.
+#[actix_rt::test]
+async fn phi3_with_longrope_past_its_original_context() {
+    matches_transformers("phi3-longrope").await;
+}
+
+/// Past `max_position_embeddings` (24) each forward's base grows with its length.
+#[actix_rt::test]
+async fn llama_with_dynamic_ntk_past_its_context() {
+    matches_transformers("llama-dynamic").await;
+}
+
+/// The lengths rotary frequencies follow stay transformers' when prompts are prefilled 8
+/// tokens a step and the KV cache holds a fraction of the prompts (sequences preempted and
+/// computed again).
+#[actix_rt::test]
+async fn length_dependent_rope_survives_chunks_and_preemption() {
+    for name in ["phi3-longrope", "llama-dynamic"] {
+        let g = golden(name);
+        let dir = common::scratch(&format!("{name}-chunked"));
+        actorllm::models::random::write_golden_model(&g, &dir).unwrap();
+        let args = EngineArgs {
+            max_num_batched_tokens: Some(8),
+            max_num_seqs: Some(4),
+            num_gpu_blocks_override: Some(6),
+            max_model_len: Some(64),
+            ..common::args(&dir)
+        };
+        let engine = Engine::start(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+        matches_on(&engine, &g, &format!("{name} (chunked, preempted)")).await;
+        let preempted = engine.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(preempted > 0, "{name}: no sequence was preempted");
+    }
+}
+
 #[actix_rt::test]
 async fn opt_with_projected_embeddings() {
     matches_transformers("opt").await;

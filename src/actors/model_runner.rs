@@ -25,9 +25,9 @@ use std::time::Instant;
 use actix::{Actor, Addr, Handler, SyncContext};
 
 use crate::core::block_pool::SeqId;
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
 use crate::models::CausalLM;
-use crate::models::attn::AttnMetadata;
 use crate::request::SamplingParams;
 use crate::sampling::{SampleInput, TokenHistory};
 
@@ -201,7 +201,7 @@ impl<D: Device> ModelRunner<D> {
     /// One rank's forward (and its share of the logits when the step samples): the
     /// collectives inside meet the other ranks'.
     fn forward(&mut self, ids: &[u32], meta: &AttnMetadata) -> Result<Option<D::Tensor>, DeviceError> {
-        let hidden = self.model.forward(&self.dev, ids, &meta.positions, &mut self.caches, meta)?;
+        let hidden = self.model.forward(&self.dev, ids, &mut self.caches, meta)?;
         if meta.last_token_rows.is_empty() {
             return Ok(None);
         }
@@ -230,9 +230,10 @@ impl<D: Device> ModelRunner<D> {
                         block_tables: vec![vec![0; bound.div_ceil(self.block_size)]; size],
                         last_token_rows: (0..size).collect(),
                         lora_slots: if lora { vec![-1; size] } else { Vec::new() },
+                        prompt_lens: vec![1; size],
                     };
                     let (dev, model, caches) = (&self.dev, &self.model, &mut self.caches);
-                    let mut forward = || model.forward(dev, &ids, &meta.positions, caches, &meta);
+                    let mut forward = || model.forward(dev, &ids, caches, &meta);
                     match dev.capture_graph(&ids, &meta, bound, &mut forward)? {
                         Some(g) => self.graphs.push(((lora, size, bound), g)),
                         None => return Ok(0),
@@ -274,6 +275,7 @@ impl<D: Device> ModelRunner<D> {
         meta.slot_mapping.resize(size, -1);
         meta.token_seq.extend(n as u32..size as u32);
         meta.block_tables.resize(size, vec![0]);
+        meta.prompt_lens.resize(size, 1);
         if lora {
             meta.lora_slots.resize(size, -1);
         }
@@ -330,6 +332,7 @@ impl<D: Device> ModelRunner<D> {
         }
         let batch_lora_loads = batch.lora_loads;
         let any_lora = batch.seqs.iter().any(|s| s.lora_slot >= 0);
+        let recompute_past = self.model.recompute_past();
         let mut ids = Vec::new();
         let mut meta = AttnMetadata::default();
         let mut sampled_seqs = Vec::new();
@@ -342,9 +345,15 @@ impl<D: Device> ModelRunner<D> {
             if end > rs.tokens.len() {
                 return Err(RunnerError::Range { seq: s.seq, start: s.start, end, have: rs.tokens.len() });
             }
+            // A sequence growing past the model's recompute length runs its whole context
+            // again, over the cache slots it already holds.
+            let start = match recompute_past.map(|p| p as usize) {
+                Some(p) if rs.prompt_len <= p && (1..=p).contains(&s.start) && end > p => 0,
+                _ => s.start,
+            };
             // A token still on the device (its place holder) is put in place there.
-            ids.extend_from_slice(&rs.tokens[s.start..end]);
-            for pos in s.start..end {
+            ids.extend_from_slice(&rs.tokens[start..end]);
+            for pos in start..end {
                 meta.positions.push(pos as u32);
                 let block = s.block_table[pos / self.block_size] as i64;
                 meta.slot_mapping.push(block * self.block_size as i64 + (pos % self.block_size) as i64);
@@ -354,6 +363,7 @@ impl<D: Device> ModelRunner<D> {
                 }
             }
             meta.block_tables.push(s.block_table);
+            meta.prompt_lens.push(rs.prompt_len as u32);
             if s.sample {
                 meta.last_token_rows.push(ids.len() - 1);
                 sampled_seqs.push(s.seq);

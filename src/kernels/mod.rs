@@ -5,10 +5,14 @@
 //! Weights keep the checkpoint's dtype (f32, bf16, f16) and are multiplied with f32
 //! accumulation. The paged KV cache of one layer is owned by the device as [`Device::Cache`].
 
+pub mod attn;
 pub mod cpu;
 pub mod cuda;
+mod rope;
 
-use crate::models::attn::AttnMetadata;
+pub use rope::{RopeByLen, RopeSpec};
+
+use crate::kernels::attn::AttnMetadata;
 use crate::request::TokenLogprobs;
 use crate::sampling::SampleInput;
 
@@ -68,23 +72,6 @@ pub struct CacheShape {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
-}
-
-/// Rotary embedding of one attention layer: `inv_freq` has `rotary_dim / 2` entries (the
-/// first `rotary_dim` dims of each head rotate, rotate-half style; none when it is empty),
-/// and cos and sin are multiplied by `attention_scaling` (1 but for yarn and longrope).
-#[derive(Debug, Clone)]
-pub struct RopeSpec {
-    pub inv_freq: Vec<f32>,
-    pub head_dim: usize,
-    pub attention_scaling: f32,
-}
-
-impl RopeSpec {
-    /// No rotation (models with learned positions).
-    pub fn none(head_dim: usize) -> Self {
-        Self { inv_freq: Vec::new(), head_dim, attention_scaling: 1.0 }
-    }
 }
 
 /// Shape and options of an attention call: query heads, kv heads, head size, the softmax
@@ -374,13 +361,14 @@ pub trait Device: Send + Unpin + 'static {
         eps: f32,
     ) -> DevResult<()>;
     /// Splits the fused `[n, q + k + v]` projection and applies rotary embedding (HF's
-    /// rotate-half layout) to q and k at each token's position. Returns (q, k, v).
+    /// rotate-half layout) to q and k at each token's position (`meta.positions`), with
+    /// the frequencies of the length it is computed at where they vary. Returns (q, k, v).
     fn split_qkv_rope(
         &self,
         qkv: &Self::Tensor,
         shape: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
+        meta: &AttnMetadata,
     ) -> DevResult<(Self::Tensor, Self::Tensor, Self::Tensor)>;
     /// Writes k and v into the cache at `meta.slot_mapping`, then attends each query token
     /// over its sequence's cached context (causal: positions ≤ its own).
@@ -400,27 +388,26 @@ pub trait Device: Send + Unpin + 'static {
         qkv: &Self::Tensor,
         shape: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
         cache: &mut Self::Cache,
         meta: &AttnMetadata,
     ) -> DevResult<Self::Tensor> {
-        let (q, k, v) = self.split_qkv_rope(qkv, shape, rope, positions)?;
+        let (q, k, v) = self.split_qkv_rope(qkv, shape, rope, meta)?;
         self.paged_attention(&q, &k, &v, cache, shape, meta)
     }
     /// [`Device::qkv_attention`] of the fused qkv projection of `x` (weights `w`, `bias`,
-    /// no adapters) for attention of shape `shape` with rotary `rope` at `positions`: a
-    /// device may apply RoPE and write k and v into the cache as it projects.
+    /// no adapters) for attention of shape `shape` with rotary `rope`: a device may apply
+    /// RoPE and write k and v into the cache as it projects.
     fn project_qkv_attention(
         &self,
         x: &Self::Tensor,
         w: &Self::Weight,
         bias: Option<&Self::Weight>,
-        (shape, rope, positions): (AttnShape, &RopeSpec, &[u32]),
+        (shape, rope): (AttnShape, &RopeSpec),
         cache: &mut Self::Cache,
         meta: &AttnMetadata,
     ) -> DevResult<Self::Tensor> {
         let qkv = self.linear(x, w, bias)?;
-        self.qkv_attention(&qkv, shape, rope, positions, cache, meta)
+        self.qkv_attention(&qkv, shape, rope, cache, meta)
     }
     /// Records the forward `forward` runs on inputs `ids` and `meta` (returning its hidden
     /// states) as a graph to replay, with attention shaped for contexts up to `ctx_bound`.

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use super::ModelError;
 use super::lora::LoraTarget;
-use crate::kernels::RopeSpec;
+use crate::kernels::{RopeByLen, RopeSpec};
 
 /// `eos_token_id` is an int in some files and a list in others.
 #[derive(Debug, Clone, Deserialize)]
@@ -203,11 +203,17 @@ pub enum RopeScaling {
         original_max_position: usize,
         truncate: bool,
     },
-    /// LongRoPE's short factors, which transformers uses while a sequence stays within
-    /// `original_max_position` (beyond it, the long factors: not applied here, so the
-    /// context is capped there).
+    /// Dynamic NTK: the default frequencies up to `original_max_position` (the config's
+    /// `max_position_embeddings`), a base grown with the length beyond it.
+    Dynamic {
+        factor: f64,
+        original_max_position: usize,
+    },
+    /// LongRoPE: the short factors while the forward's length stays within
+    /// `original_max_position`, the long ones beyond it.
     LongRope {
         short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
         attention_factor: f64,
         original_max_position: usize,
     },
@@ -220,8 +226,9 @@ pub struct Rope {
     /// Dims of each head that rotate (the rest pass through).
     pub rotary_dim: usize,
     pub scaling: RopeScaling,
-    /// The longest context these frequencies are exact for (None: any).
-    pub max_context: Option<usize>,
+    /// The context these frequencies serve where it is not the config's
+    /// `max_position_embeddings` (dynamic NTK: `factor` times it).
+    pub context: Option<usize>,
 }
 
 impl RopeConfig {
@@ -265,15 +272,15 @@ impl RopeConfig {
         let max_pos = self.max_position_embeddings.unwrap_or(2048);
         let original = self.original_max_position_embeddings.or(params.original_max_position_embeddings);
         let factor = params.factor.unwrap_or(1.0);
-        let mut max_context = None;
+        let mut context = None;
         let scaling = match params.rope_type.as_deref().or(params.legacy_type.as_deref()) {
             None | Some("default") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear { factor },
             Some("dynamic") => {
-                // transformers re-derives dynamic NTK frequencies from each forward's length
-                // once it passes the original context; within it they are the default ones.
-                max_context = Some(original.unwrap_or(max_pos));
-                RopeScaling::None
+                // transformers grows the base past `max_position_embeddings`, without a
+                // bound; vLLM serves up to `factor` times that, and so does this.
+                context = Some((max_pos as f64 * factor.max(1.0)) as usize);
+                RopeScaling::Dynamic { factor, original_max_position: max_pos }
             }
             Some("llama3") => RopeScaling::Llama3 {
                 factor,
@@ -302,23 +309,31 @@ impl RopeConfig {
             }
             Some("longrope") => {
                 let original = original.unwrap_or(max_pos);
-                let short_factor = params.short_factor.clone().ok_or_else(|| {
-                    ModelError::Config(format!("config.json of {arch}: longrope needs short_factor"))
-                })?;
-                if short_factor.len() != rotary_dim / 2 {
-                    return Err(ModelError::Config(format!(
-                        "config.json of {arch}: longrope short_factor has {} entries, rotary dims need {}",
-                        short_factor.len(),
+                let factors = |name: &str, v: &Option<Vec<f64>>| match v {
+                    None => Err(bad(format!("longrope needs {name}"))),
+                    Some(v) if v.len() != rotary_dim / 2 => Err(bad(format!(
+                        "longrope {name} has {} entries, rotary dims need {}",
+                        v.len(),
                         rotary_dim / 2
-                    )));
-                }
+                    ))),
+                    Some(v) if v.iter().any(|f| !(f.is_finite() && *f > 0.0)) => {
+                        Err(bad(format!("longrope {name} must hold positive numbers")))
+                    }
+                    Some(v) => Ok(v.clone()),
+                };
+                let short_factor = factors("short_factor", &params.short_factor)?;
+                let long_factor = factors("long_factor", &params.long_factor)?;
                 let factor = params.factor.unwrap_or(max_pos as f64 / original as f64);
                 let attention_factor = params.attention_factor.unwrap_or(match factor <= 1.0 {
                     true => 1.0,
                     false => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
                 });
-                max_context = Some(original);
-                RopeScaling::LongRope { short_factor, attention_factor, original_max_position: original }
+                RopeScaling::LongRope {
+                    short_factor,
+                    long_factor,
+                    attention_factor,
+                    original_max_position: original,
+                }
             }
             Some(other) => {
                 return Err(unsupported(
@@ -329,7 +344,7 @@ impl RopeConfig {
                 ));
             }
         };
-        Ok(Rope { theta, rotary_dim, scaling, max_context })
+        Ok(Rope { theta, rotary_dim, scaling, context })
     }
 }
 
@@ -345,6 +360,7 @@ impl Rope {
         let exps: Vec<f32> = (0..d / 2).map(|i| (2 * i) as f32 / d as f32).collect();
         let theta = self.theta as f32;
         let base: Vec<f32> = exps.iter().map(|&e| 1.0 / theta.powf(e)).collect();
+        let mut by_len = RopeByLen::Fixed;
         let (inv_freq, attention_scaling) = match &self.scaling {
             RopeScaling::None => (base, 1.0),
             RopeScaling::Linear { factor } => (base.iter().map(|f| f / *factor as f32).collect(), 1.0),
@@ -395,12 +411,24 @@ impl Rope {
                 });
                 (f.collect(), *attention_factor as f32)
             }
-            RopeScaling::LongRope { short_factor, attention_factor, .. } => {
-                let f = exps.iter().zip(short_factor).map(|(&e, &s)| 1.0 / (s as f32 * theta.powf(e)));
-                (f.collect(), *attention_factor as f32)
+            RopeScaling::Dynamic { factor, original_max_position } => {
+                by_len = RopeByLen::Ntk {
+                    original: *original_max_position as u32,
+                    theta: self.theta,
+                    factor: *factor,
+                };
+                (base, 1.0)
+            }
+            RopeScaling::LongRope { short_factor, long_factor, attention_factor, original_max_position } => {
+                let scaled = |factors: &[f64]| -> Vec<f32> {
+                    exps.iter().zip(factors).map(|(&e, &s)| 1.0 / (s as f32 * theta.powf(e))).collect()
+                };
+                by_len =
+                    RopeByLen::Long { original: *original_max_position as u32, long: scaled(long_factor) };
+                (scaled(short_factor), *attention_factor as f32)
             }
         };
-        RopeSpec { inv_freq, head_dim, attention_scaling }
+        RopeSpec { inv_freq, head_dim, attention_scaling, by_len }
     }
 }
 
@@ -455,14 +483,36 @@ mod tests {
         let plain = rope("").unwrap().spec(64).inv_freq;
         assert_eq!(spec.inv_freq[0], plain[0], "the fastest dims extrapolate");
         assert!((spec.inv_freq[31] - plain[31] / 4.0).abs() < 1e-9, "the slowest interpolate");
-        let short = vec![1.5; 32];
+        let (short, long) = (vec![1.5; 32], vec![3.0; 32]);
         let l = rope(&format!(
-            r#","original_max_position_embeddings":4096,"rope_scaling":{{"type":"longrope","short_factor":{short:?},"long_factor":{short:?}}}"#
+            r#","original_max_position_embeddings":4096,"rope_scaling":{{"type":"longrope","short_factor":{short:?},"long_factor":{long:?}}}"#
         ))
         .unwrap();
-        assert_eq!(l.max_context, Some(4096));
+        assert_eq!(l.context, None, "the long factors serve the whole context");
         let spec = l.spec(64);
         assert!((spec.inv_freq[3] - plain[3] / 1.5).abs() < 1e-9);
         assert!((spec.attention_scaling - (1.0 + 32f32.ln() / 4096f32.ln()).sqrt()).abs() < 1e-6);
+        assert_eq!(spec.inv_freq_at(4096), spec.inv_freq, "short factors up to the original length");
+        assert!((spec.inv_freq_at(4097)[3] - plain[3] / 3.0).abs() < 1e-9, "long factors beyond it");
+        let missing = rope(&format!(
+            r#","original_max_position_embeddings":4096,"rope_scaling":{{"type":"longrope","short_factor":{short:?}}}"#
+        ));
+        assert!(missing.unwrap_err().to_string().contains("long_factor"));
+    }
+
+    #[test]
+    fn dynamic_ntk_grows_the_base_only_past_the_configured_context() {
+        let d = rope(r#","rope_theta":10000.0,"rope_scaling":{"type":"dynamic","factor":2.0}"#).unwrap();
+        assert_eq!(d.context, Some(262144));
+        let spec = d.spec(64);
+        let plain = rope("").unwrap().spec(64).inv_freq;
+        assert_eq!(spec.inv_freq, plain);
+        assert_eq!(spec.inv_freq_at(131072), plain);
+        // At twice the context: base · (2 · 2 − 1)^(64 / 62).
+        let base = 10000f64 * 3f64.powf(64.0 / 62.0);
+        let grown = spec.inv_freq_at(262144);
+        assert_eq!(grown[0], 1.0);
+        assert!((grown[31] as f64 - base.powf(-62.0 / 64.0)).abs() < 1e-6 * grown[31] as f64);
+        assert!(spec.inv_freq_at(131073)[31] < plain[31], "one token past it already grows");
     }
 }

@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::attn::AttnMetadata;
 use super::config::{ModelConfig, Rope, RopeConfig, check_layer_types, parse_hf};
 use super::gemma::{gemma_act, tied};
 use super::layers::lora::{LayerLora, layer_modules, proj_lora, set_slot_in_layers};
@@ -23,6 +22,7 @@ use super::loader::{ParamView, WeightStore};
 use super::lora::{LoraAdapter, Proj, llama_targets};
 use super::registry::ModelEntry;
 use super::{CausalLM, LoadOptions, ModelError};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Activation, AttnShape, CacheShape, DevResult, Device};
 
 /// Gemma 2's own fields of config.json.
@@ -117,12 +117,12 @@ pub fn arch(cfg: &ModelConfig) -> Result<Gemma2Arch, ModelError> {
 }
 
 /// The shared config of a Gemma 2-shaped family: tied, Llama's LoRA targets, its context
-/// capped where its rotary embeddings are exact only so far.
+/// the one its rotary embeddings serve.
 pub fn gemma2_config(cfg: ModelConfig, a: &Gemma2Arch) -> ModelConfig {
     let mut cfg = tied(cfg);
     cfg.lora_targets = llama_targets(&cfg, a.intermediate_size);
-    for max in [a.rope_full.max_context, a.rope_local.max_context].into_iter().flatten() {
-        cfg.max_position_embeddings = cfg.max_position_embeddings.min(max);
+    if let Some(context) = [a.rope_full.context, a.rope_local.context].into_iter().flatten().min() {
+        cfg.max_position_embeddings = context;
     }
     cfg
 }
@@ -226,7 +226,7 @@ impl<D: Device> Gemma2Attention<D> {
         &self,
         dev: &D,
         x: &D::Tensor,
-        (positions, rope): (&[u32], &RotaryEmbedding),
+        rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
@@ -236,7 +236,7 @@ impl<D: Device> Gemma2Attention<D> {
         if let (Some(q), Some(k)) = (&self.q_norm, &self.k_norm) {
             dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
         }
-        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, heads·d]
+        let attn = self.attn.forward(dev, &qkv, rope, cache, meta)?; // [n, heads·d]
         self.o_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta)) // [n, hidden]
     }
 }
@@ -328,7 +328,6 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
         &self,
         dev: &D,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
@@ -338,7 +337,7 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             let lora = layer.lora.as_ref();
             let rope = if layer.sliding { &self.rope_local } else { &self.rope_full };
-            let attn = layer.self_attn.forward(dev, &x, (positions, rope), cache, lora, meta)?;
+            let attn = layer.self_attn.forward(dev, &x, rope, cache, lora, meta)?;
             let attn = layer.post_attention_layernorm.forward(dev, &attn)?;
             let h = layer.pre_feedforward_layernorm.forward_residual(dev, &attn, &mut residual)?;
             let mlp = layer.mlp.forward(dev, &h, lora, meta)?;
@@ -369,6 +368,10 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
 
     fn has_lora(&self) -> bool {
         self.layers.first().is_some_and(|l| l.lora.is_some())
+    }
+
+    fn recompute_past(&self) -> Option<u32> {
+        [&self.rope_full, &self.rope_local].into_iter().filter_map(|r| r.spec.recompute_past()).min()
     }
 
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {

@@ -44,7 +44,7 @@ pub fn arch(cfg: &ModelConfig) -> Result<Gemma2Arch, ModelError> {
             },
             rotary_dim: cfg.head_dim,
             scaling: RopeScaling::None,
-            max_context: None,
+            context: None,
         },
     };
     let mut a = c.arch(cfg)?;

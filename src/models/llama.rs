@@ -9,7 +9,6 @@
 
 use serde::Deserialize;
 
-use super::attn::AttnMetadata;
 use super::config::{ModelConfig, Rope, RopeConfig, check_layer_types, parse_hf, unsupported};
 use super::layers::lora::{LayerLora, layer_modules, plain, proj_lora, set_slot_in_layers};
 use super::layers::{
@@ -20,6 +19,7 @@ use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LoraAdapter, Proj, llama_targets};
 use super::registry::ModelEntry;
 use super::{CausalLM, LoadOptions, ModelError};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Activation, AttnShape, CacheShape, DevResult, Device};
 
 /// Checkpoint shards that load into fused parameters (vLLM's stacked_params_mapping).
@@ -115,12 +115,12 @@ impl LlamaConfig {
 }
 
 /// The shared config of a Llama-shaped family, its LoRA targets declared, and its
-/// context capped where its rotary embedding is exact only so far.
+/// context the one its rotary embedding serves.
 pub fn llama_config(cfg: ModelConfig, arch: &LlamaArch) -> ModelConfig {
     let mut cfg = cfg;
     cfg.lora_targets = llama_targets(&cfg, arch.intermediate_size);
-    if let Some(max) = arch.rope.max_context {
-        cfg.max_position_embeddings = cfg.max_position_embeddings.min(max);
+    if let Some(context) = arch.rope.context {
+        cfg.max_position_embeddings = context;
     }
     cfg
 }
@@ -283,7 +283,7 @@ impl<D: Device> LlamaAttention<D> {
         &self,
         dev: &D,
         x: &D::Tensor,
-        (positions, rope): (&[u32], &RotaryEmbedding),
+        rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
@@ -293,14 +293,14 @@ impl<D: Device> LlamaAttention<D> {
         let attn = match (proj_lora::<D>(&qkv_lora, meta), &self.q_norm, &self.k_norm) {
             (None, None, None) => {
                 let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
-                self.attn.forward_projecting(dev, x, w, positions, rope, cache, meta)?
+                self.attn.forward_projecting(dev, x, w, rope, cache, meta)?
             }
             (lora, q_norm, k_norm) => {
                 let mut qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
                 if let (Some(q), Some(k)) = (q_norm, k_norm) {
                     dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
                 }
-                self.attn.forward(dev, &qkv, positions, rope, cache, meta)?
+                self.attn.forward(dev, &qkv, rope, cache, meta)?
             }
         }; // [n, heads·head_dim]
         let o_lora = proj_lora::<D>(&o_lora, meta);
@@ -406,7 +406,6 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         &self,
         dev: &D,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
@@ -423,7 +422,7 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             let lora = layer.lora.as_ref();
             let post = (&mut residual, &layer.post_attention_layernorm, plain(lora, Proj::Up, meta));
-            let rope = (positions, &self.rotary_emb);
+            let rope = &self.rotary_emb;
             let h = layer.self_attn.forward_add_norm(dev, &x, rope, cache, lora, meta, post)?;
             let (next_norm, gemm_only) = match self.layers.get(i + 1) {
                 Some(next) => (
@@ -453,6 +452,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
 
     fn has_lora(&self) -> bool {
         self.layers.first().is_some_and(|l| l.lora.is_some())
+    }
+
+    fn recompute_past(&self) -> Option<u32> {
+        self.rotary_emb.spec.recompute_past()
     }
 
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&LoraAdapter>) -> DevResult<()> {

@@ -1,7 +1,6 @@
 //! Model code: the forward contract every architecture implements, the HF config, the
 //! checkpoint loader, the shared layers and the registry of architectures.
 
-pub mod attn;
 pub mod config;
 pub mod gemma;
 pub mod gemma2;
@@ -18,8 +17,8 @@ pub mod registry;
 
 use std::path::{Path, PathBuf};
 
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{CacheShape, DevResult, Device, DeviceError};
-use attn::AttnMetadata;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -65,12 +64,11 @@ pub struct LoraCapacity {
 /// The forward contract (vLLM's): flat tokens of any mix of prefill and decode sequences.
 /// Models never see paging: the attention layer hides it behind `kv_caches` and `meta`.
 pub trait CausalLM<D: Device>: Send {
-    /// `[num_tokens]` ids and positions → `[num_tokens, hidden]` hidden states.
+    /// `[num_tokens]` ids (at `meta.positions`) → `[num_tokens, hidden]` hidden states.
     fn forward(
         &self,
         dev: &D,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor>;
@@ -86,4 +84,10 @@ pub trait CausalLM<D: Device>: Send {
     /// Whether the model was built with LoRA capacity (its forward then applies the
     /// adapters of `AttnMetadata::lora_slots`).
     fn has_lora(&self) -> bool;
+    /// A length past which a sequence's whole context is computed again, once, as it first
+    /// grows past it (LongRoPE's switch to its long factors, for which transformers' Phi-3
+    /// recomputes its cache): the runner then runs every token of the sequence in that step.
+    fn recompute_past(&self) -> Option<u32> {
+        None
+    }
 }

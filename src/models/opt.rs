@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use super::attn::AttnMetadata;
 use super::config::{ModelConfig, parse_hf, unsupported};
 use super::layers::lora::{LayerLora, layer_modules, proj_lora, set_slot_in_layers};
 use super::layers::{
@@ -20,6 +19,7 @@ use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LoraAdapter, LoraTarget, Proj, Shard};
 use super::registry::ModelEntry;
 use super::{CausalLM, LoadOptions, ModelError};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Activation, AttnShape, CacheShape, DevResult, Device};
 
 /// q, k and v are stacked into one projection at load.
@@ -135,14 +135,14 @@ impl<D: Device> OptAttention<D> {
         &self,
         dev: &D,
         x: &D::Tensor,
-        (positions, rope): (&[u32], &RotaryEmbedding),
+        rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         lora: Option<&LayerLora<D>>,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
         let (qkv_lora, o_lora) = (layer_modules(lora, Proj::Qkv, meta), layer_modules(lora, Proj::Out, meta));
         let qkv = self.qkv_proj.forward(dev, x, proj_lora::<D>(&qkv_lora, meta))?; // [n, 3·hidden]
-        let attn = self.attn.forward(dev, &qkv, positions, rope, cache, meta)?; // [n, hidden]
+        let attn = self.attn.forward(dev, &qkv, rope, cache, meta)?; // [n, hidden]
         self.out_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta))
     }
 }
@@ -254,7 +254,6 @@ impl<D: Device> CausalLM<D> for OptForCausalLM<D> {
         &self,
         dev: &D,
         input_ids: &[u32],
-        positions: &[u32],
         kv_caches: &mut [D::Cache],
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
@@ -262,12 +261,12 @@ impl<D: Device> CausalLM<D> for OptForCausalLM<D> {
         if let Some(p) = &self.project_in {
             embeds = p.forward(dev, &embeds)?; // [n, hidden]
         }
-        let mut residual = self.embed_positions.forward(dev, positions)?;
+        let mut residual = self.embed_positions.forward(dev, &meta.positions)?;
         dev.add_inplace(&mut residual, &embeds)?;
         let act = self.arch.act;
         for (layer, cache) in self.layers.iter().zip(kv_caches.iter_mut()) {
             let lora = layer.lora.as_ref();
-            let rope = (positions, &self.rope);
+            let rope = &self.rope;
             residual = match self.arch.pre_norm {
                 true => {
                     let x = layer.self_attn_layer_norm.forward(dev, &residual)?;

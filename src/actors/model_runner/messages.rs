@@ -9,8 +9,8 @@ use actix::{Message, SyncContext};
 
 use super::ModelRunner;
 use crate::core::block_pool::{BlockId, SeqId};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Device, DeviceError, GemmTuning};
-use crate::models::attn::AttnMetadata;
 use crate::models::lora::LoraAdapter;
 use crate::request::{SamplingParams, TokenLogprobs};
 

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::{CpuCache, CpuTensor, Family};
 use crate::kernels::AttnShape;
-use crate::models::attn::AttnMetadata;
+use crate::kernels::attn::AttnMetadata;
 
 /// Copies each token's k and v rows into `slot_mapping[token]` (negative slots are skipped:
 /// padding tokens).

@@ -19,7 +19,7 @@ use super::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor,
     LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
-use crate::models::attn::AttnMetadata;
+use crate::kernels::attn::AttnMetadata;
 use crate::sampling::SampleInput;
 pub use family::Family;
 use group::CpuGroup;
@@ -442,7 +442,7 @@ impl Device for CpuDevice {
         qkv: &CpuTensor,
         s: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
+        meta: &AttnMetadata,
     ) -> DevResult<(CpuTensor, CpuTensor, CpuTensor)> {
         let (qn, kn) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
         let n = qkv.rows;
@@ -450,15 +450,22 @@ impl Device for CpuDevice {
             (CpuTensor::zeros(n, qn), CpuTensor::zeros(n, kn), CpuTensor::zeros(n, kn));
         let half = rope.inv_freq.len();
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        for (t, &pos) in positions.iter().enumerate().take(n) {
+        let lens = rope.lens(meta);
+        let mut freqs: Option<(u32, std::borrow::Cow<'_, [f32]>)> = None;
+        for (t, &pos) in meta.positions.iter().enumerate().take(n) {
             let row = &qkv.data[t * qkv.cols..(t + 1) * qkv.cols];
             q.data[t * qn..(t + 1) * qn].copy_from_slice(&row[..qn]);
             k.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn..qn + kn]);
             v.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
             // Angles in f32 as HF computes them (position · inv_freq), then cos/sin (times
             // the attention scaling of yarn and longrope).
+            let len = lens[t];
+            if freqs.as_ref().is_none_or(|(l, _)| *l != len) {
+                freqs = Some((len, rope.inv_freq_at(len)));
+            }
+            let inv_freq = freqs.as_ref().map_or(&[][..], |(_, f)| f);
             let (p, m) = (pos as f32, rope.attention_scaling);
-            for (i, f) in rope.inv_freq.iter().enumerate() {
+            for (i, f) in inv_freq.iter().enumerate() {
                 let a = p * f;
                 cos[i] = a.cos() * m;
                 sin[i] = a.sin() * m;

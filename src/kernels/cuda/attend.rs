@@ -8,8 +8,8 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 use super::nvrtc::split_names;
 use super::{CudaCache, CudaDevice, CudaTensor, Half, StepBufs, cuda};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{AttnShape, DevResult};
-use crate::models::attn::AttnMetadata;
 
 /// The attention kernels of one KV cache element type, looked up when a cache is made so
 /// that a step's launches find them without building names.

@@ -326,14 +326,17 @@ extern "C" __global__ void join_shards_f32(const float* parts, float* out, int r
 // non-null), straight into it at the token's slot (as write_kv writes them; none for a
 // negative slot). Where the rotation covers the whole head in groups of four (head_dim =
 // 2·half, half a multiple of 4), a thread takes four pairs at a time in 16-byte loads;
-// else one.
+// else one. The frequencies are one row for every token (freq_stride 0), or a row each,
+// freq_stride apart, where they follow the length the token is computed at.
 template <typename T>
 __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, float* __restrict__ q,
                                                float* __restrict__ k, float* __restrict__ v, T* __restrict__ kc,
                                                T* __restrict__ vc, const long long* slots,
-                                               const unsigned int* positions, const float* inv_freq, int heads,
-                                               int kv_heads, int head_dim, int half, float mscale) {
+                                               const unsigned int* positions, const float* inv_freq,
+                                               int freq_stride, int heads, int kv_heads, int head_dim, int half,
+                                               float mscale) {
     int t = blockIdx.x, slot = blockIdx.y * blockDim.y + threadIdx.y;
+    inv_freq += (size_t)t * freq_stride;
     if (slot >= heads + 2 * kv_heads) return;
     int qn = heads * head_dim, kn = kv_heads * head_dim;
     const float* src = qkv + (size_t)t * (qn + 2 * kn) + (size_t)slot * head_dim;
@@ -410,11 +413,12 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
 
 extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, float* __restrict__ q,
                                               float* __restrict__ k, float* __restrict__ v,
-                                              const unsigned int* positions, const float* inv_freq, int heads,
-                                              int kv_heads, int head_dim, int half, float mscale) {
+                                              const unsigned int* positions, const float* inv_freq,
+                                              int freq_stride, int heads, int kv_heads, int head_dim, int half,
+                                              float mscale) {
     grid_dep_sync();
-    split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, heads, kv_heads, head_dim,
-                          half, mscale);
+    split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, freq_stride, heads,
+                          kv_heads, head_dim, half, mscale);
 }
 
 // The same, with k and v written straight into the KV cache (layout as write_kv's) at each
@@ -423,10 +427,11 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
     extern "C" __global__ void split_qkv_rope_kv_##SUF(const float* __restrict__ qkv, float* __restrict__ q,      \
                                                        T* __restrict__ kc, T* __restrict__ vc,                    \
                                                        const long long* slots, const unsigned int* positions,    \
-                                                       const float* inv_freq, int heads, int kv_heads,           \
-                                                       int head_dim, int half, float mscale) { grid_dep_sync();  \
-        split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, heads, kv_heads,         \
-                          head_dim, half, mscale);                                                               \
+                                                       const float* inv_freq, int freq_stride, int heads,        \
+                                                       int kv_heads, int head_dim, int half, float mscale) {     \
+        grid_dep_sync();                                                                                          \
+        split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, freq_stride, heads,      \
+                          kv_heads, head_dim, half, mscale);                                                     \
     }
 SPLIT_ROPE_KV_ENTRY(f32, float)
 SPLIT_ROPE_KV_ENTRY(bf16, __nv_bfloat16)

@@ -302,14 +302,17 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
 // half + 8j .. as its rows g + 8 (j = b % (hd / 16), half = hd / 2), so that each thread of
 // the epilogue holds a pair the rotation mixes. Needs the rotation over the whole head, hd a
 // multiple of 16. The tokens' positions and slots and the block's frequencies do not depend
-// on the kernel before: they are copied to shared memory before PDL's wait.
+// on the kernel before: they are copied to shared memory before PDL's wait. The frequencies
+// are one row for all tokens (freq_stride 0) or a row a token, freq_stride apart; cos and
+// sin are scaled by mscale.
 template <typename T, int W>
 __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ q,
                               T* __restrict__ kc, T* __restrict__ vc, const long long* __restrict__ slots,
-                              const unsigned* __restrict__ positions, const float* __restrict__ inv_freq, int heads,
-                              int kv_heads, int hd, int m, int k, NormScale scale) {
+                              const unsigned* __restrict__ positions, const float* __restrict__ inv_freq,
+                              int freq_stride, float mscale, int heads, int kv_heads, int hd, int m, int k,
+                              NormScale scale) {
     __shared__ GemvRed<W> red;
-    __shared__ float rs[GEMV_TOKENS], freq[8];
+    __shared__ float rs[GEMV_TOKENS], freq[GEMV_TOKENS * 8];
     __shared__ unsigned pos[GEMV_TOKENS];
     __shared__ long long at[GEMV_TOKENS];
     const int g = (threadIdx.x & 31) >> 2, q4 = threadIdx.x & 3;
@@ -318,8 +321,9 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
     if (threadIdx.x < m) {
         cp_async4((float*)&pos[threadIdx.x], (const float*)(positions + threadIdx.x));
         cp_async8(&at[threadIdx.x], slots + threadIdx.x);
-    } else if (threadIdx.x >= 32 && threadIdx.x < 40) {
-        cp_async4(&freq[threadIdx.x - 32], inv_freq + d0 + threadIdx.x - 32);
+    } else if (threadIdx.x >= 32 && threadIdx.x < 32 + 8 * (freq_stride ? m : 1)) {
+        const int i = threadIdx.x - 32;
+        cp_async4(&freq[i], inv_freq + (size_t)(i / 8) * freq_stride + d0 + i % 8);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     const size_t lo = (size_t)slot * hd + d0;
@@ -345,7 +349,9 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
         return;
     }
     float sn, cs;
-    sincosf((float)pos[tok] * freq[d - d0], &sn, &cs);
+    sincosf((float)pos[tok] * freq[(freq_stride ? tok * 8 : 0) + d - d0], &sn, &cs);
+    sn *= mscale;
+    cs *= mscale;
     const float ra = a * cs - b * sn, rb = b * cs + a * sn;
     if (slot < heads) {
         float* o = q + (size_t)tok * heads * hd + slot * hd;
@@ -403,10 +409,10 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
 #define GEMV_QKV_ROPE(NAME, BOUNDS, WARPS, T)                                                               \
     extern "C" __global__ void __launch_bounds__ BOUNDS                                                     \
         NAME(const T* __restrict__ w, const T* __restrict__ x, float* q, T* kc, T* vc, const long long* slots, \
-             const unsigned* positions, const float* inv_freq, int heads, int kv_heads, int hd, int m, int k, \
-             GEMV_SCALE) {                                                                                  \
-        gemv_qkv_rope<T, WARPS>(w, x, q, kc, vc, slots, positions, inv_freq, heads, kv_heads, hd, m, k,     \
-                                NormScale{sums, parts, eps});                                               \
+             const unsigned* positions, const float* inv_freq, int freq_stride, float mscale, int heads,    \
+             int kv_heads, int hd, int m, int k, GEMV_SCALE) {                                              \
+        gemv_qkv_rope<T, WARPS>(w, x, q, kc, vc, slots, positions, inv_freq, freq_stride, mscale, heads,    \
+                                kv_heads, hd, m, k, NormScale{sums, parts, eps});                           \
     }
 GEMV(bf16, __nv_bfloat16)
 GEMV(f16, __half)

@@ -20,7 +20,7 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys::{CUgraph, CUgraphExec, CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 use super::{CudaDevice, CudaTensor, DevResult, DeviceError, cuda};
-use crate::models::attn::AttnMetadata;
+use crate::kernels::attn::AttnMetadata;
 
 /// Where a step's inputs go and whether a capture is recording.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +65,7 @@ impl CudaDevice {
         let ids = self.stage_ids(ids)?;
         self.restage("embedding ids", ids);
         self.rope_positions(&meta.positions)?;
+        self.restage_rope_rows(meta)?;
         if !meta.lora_slots.is_empty() {
             self.upload_lora_slots(&meta.lora_slots)?;
         }

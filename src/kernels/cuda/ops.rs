@@ -7,11 +7,11 @@ use super::gemm::act_code;
 use super::lora::GemmOut;
 use super::rope::RopeOut;
 use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, WeightArg, WeightBuf, cuda};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor,
     LoraRows, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
-use crate::models::attn::AttnMetadata;
 use crate::sampling::SampleInput;
 
 impl Device for CudaDevice {
@@ -393,7 +393,7 @@ impl Device for CudaDevice {
         qkv: &CudaTensor,
         s: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
+        meta: &AttnMetadata,
     ) -> DevResult<(CudaTensor, CudaTensor, CudaTensor)> {
         let n = qkv.rows;
         let (mut q, mut k, mut v) = (
@@ -401,7 +401,7 @@ impl Device for CudaDevice {
             self.tensor(n, s.num_kv_heads * s.head_dim)?,
             self.tensor(n, s.num_kv_heads * s.head_dim)?,
         );
-        self.rope_launch(qkv, s, rope, positions, RopeOut::Tensors(&mut q, &mut k, &mut v))?;
+        self.rope_launch(qkv, s, rope, meta, RopeOut::Tensors(&mut q, &mut k, &mut v))?;
         Ok((q, k, v))
     }
 
@@ -411,13 +411,12 @@ impl Device for CudaDevice {
         qkv: &CudaTensor,
         s: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
         cache: &mut CudaCache,
         meta: &AttnMetadata,
     ) -> DevResult<CudaTensor> {
         self.attention_inputs(s, meta)?;
         let mut q = self.tensor(qkv.rows, s.num_heads * s.head_dim)?;
-        self.rope_launch(qkv, s, rope, positions, RopeOut::Cache(&mut q, cache))?;
+        self.rope_launch(qkv, s, rope, meta, RopeOut::Cache(&mut q, cache))?;
         self.attend_cached(&q, cache, s)
     }
 
@@ -428,12 +427,12 @@ impl Device for CudaDevice {
         x: &CudaTensor,
         w: &CudaWeight,
         bias: Option<&CudaWeight>,
-        (s, rope, positions): (AttnShape, &RopeSpec, &[u32]),
+        (s, rope): (AttnShape, &RopeSpec),
         cache: &mut CudaCache,
         meta: &AttnMetadata,
     ) -> DevResult<CudaTensor> {
         let q = match bias {
-            None => self.qkv_rope_gemv(x, w, s, rope, positions, cache, meta)?,
+            None => self.qkv_rope_gemv((x, w), s, rope, cache, meta)?,
             Some(_) => None,
         };
         self.qkv_on_gemv.set(q.is_some());
@@ -441,7 +440,7 @@ impl Device for CudaDevice {
             return self.attend_cached(&q, cache, s);
         }
         let qkv = self.linear(x, w, bias)?;
-        self.qkv_attention(&qkv, s, rope, positions, cache, meta)
+        self.qkv_attention(&qkv, s, rope, cache, meta)
     }
 
     fn paged_attention(

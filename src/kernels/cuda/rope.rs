@@ -5,8 +5,8 @@
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{CudaCache, CudaDevice, CudaTensor, CudaWeight, cuda};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{AttnShape, DevResult, DeviceError, RopeSpec};
-use crate::models::attn::AttnMetadata;
 
 /// Where split_qkv_rope puts a step's q, k and v: three tensors, or q and the KV cache (at
 /// the step's slots, uploaded by `CudaDevice::attention_inputs`).
@@ -15,11 +15,13 @@ pub(super) enum RopeOut<'a> {
     Cache(&'a mut CudaTensor, &'a mut CudaCache),
 }
 
-/// The device buffers a RoPE launch reads: the step's positions, the rotary frequencies, and
-/// the step's slots where its attention inputs were uploaded.
+/// The device buffers a RoPE launch reads: the step's positions, the rotary frequencies (one
+/// row for all tokens, or a row a token `freq_stride` apart where they vary), and the step's
+/// slots where its attention inputs were uploaded.
 struct RopeInputs<'a> {
     positions: &'a CudaSlice<u32>,
     inv_freq: &'a CudaSlice<f32>,
+    freq_stride: i32,
     slots: Option<&'a CudaSlice<i64>>,
 }
 
@@ -32,33 +34,40 @@ impl RopeInputs<'_> {
 }
 
 impl CudaDevice {
-    /// Uploads `positions` and `rope`'s frequencies unless they are there, then runs `f` on
-    /// the buffers a RoPE launch reads.
+    /// Uploads the step's positions and `rope`'s frequencies unless they are there, then
+    /// runs `f` on the buffers a RoPE launch reads.
     fn with_rope_inputs<R>(
         &self,
         rope: &RopeSpec,
-        positions: &[u32],
+        meta: &AttnMetadata,
         f: impl FnOnce(RopeInputs<'_>) -> DevResult<R>,
     ) -> DevResult<R> {
-        self.rope_positions(positions)?;
-        let at = self.inv_freq(rope)?;
-        let (pos, inv) = (self.inputs().rope_positions.borrow(), self.inv_freq.borrow());
+        self.rope_positions(&meta.positions)?;
+        let missing =
+            || DeviceError::Other("RoPE's positions or frequencies missing after their upload".into());
+        let pos = self.inputs().rope_positions.borrow();
+        let positions = pos.as_ref().map(|(_, p)| p).ok_or_else(missing)?;
         let step = self.inputs().step.borrow();
-        let (Some((_, positions)), Some((_, inv_freq))) = (pos.as_ref(), inv.get(at)) else {
-            return Err(DeviceError::Other(
-                "RoPE's positions or frequencies missing after their upload".into(),
-            ));
-        };
-        f(RopeInputs { positions, inv_freq, slots: step.as_ref().map(|b| &b.slots) })
+        let slots = step.as_ref().map(|b| &b.slots);
+        if rope.varies() {
+            let at = self.rope_rows(rope, meta)?;
+            let rows = self.inputs().rope_rows.borrow();
+            let inv_freq = &rows.get(at).ok_or_else(missing)?.rows;
+            return f(RopeInputs { positions, inv_freq, freq_stride: rope.inv_freq.len() as i32, slots });
+        }
+        let at = self.inv_freq(rope)?;
+        let inv = self.inv_freq.borrow();
+        let inv_freq = &inv.get(at).ok_or_else(missing)?.1;
+        f(RopeInputs { positions, inv_freq, freq_stride: 0, slots })
     }
 
-    /// Splits the fused qkv projection and applies RoPE at `positions`, into `out`.
+    /// Splits the fused qkv projection and applies RoPE at the step's positions, into `out`.
     pub(super) fn rope_launch(
         &self,
         qkv: &CudaTensor,
         s: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
+        meta: &AttnMetadata,
         out: RopeOut,
     ) -> DevResult<()> {
         let n = qkv.rows;
@@ -77,7 +86,7 @@ impl CudaDevice {
             block_dim: (threads as u32, slots as u32, 1),
             shared_mem_bytes: 0,
         };
-        self.with_rope_inputs(rope, positions, |inputs| {
+        self.with_rope_inputs(rope, meta, |inputs| {
             let _t = self.span("split_qkv_rope", (0, 0), n);
             let func = match &out {
                 RopeOut::Tensors(..) => self.f("split_qkv_rope_f32").clone(),
@@ -96,7 +105,8 @@ impl CudaDevice {
                     launch.arg(inputs.slots()?);
                 }
             }
-            launch.arg(inputs.positions).arg(inputs.inv_freq).arg(&h).arg(&kvh).arg(&hd).arg(&half);
+            launch.arg(inputs.positions).arg(inputs.inv_freq).arg(&inputs.freq_stride);
+            launch.arg(&h).arg(&kvh).arg(&hd).arg(&half);
             launch.arg(&rope.attention_scaling);
             // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a
             // cache's slots index inside it (checked by the scheduler), its rows kvh·hd wide.
@@ -111,14 +121,11 @@ impl CudaDevice {
     /// gemv_qkv_rope) that applies RoPE, writes q and puts k and v into the cache; no
     /// projection and no RoPE kernel. The step's attention inputs are uploaded as for
     /// [`Self::rope_launch`]. q, or None where this does not apply.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn qkv_rope_gemv(
         &self,
-        x: &CudaTensor,
-        w: &CudaWeight,
+        (x, w): (&CudaTensor, &CudaWeight),
         s: AttnShape,
         rope: &RopeSpec,
-        positions: &[u32],
         cache: &mut CudaCache,
         meta: &AttnMetadata,
     ) -> DevResult<Option<CudaTensor>> {
@@ -126,8 +133,7 @@ impl CudaDevice {
         let (n, k, m) = (w.shape[0], w.shape[1], x.rows);
         let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
         let (heads, kv_heads, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
-        let whole_heads =
-            hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd && rope.attention_scaling == 1.0;
+        let whole_heads = hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd;
         let fits = self.gemv_fits(m, k) && x.cols == k && n == (heads + 2 * kv_heads) * hd;
         if !fits || !whole_heads || !cache.k.is_half() || self.act16.get() != kind {
             return Ok(None);
@@ -139,7 +145,7 @@ impl CudaDevice {
         let scale = self.scale_args(x);
         let (wp, _w) = wb.device_ptr(&self.stream);
         let dims = [heads as i32, kv_heads as i32, hd as i32, m as i32, k as i32];
-        self.with_rope_inputs(rope, positions, |inputs| {
+        self.with_rope_inputs(rope, meta, |inputs| {
             self.with_x16(x, kind, |xp| {
                 let _t = self.span(name, (n, k), m);
                 let mut launch = self.stream.launch_builder(self.f(name));
@@ -147,6 +153,7 @@ impl CudaDevice {
                 cache.k.arg().push(&mut launch);
                 cache.v.arg().push(&mut launch);
                 launch.arg(inputs.slots()?).arg(inputs.positions).arg(inputs.inv_freq);
+                launch.arg(&inputs.freq_stride).arg(&rope.attention_scaling);
                 for d in &dims {
                     launch.arg(d);
                 }
@@ -154,7 +161,8 @@ impl CudaDevice {
                 // SAFETY: w holds n = (heads + 2 · kv_heads) · hd rows of k 16-bit values, x
                 // m·k of them (k % 8 == 0); q is [m, heads · hd]; the cache's rows are
                 // kv_heads · hd wide and the slots (one per row) index inside it or are
-                // negative; positions hold m values and inv_freq hd / 2; a scale's sums
+                // negative; positions hold m values and inv_freq hd / 2 (m rows of them
+                // freq_stride apart where it is not 0); a scale's sums
                 // m · parts. hd / 16 blocks a head slot.
                 unsafe { launch.launch(cfg) }.map_err(cuda("gemv_qkv_rope launch"))
             })

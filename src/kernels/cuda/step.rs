@@ -9,8 +9,8 @@ use cudarc::driver::CudaSlice;
 
 use super::attend::DECODE_JOIN_CTX;
 use super::{CudaDevice, DevResult, DeviceError, GraphMode, cuda};
-use crate::kernels::{AttnShape, FED_TOKEN};
-use crate::models::attn::AttnMetadata;
+use crate::kernels::attn::AttnMetadata;
+use crate::kernels::{AttnShape, FED_TOKEN, RopeSpec};
 
 /// One set of a step's inputs on the device, kept from step to step.
 #[derive(Default)]
@@ -21,10 +21,21 @@ pub(super) struct Inputs {
     /// pageable host memory waits for the stream to drain: once per layer it would stall
     /// the host behind the GPU every layer.
     pub(super) rope_positions: RefCell<Option<(Vec<u32>, CudaSlice<u32>)>>,
+    /// Per-token frequencies of the step's rotary embeddings that vary with the length a
+    /// token is computed at, uploaded once for all layers.
+    pub(super) rope_rows: RefCell<Vec<RopeRows>>,
     /// The step's LoRA slot per row, uploaded once for all layers.
     pub(super) lora_slots: RefCell<Option<(Vec<i32>, CudaSlice<i32>)>>,
     /// Per-step index lists (token ids, sampled rows, sampling parameters and results) by use.
     pub(super) staging: RefCell<HashMap<&'static str, CudaSlice<u32>>>,
+}
+
+/// One length-dependent rotary embedding's frequencies for each token of a step
+/// ([`RopeSpec::rows`]), with the spec and the tokens' lengths they were made for.
+pub(super) struct RopeRows {
+    pub(super) spec: RopeSpec,
+    pub(super) lens: Vec<u32>,
+    pub(super) rows: CudaSlice<f32>,
 }
 
 /// Attention metadata of one step on the device, with the host copy it came from.
@@ -151,6 +162,44 @@ impl CudaDevice {
 
     pub(super) fn rope_positions(&self, positions: &[u32]) -> DevResult<()> {
         self.upload_unless_there(&self.inputs().rope_positions, positions)
+    }
+
+    /// Uploads `rope`'s per-token frequencies for `meta` unless they are there; returns
+    /// their index in the input set's `rope_rows`. In place where the buffer holds them, so
+    /// that a graph's staged inputs keep their address.
+    pub(super) fn rope_rows(&self, rope: &RopeSpec, meta: &AttnMetadata) -> DevResult<usize> {
+        let lens = rope.lens(meta);
+        let mut all = self.inputs().rope_rows.borrow_mut();
+        let at = all.iter().position(|r| r.spec == *rope);
+        if let Some(i) = at
+            && (self.capturing() || all[i].lens == lens)
+        {
+            return Ok(i);
+        }
+        let rows = rope.rows(&lens);
+        Ok(match at {
+            Some(i) => {
+                let old = all.remove(i);
+                let rows = self.refill(Some(old.rows), &rows)?;
+                all.insert(i, RopeRows { spec: old.spec, lens, rows });
+                i
+            }
+            None => {
+                let rows = self.refill(None, &rows)?;
+                all.push(RopeRows { spec: rope.clone(), lens, rows });
+                all.len() - 1
+            }
+        })
+    }
+
+    /// Stages the per-token frequencies of every length-dependent rotary embedding a graph
+    /// read at its capture, for `meta`.
+    pub(super) fn restage_rope_rows(&self, meta: &AttnMetadata) -> DevResult<()> {
+        let specs: Vec<RopeSpec> = self.inputs().rope_rows.borrow().iter().map(|r| r.spec.clone()).collect();
+        for spec in &specs {
+            self.rope_rows(spec, meta)?;
+        }
+        Ok(())
     }
 
     /// Uploads the step's LoRA slot per row unless they are already there.

@@ -1,8 +1,8 @@
 //! Rotary embedding and the PagedAttention layer. Prefill, decode and their mix are one
 //! call: the device kernel reads each token's context through the block tables.
 
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{AttnShape, CacheShape, DevResult, Device, RopeSpec};
-use crate::models::attn::AttnMetadata;
 use crate::models::config::Rope;
 
 /// HF's rotate-half rotary embedding with the config's frequency scaling (or none, for a
@@ -48,26 +48,23 @@ impl PagedAttention {
         &self,
         dev: &D,
         qkv: &D::Tensor,
-        positions: &[u32],
         rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        dev.qkv_attention(qkv, self.shape, &rope.spec, positions, cache, meta)
+        dev.qkv_attention(qkv, self.shape, &rope.spec, cache, meta)
     }
     /// [`Self::forward`] of the projection of `x` by a fused qkv weight `w` (with `bias`)
     /// that applies no adapters: the device may project, rotate and write the cache at once.
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_projecting<D: Device>(
         &self,
         dev: &D,
         x: &D::Tensor,
         (w, bias): (&D::Weight, Option<&D::Weight>),
-        positions: &[u32],
         rope: &RotaryEmbedding,
         cache: &mut D::Cache,
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
-        dev.project_qkv_attention(x, w, bias, (self.shape, &rope.spec, positions), cache, meta)
+        dev.project_qkv_attention(x, w, bias, (self.shape, &rope.spec), cache, meta)
     }
 }

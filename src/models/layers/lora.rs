@@ -7,8 +7,8 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use super::linear::{ProjLora, qkv_heads, shard};
+use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{DevResult, Device, LoraShape, LoraSlotWeights};
-use crate::models::attn::AttnMetadata;
 use crate::models::config::ModelConfig;
 use crate::models::lora::{LoraAdapter, LoraSplit, Proj, Shard};
 use crate::models::{LoraCapacity, ModelError};

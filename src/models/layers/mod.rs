@@ -117,7 +117,7 @@ impl<D: Device> ParallelLMHead<D> {
 pub fn gather_last_rows<D: Device>(
     dev: &D,
     hidden: &D::Tensor,
-    meta: &crate::models::attn::AttnMetadata,
+    meta: &crate::kernels::attn::AttnMetadata,
 ) -> DevResult<Option<D::Tensor>> {
     let rows = &meta.last_token_rows;
     let all = dev.shape(hidden).0 == rows.len() && rows.iter().enumerate().all(|(i, &r)| i == r);

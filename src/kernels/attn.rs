@@ -1,5 +1,6 @@
 //! Attention metadata: what a batch's flat tokens need to find their sequence's KV cache.
-//! Built by the ModelRunner from the Scheduler's batch; models pass it through untouched.
+//! Built by the ModelRunner from the Scheduler's batch; models pass it through untouched to
+//! the kernels, which read it.
 
 /// Per-step metadata for flat tokens of mixed prefill and decode sequences.
 #[derive(Debug, Clone, Default)]
@@ -16,4 +17,7 @@ pub struct AttnMetadata {
     pub last_token_rows: Vec<usize>,
     /// Per token: its adapter slot (-1 = base model). Empty when no token uses an adapter.
     pub lora_slots: Vec<i32>,
+    /// Per sequence: the length of its prompt (empty: none known). Rotary embeddings whose
+    /// frequencies follow the length of the forward (dynamic NTK, LongRoPE) read it.
+    pub prompt_lens: Vec<u32>,
 }

@@ -325,6 +325,13 @@ fn every_kernel_matches_its_cpu_twin() {
     let og = g.add_rms_norm(&xg, &mut rg, &ng, 1e-5).unwrap();
     close("add_rms_norm", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-5);
     close("add_rms_norm residual", &g.to_host(&rg).unwrap(), &c.to_host(&rc).unwrap(), 1e-6);
+    // x normed before it joins the residual, then the sum normed (one kernel on the GPU).
+    let pw = rand(hidden, 9);
+    let (pc, pg) = (c.upload(host(&pw, &[hidden])).unwrap(), g.upload(host(&pw, &[hidden])).unwrap());
+    let oc = c.rms_norm_add_rms_norm(&xc, (&pc, 1e-6), &mut rc, (&nc, 1e-5)).unwrap();
+    let og = g.rms_norm_add_rms_norm(&xg, (&pg, 1e-6), &mut rg, (&ng, 1e-5)).unwrap();
+    close("rms_norm_add_rms_norm", &g.to_host(&og).unwrap(), &c.to_host(&oc).unwrap(), 1e-5);
+    close("rms_norm_add_rms_norm residual", &g.to_host(&rg).unwrap(), &c.to_host(&rc).unwrap(), 1e-6);
     // For a projection's GEMM as a bf16 model runs: the norm (and the residual sum) kept
     // in bf16 alone, read back as the f32 norm rounded.
     g.set_activation_dtype(DType::BF16);

@@ -299,6 +299,18 @@ pub trait Device: Send + Unpin + 'static {
         w: &Self::Weight,
         eps: f32,
     ) -> DevResult<Self::Tensor>;
+    /// `residual += rms_norm(x, pre)`, then the norm of the sum by `w` (a block's output normed
+    /// before it joins the residual, as Gemma 2's are, then the next block's input norm).
+    fn rms_norm_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        pre: (&Self::Weight, f32),
+        residual: &mut Self::Tensor,
+        (w, eps): (&Self::Weight, f32),
+    ) -> DevResult<Self::Tensor> {
+        let normed = self.rms_norm(x, pre.0, pre.1)?;
+        self.add_rms_norm(&normed, residual, w, eps)
+    }
     /// [`Device::add_rms_norm`] (with `residual`) or [`Device::rms_norm`] for a result that
     /// only the GEMM of a projection without adapters reads: a device may keep it only in
     /// the form that GEMM reads.

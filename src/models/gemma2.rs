@@ -232,11 +232,19 @@ impl<D: Device> Gemma2Attention<D> {
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
         let (qkv_lora, o_lora) = (layer_modules(lora, Proj::Qkv, meta), layer_modules(lora, Proj::Out, meta));
-        let mut qkv = self.qkv_proj.forward(dev, x, proj_lora::<D>(&qkv_lora, meta))?; // [n, (heads + 2·kv)·d]
-        if let (Some(q), Some(k)) = (&self.q_norm, &self.k_norm) {
-            dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
-        }
-        let attn = self.attn.forward(dev, &qkv, rope, cache, meta)?; // [n, heads·d]
+        let attn = match (proj_lora::<D>(&qkv_lora, meta), &self.q_norm, &self.k_norm) {
+            (None, None, None) => {
+                let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
+                self.attn.forward_projecting(dev, x, w, rope, cache, meta)?
+            }
+            (lora, q_norm, k_norm) => {
+                let mut qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv)·d]
+                if let (Some(q), Some(k)) = (q_norm, k_norm) {
+                    dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
+                }
+                self.attn.forward(dev, &qkv, rope, cache, meta)?
+            }
+        }; // [n, heads·d]
         self.o_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta)) // [n, hidden]
     }
 }
@@ -338,12 +346,11 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
             let lora = layer.lora.as_ref();
             let rope = if layer.sliding { &self.rope_local } else { &self.rope_full };
             let attn = layer.self_attn.forward(dev, &x, rope, cache, lora, meta)?;
-            let attn = layer.post_attention_layernorm.forward(dev, &attn)?;
-            let h = layer.pre_feedforward_layernorm.forward_residual(dev, &attn, &mut residual)?;
+            let (post, pre) = (&layer.post_attention_layernorm, &layer.pre_feedforward_layernorm);
+            let h = pre.forward_normed_residual(dev, &attn, post, &mut residual)?;
             let mlp = layer.mlp.forward(dev, &h, lora, meta)?;
-            let mlp = layer.post_feedforward_layernorm.forward(dev, &mlp)?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_layernorm);
-            x = next.forward_residual(dev, &mlp, &mut residual)?;
+            x = next.forward_normed_residual(dev, &mlp, &layer.post_feedforward_layernorm, &mut residual)?;
         }
         Ok(x)
     }

@@ -38,10 +38,14 @@ __device__ float block_sum(float v) {
 // sum and the output instead of reading them again, and loads its norm weights before
 // waiting for the kernel before (PDL, common.cuh: they do not depend on it). The sum runs
 // in the same order either way.
+//
+// With `pre_w` (only where the row fits the registers), x is first normed itself, with its
+// own sum, weights pre_w and pre_eps: residual += norm(x), then the norm of the sum (Gemma
+// 2's norm after each block, then the next block's norm, in one kernel).
 #define NORM_VECS 4
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __restrict__ residual, int use_residual,
-                                        const float* __restrict__ w, float* __restrict__ out, void* out16, int kind,
-                                        int cols, float eps) {
+                                        const float* __restrict__ w, const float* __restrict__ pre_w, float pre_eps,
+                                        float* __restrict__ out, void* out16, int kind, int cols, float eps) {
     size_t base = (size_t)blockIdx.x * cols;
     const float* xr = x + base;
     float* rr = use_residual ? residual + base : nullptr;
@@ -57,11 +61,30 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
             if (i < n4) g[j] = ((const float4*)w)[i];
         }
         grid_dep_sync();
+        if (pre_w) {
+            float ps = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NORM_VECS; j++) {
+                int i = threadIdx.x + j * blockDim.x;
+                if (i >= n4) continue;
+                v[j] = x4[i];
+                ps += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            }
+            float prs = rsqrtf(block_sum(ps) / cols + pre_eps);
+#pragma unroll
+            for (int j = 0; j < NORM_VECS; j++) {
+                int i = threadIdx.x + j * blockDim.x;
+                if (i >= n4) continue;
+                float4 p = ((const float4*)pre_w)[i];
+                v[j] = make_float4(p.x * (v[j].x * prs), p.y * (v[j].y * prs), p.z * (v[j].z * prs),
+                                   p.w * (v[j].w * prs));
+            }
+        }
 #pragma unroll
         for (int j = 0; j < NORM_VECS; j++) {
             int i = threadIdx.x + j * blockDim.x;
             if (i >= n4) continue;
-            v[j] = x4[i];
+            if (!pre_w) v[j] = x4[i];
             if (r4) {
                 float4 r = r4[i];
                 v[j].x += r.x; v[j].y += r.y; v[j].z += r.z; v[j].w += r.w;

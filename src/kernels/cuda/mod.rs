@@ -440,11 +440,44 @@ impl CudaDevice {
         eps: f32,
         half_only: bool,
     ) -> DevResult<CudaTensor> {
+        self.norm_of(x, None, residual, (w, eps), half_only)
+    }
+
+    /// Whether [`Self::norm_of`] can norm x first within the kernel: rows of float4s that
+    /// its threads hold in registers (NORM_VECS of them each).
+    fn norms_twice(cols: usize) -> bool {
+        cols.is_multiple_of(4) && cols / 4 <= 4 * Self::norm_threads(cols) as usize
+    }
+
+    /// Two float4s a thread (rows up to 8,192 values; past them up to 1,024 threads). At
+    /// one, the 8B model's block of 1,024 threads at 48 registers needs 48 Ki of an SM's
+    /// 64 Ki registers, more than an SM running a 16-warp GEMV block (or two 8-warp ones)
+    /// has free, so PDL can not launch it beside them; its sum also spans 32 warps. On
+    /// the H200, batch 1 4.26 / 4.23 ms → 4.16 / 4.18 (four a thread: 4.20 / 4.20).
+    fn norm_threads(cols: usize) -> u32 {
+        (cols.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32
+    }
+
+    /// [`Self::norm`], with x first normed itself by `pre` (weights, eps) where given
+    /// ([`Self::norms_twice`] must hold then).
+    fn norm_of(
+        &self,
+        x: &CudaTensor,
+        pre: Option<(&CudaWeight, f32)>,
+        residual: Option<&mut CudaTensor>,
+        (w, eps): (&CudaWeight, f32),
+        half_only: bool,
+    ) -> DevResult<CudaTensor> {
         let mut out = self.tensor(x.rows, x.cols)?;
         let (mut half, kind) = self.half(x.rows, x.cols)?;
         let half_only = half_only && half.is_some();
         let cols = x.cols as i32;
-        let _t = self.span(if residual.is_some() { "add_rms_norm" } else { "rms_norm" }, (0, 0), x.rows);
+        let name = match (pre.is_some(), residual.is_some()) {
+            (true, _) => "rms_norm_add_rms_norm",
+            (false, true) => "add_rms_norm",
+            (false, false) => "rms_norm",
+        };
+        let _t = self.span(name, (0, 0), x.rows);
         let mut launch = self.stream.launch_builder(self.f("rms_norm_f32"));
         launch.arg(&*x.buf);
         let use_res = i32::from(residual.is_some());
@@ -454,13 +487,18 @@ impl CudaDevice {
             None => launch.arg(&*x.buf),
         };
         launch.arg(&use_res).arg(w.f32());
+        let null = 0u64;
+        let pre_eps = pre.map_or(0.0, |p| p.1);
+        match pre {
+            Some((pw, _)) if Self::norms_twice(x.cols) => launch.arg(pw.f32()),
+            Some(_) => {
+                return Err(DeviceError::Other(format!("a row of {} can not be normed twice", x.cols)));
+            }
+            None => launch.arg(&null),
+        };
+        launch.arg(&pre_eps);
         push_outputs(&mut launch, &mut out, &mut half, &kind, half_only);
-        // Two float4s a thread (rows up to 8,192 values; past them up to 1,024 threads). At
-        // one, the 8B model's block of 1,024 threads at 48 registers needs 48 Ki of an SM's
-        // 64 Ki registers, more than an SM running a 16-warp GEMV block (or two 8-warp ones)
-        // has free, so PDL can not launch it beside them; its sum also spans 32 warps. On
-        // the H200, batch 1 4.26 / 4.23 ms → 4.16 / 4.18 (four a thread: 4.20 / 4.20).
-        let threads = (x.cols.div_ceil(8).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let threads = Self::norm_threads(x.cols);
         let cfg =
             LaunchConfig { grid_dim: (x.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: x, out (and the residual) are [rows, cols]; w holds cols values; half (when

@@ -260,6 +260,21 @@ impl Device for CudaDevice {
         self.norm(x, Some(residual), w, eps, false)
     }
 
+    /// One kernel where its threads hold the row in registers.
+    fn rms_norm_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        pre: (&CudaWeight, f32),
+        residual: &mut CudaTensor,
+        norm: (&CudaWeight, f32),
+    ) -> DevResult<CudaTensor> {
+        if !Self::norms_twice(x.cols) {
+            let normed = self.norm(x, None, pre.0, pre.1, false)?;
+            return self.norm(&normed, Some(residual), norm.0, norm.1, false);
+        }
+        self.norm_of(x, Some(pre), Some(residual), norm, false)
+    }
+
     /// Up to 8 rows over 16-bit weights, for a norm only the next projection's GEMV reads:
     /// one GEMV, the norm's scale left to that GEMV (`CudaDevice::linear_res_norm`).
     fn linear_add_rms_norm(

@@ -88,6 +88,25 @@ impl<D: Device> Norm<D> {
             Norm::Layer(n) => n.forward(dev, x),
         }
     }
+    /// `residual += pre(x)`, then this norm of the sum: a block's output normed before it
+    /// joins the residual (Gemma 2), in one device operation where both are RMSNorms.
+    pub fn forward_normed_residual(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        pre: &Norm<D>,
+        residual: &mut D::Tensor,
+    ) -> DevResult<D::Tensor> {
+        match (pre, self) {
+            (Norm::Rms(p), Norm::Rms(n)) => {
+                dev.rms_norm_add_rms_norm(x, (&p.weight, p.eps), residual, (&n.weight, n.eps))
+            }
+            _ => {
+                let normed = pre.forward(dev, x)?;
+                self.forward_residual(dev, &normed, residual)
+            }
+        }
+    }
     /// `residual += x`, then the norm of the sum.
     pub fn forward_residual(&self, dev: &D, x: &D::Tensor, residual: &mut D::Tensor) -> DevResult<D::Tensor> {
         match self {

@@ -4,7 +4,7 @@
 //! already-cached prefix) and decode (one query over the whole context).
 //!
 //! Work is split per (token, head). Scores are a first pass over K, softmax in place, then a
-//! second pass accumulates V; both inner loops use AVX-512 when the CPU has it.
+//! second pass accumulates V; both inner loops run the device's SIMD family.
 
 use rayon::prelude::*;
 
@@ -75,6 +75,7 @@ pub fn attend(
     let lanes = match family {
         Family::Avx512 if hd % 16 == 0 => 16,
         Family::Avx2 if hd % 8 == 0 => 8,
+        Family::Neon if hd % 4 == 0 => 4,
         _ => 0,
     };
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
@@ -94,10 +95,13 @@ pub fn attend(
         scores.resize(ctx.len, 0.0);
         // SAFETY: a device runs a family only where the CPU has it, and head_dim is a
         // multiple of the lanes (checked above).
-        #[cfg(target_arch = "x86_64")]
         match lanes {
+            #[cfg(target_arch = "x86_64")]
             16 => return unsafe { simd::head16(qv, cache, &ctx, s, scores, o) },
+            #[cfg(target_arch = "x86_64")]
             8 => return unsafe { simd::head8(qv, cache, &ctx, s, scores, o) },
+            #[cfg(target_arch = "aarch64")]
+            4 => return unsafe { simd::head4(qv, cache, &ctx, s, scores, o) },
             _ => {}
         }
         portable_head(qv, cache, &ctx, s, scores, o);
@@ -139,100 +143,16 @@ fn portable_head(
     }
 }
 
-/// The SIMD heads: one body, run 16 lanes at a time under AVX-512 and 8 under AVX2.
-#[cfg(target_arch = "x86_64")]
+/// The SIMD heads: one body, run 16 lanes at a time under AVX-512, 8 under AVX2 and 4
+/// under NEON.
 mod simd {
-    use std::arch::x86_64::*;
+    #[cfg(target_arch = "aarch64")]
+    use std::arch::aarch64::float32x4_t;
+    #[cfg(target_arch = "x86_64")]
+    use std::arch::x86_64::{__m256, __m512};
 
+    use super::super::simd::Lanes;
     use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
-
-    /// A vector of f32 lanes. Its methods are inlined into the `#[target_feature]` entry
-    /// points below, which are only called where the CPU has the instructions.
-    ///
-    /// # Safety
-    /// Every method needs the vector's instructions; load and store need N elements.
-    trait Lanes: Copy {
-        const N: usize;
-        unsafe fn zero() -> Self;
-        unsafe fn splat(x: f32) -> Self;
-        unsafe fn load(p: *const f32) -> Self;
-        unsafe fn store(self, p: *mut f32);
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
-        unsafe fn sum(self) -> f32;
-    }
-
-    impl Lanes for __m512 {
-        const N: usize = 16;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm512_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm512_set1_ps(x) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            // SAFETY: the caller guarantees 16 readable elements.
-            unsafe { _mm512_loadu_ps(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            // SAFETY: the caller guarantees 16 writable elements.
-            unsafe { _mm512_storeu_ps(p, self) }
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
-        #[inline(always)]
-        unsafe fn sum(self) -> f32 {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm512_reduce_add_ps(self) }
-        }
-    }
-
-    impl Lanes for __m256 {
-        const N: usize = 8;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm256_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm256_set1_ps(x) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            // SAFETY: the caller guarantees 8 readable elements.
-            unsafe { _mm256_loadu_ps(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            // SAFETY: the caller guarantees 8 writable elements.
-            unsafe { _mm256_storeu_ps(p, self) }
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe { _mm256_fmadd_ps(a, b, c) }
-        }
-        #[inline(always)]
-        unsafe fn sum(self) -> f32 {
-            // Halves, then pairs, then the last two.
-            // SAFETY: the instructions are there (the trait's contract).
-            unsafe {
-                let half = _mm_add_ps(_mm256_castps256_ps128(self), _mm256_extractf128_ps(self, 1));
-                let pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
-                _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
-            }
-        }
-    }
 
     /// One (token, head), `V::N` dims at a time.
     ///
@@ -279,6 +199,7 @@ mod simd {
     ///
     /// # Safety
     /// AVX-512F is available and `q.len()` is a multiple of 16.
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn head16(
         q: &[f32],
@@ -296,6 +217,7 @@ mod simd {
     ///
     /// # Safety
     /// AVX2 and FMA are available and `q.len()` is a multiple of 8.
+    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn head8(
         q: &[f32],
@@ -307,5 +229,23 @@ mod simd {
     ) {
         // SAFETY: the caller's contract.
         unsafe { head::<__m256>(q, cache, ctx, s, scores, o) }
+    }
+
+    /// [`head`] on NEON.
+    ///
+    /// # Safety
+    /// NEON is available and `q.len()` is a multiple of 4.
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    pub unsafe fn head4(
+        q: &[f32],
+        cache: &CpuCache,
+        ctx: &Context,
+        s: AttnShape,
+        scores: &mut [f32],
+        o: &mut [f32],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { head::<float32x4_t>(q, cache, ctx, s, scores, o) }
     }
 }

@@ -1,8 +1,8 @@
-//! The CPU kernel family: the widest SIMD the CPU has (AVX-512, AVX2 with FMA and F16C, or
-//! portable code), or one forced with `--cpu-kernels` for tests and comparisons. Each
-//! [`super::CpuDevice`] holds its family: its weights are laid out for it at load (AVX-512
-//! and AVX2 share the packed panel layout of `packed.rs`; a portable device keeps row-major
-//! weights) and its kernels run it.
+//! The CPU kernel family: the widest SIMD the CPU has (AVX-512, AVX2 with FMA and F16C, Arm's
+//! NEON, or portable code), or one forced with `--cpu-kernels` for tests and comparisons.
+//! Each [`super::CpuDevice`] holds its family: its weights are laid out for it at load (the
+//! SIMD families share the packed panel layout of `packed.rs`; a portable device keeps
+//! row-major weights) and its kernels run it.
 
 /// What `--cpu-kernels` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -12,6 +12,7 @@ pub enum CpuKernels {
     Auto,
     Avx512,
     Avx2,
+    Neon,
     Portable,
 }
 
@@ -22,6 +23,8 @@ pub enum Family {
     Avx512,
     /// AVX2, FMA and F16C.
     Avx2,
+    /// Arm's Advanced SIMD (every aarch64 CPU).
+    Neon,
     /// Plain Rust (the `gemm` crate, which dispatches by itself, for matmuls).
     Portable,
 }
@@ -31,6 +34,7 @@ impl Family {
         match self {
             Family::Avx512 => "avx512",
             Family::Avx2 => "avx2+fma",
+            Family::Neon => "neon",
             Family::Portable => "portable",
         }
     }
@@ -47,7 +51,8 @@ impl Family {
                     && std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("f16c")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Family::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             _ => false,
         }
     }
@@ -57,13 +62,17 @@ impl Family {
         match self {
             Family::Avx512 => CpuKernels::Avx512,
             Family::Avx2 => CpuKernels::Avx2,
+            Family::Neon => CpuKernels::Neon,
             Family::Portable => CpuKernels::Portable,
         }
     }
 
     /// Every family this CPU can run, widest first.
     pub fn all_supported() -> Vec<Family> {
-        [Family::Avx512, Family::Avx2, Family::Portable].into_iter().filter(|f| f.supported()).collect()
+        [Family::Avx512, Family::Avx2, Family::Neon, Family::Portable]
+            .into_iter()
+            .filter(|f| f.supported())
+            .collect()
     }
 }
 
@@ -80,6 +89,7 @@ pub fn choose(want: CpuKernels) -> Result<Family, String> {
         CpuKernels::Auto => return Ok(Family::default()),
         CpuKernels::Avx512 => Family::Avx512,
         CpuKernels::Avx2 => Family::Avx2,
+        CpuKernels::Neon => Family::Neon,
         CpuKernels::Portable => Family::Portable,
     };
     if !f.supported() {

@@ -5,7 +5,8 @@
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
+use super::simd::{Row, family_axpy, family_dot};
+use super::{CpuTensor, Family};
 use crate::kernels::{LoraShape, LoraSlotWeights};
 
 /// LoRA weights in f32, or in bf16 (`--lora-dtype bfloat16`: half the bytes to read).
@@ -35,12 +36,6 @@ impl Store {
             Store::Bf16(v) => Row::Bf16(&v[start..start + len]),
         }
     }
-}
-
-#[derive(Clone, Copy)]
-enum Row<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u16]),
 }
 
 /// A: `[slots, max_rank, in]`, Bᵀ: `[slots, max_rank, out]` with the scale folded in, so
@@ -87,17 +82,25 @@ impl CpuLora {
 
     /// `y[t][offset..] += B (A x[t])` for rows `rows` that all use slot `s`: each row of A
     /// and Bᵀ is read once for the group.
-    fn apply_group(&self, y: RowsPtr, x: &CpuTensor, offset: usize, s: usize, rows: &[usize]) {
+    fn apply_group(
+        &self,
+        family: Family,
+        y: RowsPtr,
+        x: &CpuTensor,
+        offset: usize,
+        s: usize,
+        rows: &[usize],
+    ) {
         let LoraShape { max_rank: rm, in_features: fin, out_features: fout, .. } = self.shape;
         for r in 0..self.ranks[s] {
             let a = self.a.row((s * rm + r) * fin, fin);
             let bt = self.bt.row((s * rm + r) * fout, fout);
             for &t in rows {
-                let v = dot(a, &x.data[t * fin..(t + 1) * fin]);
+                let v = family_dot(family, a, &x.data[t * fin..(t + 1) * fin]);
                 // SAFETY: row t belongs to this group alone (see `apply`), so no other
                 // thread touches it; the slice lies inside y's row t.
                 let yr = unsafe { std::slice::from_raw_parts_mut(y.0.add(t * y.1 + offset), fout) };
-                axpy(yr, v, bt);
+                family_axpy(family, yr, v, bt);
             }
         }
     }
@@ -116,7 +119,8 @@ const GROUP_ROWS: usize = 4;
 /// Applies several modules that read the same input `x` into one output `y`:
 /// `(lora, column offset)` pairs, per-row adapter slots (negative = base model). Rows are
 /// grouped by slot (the SGMV idea) so that each adapter's weights are read once per group.
-pub fn apply(y: &mut CpuTensor, x: &CpuTensor, modules: &[(&CpuLora, usize)], slots: &[i32]) {
+/// Dots and axpys run `family`'s vectors.
+pub fn apply(family: Family, y: &mut CpuTensor, x: &CpuTensor, modules: &[(&CpuLora, usize)], slots: &[i32]) {
     for (l, off) in modules {
         assert_eq!(x.cols, l.shape.in_features, "LoRA input features");
         assert!(off + l.shape.out_features <= y.cols, "LoRA output slice beyond the tensor");
@@ -130,78 +134,33 @@ pub fn apply(y: &mut CpuTensor, x: &CpuTensor, modules: &[(&CpuLora, usize)], sl
     items.par_iter().for_each(|rows| {
         let s = slots[rows[0]] as usize;
         for (l, off) in modules {
-            l.apply_group(ptr, x, *off, s, rows);
+            l.apply_group(family, ptr, x, *off, s, rows);
         }
     });
-}
-
-fn dot(a: Row, x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F is present (checked above).
-        return unsafe { simd::dot(a, x) };
-    }
-    match a {
-        Row::F32(a) => a.iter().zip(x).map(|(p, q)| p * q).sum(),
-        Row::Bf16(a) => a.iter().zip(x).map(|(p, q)| f32::from_bits((*p as u32) << 16) * q).sum(),
-    }
-}
-
-fn axpy(y: &mut [f32], alpha: f32, x: Row) {
-    match x {
-        Row::F32(x) => y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * xi),
-        Row::Bf16(x) => {
-            y.iter_mut().zip(x).for_each(|(yi, xi)| *yi += alpha * f32::from_bits((*xi as u32) << 16))
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::*;
-
-    use super::Row;
-
-    /// # Safety
-    /// AVX-512F must be available.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn dot(a: Row, x: &[f32]) -> f32 {
-        let n = match a {
-            Row::F32(a) => a.len(),
-            Row::Bf16(a) => a.len(),
-        }
-        .min(x.len());
-        let full = n / 16 * 16;
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i < full {
-            // SAFETY: i + 16 <= n for both slices.
-            unsafe {
-                let av = match a {
-                    Row::F32(a) => _mm512_loadu_ps(a.as_ptr().add(i)),
-                    Row::Bf16(a) => _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(a.as_ptr().add(i).cast())),
-                        16,
-                    )),
-                };
-                acc = _mm512_fmadd_ps(av, _mm512_loadu_ps(x.as_ptr().add(i)), acc);
-            }
-            i += 16;
-        }
-        let mut s = _mm512_reduce_add_ps(acc);
-        for j in full..n {
-            s += match a {
-                Row::F32(a) => a[j],
-                Row::Bf16(a) => f32::from_bits((a[j] as u32) << 16),
-            } * x[j];
-        }
-        s
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`apply`] under every family this CPU has: all give the same rows (within float
+    /// reassociation), and `y` gets the first's.
+    fn apply(y: &mut CpuTensor, x: &CpuTensor, modules: &[(&CpuLora, usize)], slots: &[i32]) {
+        let mut first: Option<Vec<f32>> = None;
+        for family in Family::all_supported() {
+            let mut out = y.clone();
+            super::apply(family, &mut out, x, modules, slots);
+            match &first {
+                None => first = Some(out.data),
+                Some(f) => {
+                    for (a, b) in out.data.iter().zip(f) {
+                        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{}: {a} vs {b}", family.name());
+                    }
+                }
+            }
+        }
+        y.data = first.expect("the portable family at least");
+    }
 
     #[test]
     #[allow(clippy::needless_range_loop)]

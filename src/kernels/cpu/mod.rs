@@ -7,8 +7,9 @@ pub mod family;
 pub mod group;
 pub mod lora;
 pub mod matmul;
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod packed;
+mod simd;
 
 use std::sync::Arc;
 
@@ -48,11 +49,11 @@ pub enum Layout {
     /// Row-major `[out, in]` (1-D weights, and every weight of a portable run).
     Rows(WeightData),
     /// The SIMD families' panel layout of a 2-D weight.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     Packed(PackedData),
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub enum PackedData {
     F32(packed::Packed<f32>),
     Bf16(packed::Packed<u16>),
@@ -81,11 +82,11 @@ impl CpuWeight {
                     *o = h.to_f32();
                 }
             }
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::F32(p)) => p.row_f32(r, out),
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::Bf16(p)) => p.row_f32(r, out),
-            #[cfg(target_arch = "x86_64")]
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::F16(p)) => p.row_f32(r, out),
         }
     }
@@ -98,7 +99,7 @@ impl CpuWeight {
 }
 
 fn use_packed(shape: &[usize], family: Family) -> bool {
-    shape.len() == 2 && matches!(family, Family::Avx512 | Family::Avx2)
+    shape.len() == 2 && family != Family::Portable
 }
 
 /// One layer's paged cache: K and V, each `[num_blocks, block_size, kv_heads, head_dim]`.
@@ -156,6 +157,7 @@ impl CpuDevice {
     /// The same device running the kernel family `family` (which this CPU must support:
     /// [`family::choose`]), for weights uploaded from now on.
     pub fn with_family(self, family: Family) -> Self {
+        assert!(family.supported(), "this CPU cannot run the {} kernels", family.name());
         Self { family, ..self }
     }
 
@@ -262,7 +264,7 @@ impl Device for CpuDevice {
                 WeightData::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
             }
         };
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if use_packed(&t.shape, self.family) {
             let (n, k) = (t.shape[0], t.shape[1]);
             let packed = match data {
@@ -315,16 +317,20 @@ impl Device for CpuDevice {
         let (n, k) = (w.shape[0], w.shape[1]);
         assert_eq!(x.cols, k, "linear: input has {} features, weight expects {k}", x.cols);
         let mut out = CpuTensor::zeros(x.rows, n);
-        #[cfg(target_arch = "x86_64")]
-        let avx512 = self.family == Family::Avx512;
         match &w.layout {
             Layout::Rows(data) => matmul::matmul(&x.data, x.rows, k, data, n, &mut out.data),
-            #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::F32(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
-            #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::Bf16(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
-            #[cfg(target_arch = "x86_64")]
-            Layout::Packed(PackedData::F16(p)) => packed::matmul(avx512, &x.data, x.rows, p, &mut out.data),
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+            Layout::Packed(PackedData::F32(p)) => {
+                packed::matmul(self.family, &x.data, x.rows, p, &mut out.data)
+            }
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+            Layout::Packed(PackedData::Bf16(p)) => {
+                packed::matmul(self.family, &x.data, x.rows, p, &mut out.data)
+            }
+            #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+            Layout::Packed(PackedData::F16(p)) => {
+                packed::matmul(self.family, &x.data, x.rows, p, &mut out.data)
+            }
         }
         if let Some(b) = bias {
             let b = b.to_f32();
@@ -518,7 +524,7 @@ impl Device for CpuDevice {
         modules: &[(&lora::CpuLora, usize)],
         slots: &[i32],
     ) -> DevResult<()> {
-        lora::apply(y, x, modules, slots);
+        lora::apply(self.family, y, x, modules, slots);
         Ok(())
     }
 

@@ -1,46 +1,39 @@
-//! Weights repacked at load time for the SIMD kernel families (AVX-512 and AVX2), and the
-//! matmul over them.
+//! Weights repacked at load time for the SIMD kernel families (AVX-512, AVX2, NEON), and
+//! the matmul over them.
 //!
 //! Layout: `[n / 16 panels][k][16 lanes]` (n padded with zero rows to a multiple of 16), so
-//! that one 64-byte load holds one k-step of 16 output columns. The microkernel keeps an
-//! MR × (NV·16) block of outputs in zmm accumulators: per k-step it loads NV weight vectors
-//! (widening bf16/f16 in registers), broadcasts MR inputs and issues MR·NV FMAs. Outputs
-//! need no horizontal reduction, and each weight byte leaves memory once per call; decode
-//! batches are memory bound, prefill is compute bound, and both run here on AVX-512 CPUs.
-//! On AVX2 CPUs (16 ymm registers) the same layout is read as two 8-lane halves per k-step,
-//! one panel at a time, with MR up to 4 rows: 8 accumulators, 2 weight vectors and a
-//! broadcast.
+//! that one k-step of 16 output columns is 64 contiguous bytes. The microkernel keeps an
+//! MR × NW block of output vectors in registers: per k-step it loads NW weight vectors
+//! (widening bf16/f16 in registers), broadcasts MR inputs and issues MR·NW FMAs. Outputs need
+//! no horizontal reduction, and each weight byte leaves memory once per call; decode batches
+//! are memory bound, prefill is compute bound. One body serves every family
+//! ([`super::simd::Lanes`]): AVX-512 (32 zmm registers) takes two panels (NW = 2 vectors of
+//! 16) for 8 rows at a time, AVX2 (16 ymm) one panel as two vectors of 8 for 4 rows, NEON
+//! (32 q registers) one panel as four vectors of 4 for 4 rows.
 
-#![cfg(target_arch = "x86_64")]
-
-use std::arch::x86_64::*;
+#![cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 
 use half::f16;
 use rayon::prelude::*;
+
+use super::family::Family;
+use super::simd::Lanes;
 
 pub const LANES: usize = 16;
 
 /// A weight element type widened to f32 in registers.
 pub trait Elem: Copy + Default + Send + Sync + 'static {
     /// # Safety
-    /// `p..p+16` must be readable and AVX-512F available.
-    unsafe fn load16(p: *const Self) -> __m512;
-    /// # Safety
-    /// `p..p+8` must be readable and AVX2 and F16C available.
-    unsafe fn load8(p: *const Self) -> __m256;
+    /// `p..p + V::N` must be readable and the CPU have V's instructions.
+    unsafe fn load<V: Lanes>(p: *const Self) -> V;
     fn to_f32(self) -> f32;
 }
 
 impl Elem for f32 {
     #[inline(always)]
-    unsafe fn load16(p: *const f32) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable elements.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements.
-        unsafe { _mm256_loadu_ps(p) }
+    unsafe fn load<V: Lanes>(p: *const f32) -> V {
+        // SAFETY: the caller's contract.
+        unsafe { V::load(p) }
     }
     fn to_f32(self) -> f32 {
         self
@@ -50,18 +43,9 @@ impl Elem for f32 {
 /// bf16 as raw bits.
 impl Elem for u16 {
     #[inline(always)]
-    unsafe fn load16(p: *const u16) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable elements; bf16 → f32 is a 16-bit shift.
-        unsafe {
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())), 16))
-        }
-    }
-    #[inline(always)]
-    unsafe fn load8(p: *const u16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements; widened and shifted in registers.
-        unsafe {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16))
-        }
+    unsafe fn load<V: Lanes>(p: *const u16) -> V {
+        // SAFETY: the caller's contract.
+        unsafe { V::load_bf16(p) }
     }
     fn to_f32(self) -> f32 {
         f32::from_bits((self as u32) << 16)
@@ -70,14 +54,9 @@ impl Elem for u16 {
 
 impl Elem for f16 {
     #[inline(always)]
-    unsafe fn load16(p: *const f16) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable elements.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
-    }
-    #[inline(always)]
-    unsafe fn load8(p: *const f16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable elements.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    unsafe fn load<V: Lanes>(p: *const f16) -> V {
+        // SAFETY: the caller's contract.
+        unsafe { V::load_f16(p) }
     }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
@@ -126,14 +105,14 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// `out[i, p·16 + l]` for MR rows and NV panels starting at panel `p0` (whose data starts
-/// at `wbase`).
+/// `out[i, p0·16 + c]` for MR rows and the NW · V::N columns of the panels from `p0` (whose
+/// data starts at `wbase`).
 ///
 /// # Safety
-/// x holds MR rows of k at stride k; `wbase` holds NV panels of k·16; out rows are
-/// writable for the columns below `n`; AVX-512F is available.
-#[target_feature(enable = "avx512f")]
-unsafe fn block<E: Elem, const MR: usize, const NV: usize>(
+/// x holds MR rows of k at stride k; `wbase` holds the panels the NW vectors cover, of k·16
+/// each; out rows are writable for the columns below `n`; the CPU has V's instructions.
+#[inline(always)]
+unsafe fn block<E: Elem, V: Lanes, const MR: usize, const NW: usize>(
     x: *const f32,
     wbase: *const E,
     k: usize,
@@ -141,57 +120,92 @@ unsafe fn block<E: Elem, const MR: usize, const NV: usize>(
     out: *mut f32,
     n: usize,
 ) {
-    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    let per = LANES / V::N;
     // SAFETY (whole body): see the function's contract.
     unsafe {
+        let mut acc = [[V::zero(); NW]; MR];
         for kk in 0..k {
-            let mut wv = [_mm512_setzero_ps(); NV];
-            for (v, wr) in wv.iter_mut().enumerate() {
-                *wr = E::load16(wbase.add(v * k * LANES + kk * LANES));
+            let mut wv = [V::zero(); NW];
+            for (j, wr) in wv.iter_mut().enumerate() {
+                *wr = E::load::<V>(wbase.add((j / per) * k * LANES + kk * LANES + (j % per) * V::N));
             }
             for (i, row) in acc.iter_mut().enumerate() {
-                let xb = _mm512_set1_ps(*x.add(i * k + kk));
+                let xb = V::splat(*x.add(i * k + kk));
                 for (a, wr) in row.iter_mut().zip(&wv) {
-                    *a = _mm512_fmadd_ps(xb, *wr, *a);
+                    *a = V::fmadd(xb, *wr, *a);
                 }
             }
         }
         for (i, row) in acc.iter().enumerate() {
-            for (v, a) in row.iter().enumerate() {
-                let col = (p0 + v) * LANES;
+            for (j, a) in row.iter().enumerate() {
+                let col = p0 * LANES + j * V::N;
                 let dst = out.add(i * n + col);
-                if col + LANES <= n {
-                    _mm512_storeu_ps(dst, *a);
-                } else {
-                    let mask: __mmask16 = (1u32 << (n - col)).wrapping_sub(1) as u16;
-                    _mm512_mask_storeu_ps(dst, mask, *a);
+                if col + V::N <= n {
+                    a.store(dst);
+                } else if col < n {
+                    let mut tmp = [0f32; LANES];
+                    a.store(tmp.as_mut_ptr());
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, n - col);
                 }
             }
         }
     }
 }
 
-/// Every input row against panels `p0..p0+NV`.
+/// [`block`] for every group of MR rows below m, then the rest.
 ///
 /// # Safety
-/// As [`block`]; AVX-512F is available.
-#[target_feature(enable = "avx512f")]
-unsafe fn panels<E: Elem, const NV: usize>(
+/// As [`block`] for every group of rows below m.
+#[inline(always)]
+unsafe fn row_groups<E: Elem, V: Lanes, const MR: usize, const NW: usize>(
+    x: &[f32],
+    m: usize,
+    wbase: *const E,
+    (k, p0): (usize, usize),
+    out: OutPtr,
+    n: usize,
+) {
+    let mut i = 0;
+    // SAFETY: row groups stay below m; the rest is the caller's contract.
+    unsafe {
+        while i + MR <= m {
+            block::<E, V, MR, NW>(x.as_ptr().add(i * k), wbase, k, p0, out.0.add(i * n), n);
+            i += MR;
+        }
+        let (xp, op) = (x.as_ptr().add(i * k), out.0.add(i * n));
+        match m - i {
+            7 => block::<E, V, 7, NW>(xp, wbase, k, p0, op, n),
+            6 => block::<E, V, 6, NW>(xp, wbase, k, p0, op, n),
+            5 => block::<E, V, 5, NW>(xp, wbase, k, p0, op, n),
+            4 => block::<E, V, 4, NW>(xp, wbase, k, p0, op, n),
+            3 => block::<E, V, 3, NW>(xp, wbase, k, p0, op, n),
+            2 => block::<E, V, 2, NW>(xp, wbase, k, p0, op, n),
+            1 => block::<E, V, 1, NW>(xp, wbase, k, p0, op, n),
+            _ => {}
+        }
+    }
+}
+
+/// Every input row against the panels the NW vectors cover from `p0` (widened to f32 first
+/// where many rows read them).
+///
+/// # Safety
+/// The panels exist; out is `[m, n]`; the CPU has V's instructions.
+#[inline(always)]
+unsafe fn panels<E: Elem, V: Lanes, const MR: usize, const NW: usize>(
     x: &[f32],
     m: usize,
     w: &Packed<E>,
     p0: usize,
     out: OutPtr,
-    n: usize,
     scratch: &mut Vec<f32>,
 ) {
-    let k = w.k;
-    let wbase = w.data[p0 * k * LANES..(p0 + NV) * k * LANES].as_ptr();
-    // SAFETY: the panels exist (caller); AVX-512F is available.
+    let (k, count) = (w.k, (NW * V::N).div_ceil(LANES));
+    // SAFETY: the caller's contract.
     unsafe {
-        match widened(w, m, p0, NV, scratch) {
-            Some(wide) => row_groups::<f32, NV>(x, m, wide, k, p0, out, n),
-            None => row_groups::<E, NV>(x, m, wbase, k, p0, out, n),
+        match widened(w, m, p0, count, scratch) {
+            Some(wide) => row_groups::<f32, V, MR, NW>(x, m, wide, (k, p0), out, w.n),
+            None => row_groups::<E, V, MR, NW>(x, m, w.data[p0 * k * LANES..].as_ptr(), (k, p0), out, w.n),
         }
     }
 }
@@ -216,179 +230,117 @@ fn widened<E: Elem>(
 /// Input rows with more than this many rows widen bf16/f16 panels to f32 first.
 const WIDEN_MIN_ROWS: usize = 16;
 
+/// Panels `p0..p1`: blocks of NW vectors, then single panels of NW1 vectors.
+///
 /// # Safety
-/// As [`block`] for every group of rows below m; AVX-512F is available.
-#[target_feature(enable = "avx512f")]
-unsafe fn row_groups<E: Elem, const NV: usize>(
+/// The panels exist; out is `[m, n]`; the CPU has V's instructions.
+#[inline(always)]
+unsafe fn chunk<E: Elem, V: Lanes, const MR: usize, const NW: usize, const NW1: usize>(
     x: &[f32],
     m: usize,
-    wbase: *const E,
-    k: usize,
-    p0: usize,
+    w: &Packed<E>,
+    (p0, p1): (usize, usize),
     out: OutPtr,
-    n: usize,
+    scratch: &mut Vec<f32>,
 ) {
-    const MR: usize = 8;
-    let mut i = 0;
-    // SAFETY: row groups stay below m; the rest is the caller's contract.
+    let step = (NW * V::N).div_ceil(LANES);
+    let mut p = p0;
+    // SAFETY: every panel below p1 exists; the rest is the caller's contract.
     unsafe {
-        while i + MR <= m {
-            block::<E, MR, NV>(x.as_ptr().add(i * k), wbase, k, p0, out.0.add(i * n), n);
-            i += MR;
+        while p + step <= p1 {
+            panels::<E, V, MR, NW>(x, m, w, p, out, scratch);
+            p += step;
         }
-        let (xp, op) = (x.as_ptr().add(i * k), out.0.add(i * n));
-        match m - i {
-            7 => block::<E, 7, NV>(xp, wbase, k, p0, op, n),
-            6 => block::<E, 6, NV>(xp, wbase, k, p0, op, n),
-            5 => block::<E, 5, NV>(xp, wbase, k, p0, op, n),
-            4 => block::<E, 4, NV>(xp, wbase, k, p0, op, n),
-            3 => block::<E, 3, NV>(xp, wbase, k, p0, op, n),
-            2 => block::<E, 2, NV>(xp, wbase, k, p0, op, n),
-            1 => block::<E, 1, NV>(xp, wbase, k, p0, op, n),
-            _ => {}
+        while p < p1 {
+            panels::<E, V, MR, NW1>(x, m, w, p, out, scratch);
+            p += 1;
         }
     }
 }
 
-/// `out[m, n] = x[m, k] · Wᵀ` on AVX-512 (`avx512`) or AVX2. Panics unless the CPU has the
-/// family.
-pub fn matmul<E: Elem>(avx512: bool, x: &[f32], m: usize, w: &Packed<E>, out: &mut [f32]) {
-    use super::family::Family;
-    let (n, k) = (w.n, w.k);
-    assert!(x.len() >= m * k && out.len() >= m * n);
-    let family = if avx512 { Family::Avx512 } else { Family::Avx2 };
-    assert!(family.supported(), "packed weights need {}", family.name());
-    // AVX-512 takes two panels at a time (fewer passes over x), AVX2 one (register file).
-    let nv = if avx512 { 2 } else { 1 };
-    let total = n.div_ceil(LANES);
-    // Enough chunks to balance both cores, each a whole number of NV-panel blocks.
-    let chunk = total.div_ceil(rayon::current_num_threads() * 8).div_ceil(nv).max(1) * nv;
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    (0..total.div_ceil(chunk)).into_par_iter().for_each_init(Vec::new, |scratch, c| {
-        let (p0, p1) = (c * chunk, ((c + 1) * chunk).min(total));
-        let mut p = p0;
-        // SAFETY: the family's features were asserted above; this chunk writes only its own
-        // panels' columns.
-        unsafe {
-            if avx512 {
-                while p + 2 <= p1 {
-                    panels::<E, 2>(x, m, w, p, out_ptr, n, scratch);
-                    p += 2;
-                }
-                if p < p1 {
-                    panels::<E, 1>(x, m, w, p, out_ptr, n, scratch);
-                }
-            } else {
-                while p < p1 {
-                    avx2::panel(x, m, w, p, out_ptr, n, scratch);
-                    p += 1;
-                }
-            }
-        }
-    });
-}
+/// The families' entry points of [`chunk`], compiled for their instructions.
+/// # Safety (each)
+/// As [`chunk`], on a CPU with the family's instructions.
+mod entries {
+    #[cfg(target_arch = "aarch64")]
+    use std::arch::aarch64::float32x4_t;
+    #[cfg(target_arch = "x86_64")]
+    use std::arch::x86_64::{__m256, __m512};
 
-/// The AVX2 kernels over the same panels.
-mod avx2 {
-    use std::arch::x86_64::*;
+    use super::{Elem, OutPtr, Packed, chunk};
 
-    use super::{Elem, LANES, OutPtr, Packed, widened};
-
-    /// `out[i, p·16 + l]` for MR rows of panel `p` (whose data starts at `wbase`).
-    ///
-    /// # Safety
-    /// x holds MR rows of k at stride k; `wbase` holds a panel of k·16; out rows are
-    /// writable for the columns below `n`; AVX2, FMA and F16C are available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn block<E: Elem, const MR: usize>(
-        x: *const f32,
-        wbase: *const E,
-        k: usize,
-        p: usize,
-        out: *mut f32,
-        n: usize,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        // SAFETY (whole body): see the function's contract.
-        unsafe {
-            for kk in 0..k {
-                let w0 = E::load8(wbase.add(kk * LANES));
-                let w1 = E::load8(wbase.add(kk * LANES + 8));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xb = _mm256_set1_ps(*x.add(i * k + kk));
-                    a[0] = _mm256_fmadd_ps(xb, w0, a[0]);
-                    a[1] = _mm256_fmadd_ps(xb, w1, a[1]);
-                }
-            }
-            let col = p * LANES;
-            for (i, a) in acc.iter().enumerate() {
-                let dst = out.add(i * n + col);
-                if col + LANES <= n {
-                    _mm256_storeu_ps(dst, a[0]);
-                    _mm256_storeu_ps(dst.add(8), a[1]);
-                } else {
-                    let mut tmp = [0f32; LANES];
-                    _mm256_storeu_ps(tmp.as_mut_ptr(), a[0]);
-                    _mm256_storeu_ps(tmp.as_mut_ptr().add(8), a[1]);
-                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), dst, n - col);
-                }
-            }
-        }
-    }
-
-    /// # Safety
-    /// As [`block`] for every group of rows below m.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_groups<E: Elem>(
-        x: &[f32],
-        m: usize,
-        wbase: *const E,
-        k: usize,
-        p: usize,
-        out: OutPtr,
-        n: usize,
-    ) {
-        const MR: usize = 4;
-        let mut i = 0;
-        // SAFETY: row groups stay below m; the rest is the caller's contract.
-        unsafe {
-            while i + MR <= m {
-                block::<E, MR>(x.as_ptr().add(i * k), wbase, k, p, out.0.add(i * n), n);
-                i += MR;
-            }
-            let (xp, op) = (x.as_ptr().add(i * k), out.0.add(i * n));
-            match m - i {
-                3 => block::<E, 3>(xp, wbase, k, p, op, n),
-                2 => block::<E, 2>(xp, wbase, k, p, op, n),
-                1 => block::<E, 1>(xp, wbase, k, p, op, n),
-                _ => {}
-            }
-        }
-    }
-
-    /// Every input row against panel `p`.
-    ///
-    /// # Safety
-    /// The panel exists; out is `[m, n]`; AVX2, FMA and F16C are available.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn panel<E: Elem>(
+    /// Two panels (2 × 16 lanes) for 8 rows at a time.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn avx512<E: Elem>(
         x: &[f32],
         m: usize,
         w: &Packed<E>,
-        p: usize,
+        ps: (usize, usize),
         out: OutPtr,
-        n: usize,
-        scratch: &mut Vec<f32>,
+        s: &mut Vec<f32>,
     ) {
-        let k = w.k;
-        // SAFETY: see the function's contract.
+        // SAFETY: the caller's contract.
+        unsafe { chunk::<E, __m512, 8, 2, 1>(x, m, w, ps, out, s) }
+    }
+    /// One panel (2 × 8 lanes) for 4 rows at a time.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn avx2<E: Elem>(
+        x: &[f32],
+        m: usize,
+        w: &Packed<E>,
+        ps: (usize, usize),
+        out: OutPtr,
+        s: &mut Vec<f32>,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { chunk::<E, __m256, 4, 2, 2>(x, m, w, ps, out, s) }
+    }
+    /// One panel (4 × 4 lanes) for 4 rows at a time.
+    #[cfg(target_arch = "aarch64")]
+    #[target_feature(enable = "neon")]
+    pub unsafe fn neon<E: Elem>(
+        x: &[f32],
+        m: usize,
+        w: &Packed<E>,
+        ps: (usize, usize),
+        out: OutPtr,
+        s: &mut Vec<f32>,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { chunk::<E, float32x4_t, 4, 4, 4>(x, m, w, ps, out, s) }
+    }
+}
+
+/// `out[m, n] = x[m, k] · Wᵀ` under `family`. Panics unless the family is a SIMD one this
+/// CPU has.
+pub fn matmul<E: Elem>(family: Family, x: &[f32], m: usize, w: &Packed<E>, out: &mut [f32]) {
+    let (n, k) = (w.n, w.k);
+    assert!(x.len() >= m * k && out.len() >= m * n);
+    assert!(family != Family::Portable && family.supported(), "packed weights need {}", family.name());
+    // Panels a block takes (AVX-512 two: fewer passes over x).
+    let step = if family == Family::Avx512 { 2 } else { 1 };
+    let total = n.div_ceil(LANES);
+    // Enough chunks to balance both cores, each a whole number of blocks.
+    let chunk = total.div_ceil(rayon::current_num_threads() * 8).div_ceil(step).max(1) * step;
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    (0..total.div_ceil(chunk)).into_par_iter().for_each_init(Vec::new, |scratch, c| {
+        let ps = (c * chunk, ((c + 1) * chunk).min(total));
+        // SAFETY: the family's features were asserted above; this chunk writes only its own
+        // panels' columns.
         unsafe {
-            match widened(w, m, p, 1, scratch) {
-                Some(wide) => row_groups::<f32>(x, m, wide, k, p, out, n),
-                None => row_groups::<E>(x, m, w.data[p * k * LANES..].as_ptr(), k, p, out, n),
+            match family {
+                #[cfg(target_arch = "x86_64")]
+                Family::Avx512 => entries::avx512(x, m, w, ps, out_ptr, scratch),
+                #[cfg(target_arch = "x86_64")]
+                Family::Avx2 => entries::avx2(x, m, w, ps, out_ptr, scratch),
+                #[cfg(target_arch = "aarch64")]
+                Family::Neon => entries::neon(x, m, w, ps, out_ptr, scratch),
+                _ => unreachable!("asserted above"),
             }
         }
-    }
+    });
 }
 
 #[cfg(test)]
@@ -405,10 +357,10 @@ mod tests {
             .collect()
     }
 
-    fn check<E: Elem>(avx512: bool, rows: &[E], x: &[f32], m: usize, n: usize, k: usize) {
+    fn check<E: Elem>(family: Family, rows: &[E], x: &[f32], m: usize, n: usize, k: usize) {
         let p = Packed::pack(rows, n, k);
         let mut out = vec![f32::NAN; m * n];
-        matmul(avx512, x, m, &p, &mut out);
+        matmul(family, x, m, &p, &mut out);
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * rows[j * k + t].to_f32() as f64).sum();
@@ -427,24 +379,20 @@ mod tests {
     /// Under every SIMD family this CPU has (CI's machines have AVX2 at least).
     #[test]
     fn packed_matmul_matches_reference_for_odd_shapes_and_every_dtype() {
-        use crate::kernels::cpu::family::Family;
-        let families: Vec<bool> = [(true, Family::Avx512), (false, Family::Avx2)]
-            .into_iter()
-            .filter(|(_, f)| f.supported())
-            .map(|(a, _)| a)
-            .collect();
-        assert!(!families.is_empty(), "this CPU has neither AVX-512 nor AVX2");
-        for avx512 in families {
+        let families: Vec<Family> =
+            Family::all_supported().into_iter().filter(|f| *f != Family::Portable).collect();
+        assert!(!families.is_empty(), "this CPU has no SIMD family");
+        for family in families {
             for &(m, n, k) in
                 &[(1, 17, 64), (3, 100, 37), (8, 48, 576), (13, 1000, 96), (33, 31, 5), (5, 64, 8)]
             {
                 let x = rand_vec(m * k, 1);
                 let w = rand_vec(n * k, 2);
-                check(avx512, &w, &x, m, n, k);
+                check(family, &w, &x, m, n, k);
                 let b: Vec<u16> = w.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                check(avx512, &b, &x, m, n, k);
+                check(family, &b, &x, m, n, k);
                 let h: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
-                check(avx512, &h, &x, m, n, k);
+                check(family, &h, &x, m, n, k);
             }
         }
     }

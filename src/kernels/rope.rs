@@ -29,7 +29,9 @@ pub enum RopeByLen {
     /// factors'). transformers' Phi-3 computes a sequence's whole context again when it
     /// first grows past `original`, so all of a sequence's tokens take the frequencies of
     /// its length: a model with these frequencies asks the runner for that recompute
-    /// ([`RopeSpec::recompute_past`]).
+    /// ([`RopeSpec::recompute_past`]). A cached block's keys therefore depend on the length
+    /// its sequence had reached, not on its tokens alone: blocks may be shared only between
+    /// sequences on the same side of `original`.
     Long { original: u32, long: Vec<f32> },
     /// Dynamic NTK: beyond `original` (the config's `max_position_embeddings`) the base
     /// `theta` grows with the length L to `theta · (factor · L / original − (factor − 1))^(d / (d − 2))`,

@@ -232,19 +232,9 @@ impl<D: Device> Gemma2Attention<D> {
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
         let (qkv_lora, o_lora) = (layer_modules(lora, Proj::Qkv, meta), layer_modules(lora, Proj::Out, meta));
-        let attn = match (proj_lora::<D>(&qkv_lora, meta), &self.q_norm, &self.k_norm) {
-            (None, None, None) => {
-                let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
-                self.attn.forward_projecting(dev, x, w, rope, cache, meta)?
-            }
-            (lora, q_norm, k_norm) => {
-                let mut qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv)·d]
-                if let (Some(q), Some(k)) = (q_norm, k_norm) {
-                    dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
-                }
-                self.attn.forward(dev, &qkv, rope, cache, meta)?
-            }
-        }; // [n, heads·d]
+        let qk_norm = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let qkv = (&self.qkv_proj, proj_lora::<D>(&qkv_lora, meta), qk_norm);
+        let attn = self.attn.forward_qkv(dev, x, qkv, rope, cache, meta)?; // [n, heads·d]
         self.o_proj.forward(dev, &attn, proj_lora::<D>(&o_lora, meta)) // [n, hidden]
     }
 }

@@ -290,19 +290,9 @@ impl<D: Device> LlamaAttention<D> {
         (residual, norm, gemm_only): (&mut D::Tensor, &Norm<D>, bool),
     ) -> DevResult<D::Tensor> {
         let (qkv_lora, o_lora) = (layer_modules(lora, Proj::Qkv, meta), layer_modules(lora, Proj::Out, meta));
-        let attn = match (proj_lora::<D>(&qkv_lora, meta), &self.q_norm, &self.k_norm) {
-            (None, None, None) => {
-                let w = (&self.qkv_proj.weight, self.qkv_proj.bias.as_ref());
-                self.attn.forward_projecting(dev, x, w, rope, cache, meta)?
-            }
-            (lora, q_norm, k_norm) => {
-                let mut qkv = self.qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
-                if let (Some(q), Some(k)) = (q_norm, k_norm) {
-                    dev.qk_norm(&mut qkv, self.attn.shape, &q.weight, &k.weight, q.eps)?;
-                }
-                self.attn.forward(dev, &qkv, rope, cache, meta)?
-            }
-        }; // [n, heads·head_dim]
+        let qk_norm = self.q_norm.as_ref().zip(self.k_norm.as_ref());
+        let qkv = (&self.qkv_proj, proj_lora::<D>(&qkv_lora, meta), qk_norm);
+        let attn = self.attn.forward_qkv(dev, x, qkv, rope, cache, meta)?; // [n, heads·head_dim]
         let o_lora = proj_lora::<D>(&o_lora, meta);
         self.o_proj.forward_add_norm(dev, &attn, o_lora, residual, norm, gemm_only) // [n, hidden]
     }

@@ -456,7 +456,8 @@ impl Device for CpuDevice {
             (CpuTensor::zeros(n, qn), CpuTensor::zeros(n, kn), CpuTensor::zeros(n, kn));
         let half = rope.inv_freq.len();
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        let lens = rope.lens(meta);
+        // Fixed frequencies need no lengths (an empty list: every token at 0).
+        let lens = if rope.varies() { rope.lens(meta) } else { Vec::new() };
         let mut freqs: Option<(u32, std::borrow::Cow<'_, [f32]>)> = None;
         for (t, &pos) in meta.positions.iter().enumerate().take(n) {
             let row = &qkv.data[t * qkv.cols..(t + 1) * qkv.cols];
@@ -465,7 +466,7 @@ impl Device for CpuDevice {
             v.data[t * kn..(t + 1) * kn].copy_from_slice(&row[qn + kn..qn + 2 * kn]);
             // Angles in f32 as HF computes them (position · inv_freq), then cos/sin (times
             // the attention scaling of yarn and longrope).
-            let len = lens[t];
+            let len = lens.get(t).copied().unwrap_or(0);
             if freqs.as_ref().is_none_or(|(l, _)| *l != len) {
                 freqs = Some((len, rope.inv_freq_at(len)));
             }

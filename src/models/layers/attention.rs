@@ -1,6 +1,7 @@
 //! Rotary embedding and the PagedAttention layer. Prefill, decode and their mix are one
 //! call: the device kernel reads each token's context through the block tables.
 
+use super::{ProjLora, QKVParallelLinear, RMSNorm};
 use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{AttnShape, CacheShape, DevResult, Device, RopeSpec};
 use crate::models::config::Rope;
@@ -20,6 +21,9 @@ impl RotaryEmbedding {
         Self { spec: RopeSpec::none(head_dim) }
     }
 }
+
+/// A layer's q and k norms, where it has them.
+pub type QkNorms<'a, D> = Option<(&'a RMSNorm<D>, &'a RMSNorm<D>)>;
 
 /// Attention over the paged KV cache with this rank's heads and the model's options
 /// (scale, sliding window, soft cap).
@@ -66,5 +70,27 @@ impl PagedAttention {
         meta: &AttnMetadata,
     ) -> DevResult<D::Tensor> {
         dev.project_qkv_attention(x, w, bias, (self.shape, &rope.spec), cache, meta)
+    }
+    /// The attention of `x` through a fused qkv projection with its adapters (`lora`) and
+    /// the model's q/k norms, if any: with neither, through [`Self::forward_projecting`],
+    /// which the device may fuse; else the projection, the norms and [`Self::forward`].
+    pub fn forward_qkv<D: Device>(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        (qkv_proj, lora, qk_norm): (&QKVParallelLinear<D>, ProjLora<D>, QkNorms<D>),
+        rope: &RotaryEmbedding,
+        cache: &mut D::Cache,
+        meta: &AttnMetadata,
+    ) -> DevResult<D::Tensor> {
+        if lora.is_none() && qk_norm.is_none() {
+            let w = (&qkv_proj.weight, qkv_proj.bias.as_ref());
+            return self.forward_projecting(dev, x, w, rope, cache, meta);
+        }
+        let mut qkv = qkv_proj.forward(dev, x, lora)?; // [n, (heads + 2·kv_heads)·head_dim]
+        if let Some((q, k)) = qk_norm {
+            dev.qk_norm(&mut qkv, self.shape, &q.weight, &k.weight, q.eps)?;
+        }
+        self.forward(dev, &qkv, rope, cache, meta)
     }
 }

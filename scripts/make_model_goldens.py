@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -112,7 +113,26 @@ MODELS = {
     "opt-post-norm": ("OPTConfig", "OPTForCausalLM", dict(
         ffn_dim=128, do_layer_norm_before=False, num_key_value_heads=None, head_dim=None,
         intermediate_size=None, max_position_embeddings=512, tie_word_embeddings=True)),
+    # Mixture-of-experts: 8 experts, top-2, a sliding window.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, sliding_window=16)),
+    # A shared expert with its sigmoid gate, top-k weights not renormalized, and a dense MLP
+    # on the layer mlp_only_layers names.
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    # q/k norms, top-k weights renormalized.
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
 }
+
+# Architectures whose experts transformers keeps fused in memory: built from a checkpoint
+# in the layout their hub files use (one tensor per expert), as the engine reads them.
+MOE = {"mixtral", "qwen2-moe", "qwen3-moe"}
+
+# The least margin, in router probability, between the last expert a token takes and the
+# first it does not, so that float noise cannot change a route.
+MIN_ROUTER_GAP = 1e-4
 
 
 OUT_OF_TREE = {"granite"}
@@ -126,10 +146,45 @@ LONG_PROMPTS = {"phi3-longrope": (18, 30), "llama-dynamic": (26, 40)}
 EMBED_SCALE = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05, "opt-post-norm": 4.0}
 
 
-def build(cfg_class, model_class, extra, embed_scale):
+def build_moe(cls, cfg, embed_scale):
+    """A mixture-of-experts model loaded from a checkpoint of the hub's layout (what
+    save_pretrained writes), its tensors given the generator's values by their names there."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        cls(cfg).save_pretrained(d)
+        with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        params = [[k, shapes[k]] for k in sorted(shapes)]
+        save_file({k: values(k, s, embed_scale) for k, s in params}, os.path.join(d, "model.safetensors"),
+                  metadata={"format": "pt"})
+        model = cls.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    routers = []
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_hook(lambda mod, inp, out: routers.append((out[0].detach(), mod.top_k)))
+    return model, params, routers
+
+
+def router_gap(routers):
+    """The least gap in probability between each token's k-th and (k+1)-th expert."""
+    gap = float("inf")
+    for logits, k in routers:
+        p = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        gap = min(gap, (p[:, k - 1] - p[:, k]).min().item())
+    routers.clear()
+    return gap
+
+
+def build(key, cfg_class, model_class, extra, embed_scale):
     kwargs = {k: v for k, v in {**BASE, **extra}.items() if v is not None}
     cfg = getattr(transformers, cfg_class)(**kwargs)
     cfg._attn_implementation = "eager"
+    if key in MOE:
+        model, params, routers = build_moe(getattr(transformers, model_class), cfg, embed_scale)
+        model.generation_config.eos_token_id = None
+        return cfg, model, params, routers
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(cfg).to(torch.float32).eval()
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -144,7 +199,7 @@ def build(cfg_class, model_class, extra, embed_scale):
             model.tie_weights()
     # EOS neither stops nor is masked: the engine's ignore_eos.
     model.generation_config.eos_token_id = None
-    return cfg, model, params
+    return cfg, model, params, None
 
 
 def run(model, ids):
@@ -174,7 +229,7 @@ def main(out_dir, only=None):
             continue
         rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
         embed_scale = EMBED_SCALE.get(key, 1.0)
-        cfg, model, params = build(cfg_class, model_class, extra, embed_scale)
+        cfg, model, params, routers = build(key, cfg_class, model_class, extra, embed_scale)
         window = extra.get("sliding_window") or 0
         runs, tried = [], 0
         while len(runs) < PROMPTS and tried < 400:
@@ -184,7 +239,8 @@ def main(out_dir, only=None):
             tried += 1
             ids = [int(x) for x in rng.integers(3, VOCAB, length)]
             tokens, steps, gap = run(model, ids)
-            if gap >= MIN_GAP:
+            routed = routers is None or router_gap(routers) >= MIN_ROUTER_GAP
+            if gap >= MIN_GAP and routed:
                 runs.append({"prompt_ids": ids, "output_ids": tokens, "top_logprobs": steps, "min_gap": gap})
         assert len(runs) == PROMPTS, f"{key}: only {len(runs)} prompts with margins in {tried}"
         config = json.loads(cfg.to_json_string(use_diff=False))

@@ -10,6 +10,18 @@ use crate::models::lora::{LoraSplit, Shard};
 /// Where the README's commands put the default model.
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
 
+/// Where the weights come from (vLLM's `--load-format`, the values it shares with us).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LoadFormat {
+    /// The model directory's safetensors.
+    #[default]
+    Auto,
+    Safetensors,
+    /// No checkpoint: weights of the config's shapes made at load, deterministic by name
+    /// (benchmarks of a model's shapes need only its config.json and tokenizer).
+    Dummy,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
     Auto,
@@ -65,6 +77,9 @@ pub struct EngineArgs {
     /// Run every step as issued: no CUDA graphs for decode steps.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// `auto`/`safetensors` read the checkpoint; `dummy` makes weights of its shapes instead.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
     /// Plan and send the next step while one runs, so that the host's share of a step
     /// (scheduling, outputs, messages) overlaps the device's; a sequence that stops is given
     /// one step more, whose token is dropped. On by default (vLLM's flag is accepted);
@@ -188,6 +203,7 @@ impl Default for EngineArgs {
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
+            load_format: LoadFormat::Auto,
             async_scheduling: true,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,

@@ -51,6 +51,8 @@ struct Inner {
     model_config: ModelConfig,
     metrics: Arc<Metrics>,
     weight_bytes: usize,
+    /// Of them, those one token's forward reads (all but the idle experts).
+    active_weight_bytes: usize,
     next_id: std::sync::atomic::AtomicU64,
     /// Events each choice of a request may leave unread (see [`Engine::set_stream_backlog`]).
     stream_backlog: std::sync::atomic::AtomicUsize,
@@ -142,6 +144,7 @@ impl Engine {
                 max_rank: l.max_rank,
                 bf16: l.bf16,
             }),
+            dummy: args.load_format == crate::config::LoadFormat::Dummy,
         };
         let started = std::time::Instant::now();
         let ranks = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
@@ -175,6 +178,7 @@ impl Engine {
         let elem_bytes = ranks[0].0.kv_cache_elem_bytes();
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
+        let active_weight_bytes = ranks.iter().map(|(_, m)| m.active_weight_bytes()).sum();
         let dev_name = ranks[0].0.name();
         tracing::info!(
             model = %config.model_dir.display(),
@@ -277,6 +281,7 @@ impl Engine {
                 model_config,
                 metrics,
                 weight_bytes,
+                active_weight_bytes,
                 next_id: std::sync::atomic::AtomicU64::new(0),
                 stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
             }),
@@ -306,6 +311,12 @@ impl Engine {
 
     pub fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes
+    }
+
+    /// Bytes of weights one token's forward reads: [`Self::weight_bytes`] but for the
+    /// experts of a mixture-of-experts model that it does not take.
+    pub fn active_weight_bytes(&self) -> usize {
+        self.inner.active_weight_bytes
     }
 
     /// A fresh request id (`cmpl-<n>`), unique within this engine.

@@ -43,6 +43,10 @@ enum Cmd {
         dtype: actorllm::config::DTypeArg,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write config.json and the tokenizer only, to serve with `--load-format dummy`
+        /// (the shapes of models too large to write out).
+        #[arg(long)]
+        no_weights: bool,
     },
     /// Offline engine benchmarks (no HTTP).
     Bench(actorllm::bench::BenchArgs),
@@ -136,7 +140,7 @@ fn main() -> anyhow::Result<()> {
             eprintln!("wrote {}", out.display());
             Ok(())
         }
-        Cmd::MakeRandomModel { like, out, dtype, seed } => {
+        Cmd::MakeRandomModel { like, out, dtype, seed, no_weights } => {
             use actorllm::config::DTypeArg;
             use actorllm::kernels::DType;
             let dtype = match dtype {
@@ -144,7 +148,7 @@ fn main() -> anyhow::Result<()> {
                 DTypeArg::Float16 => DType::F16,
                 DTypeArg::Bfloat16 | DTypeArg::Auto => DType::BF16,
             };
-            like.write(&out, dtype, seed)?;
+            like.write(&out, dtype, seed, !no_weights)?;
             eprintln!("wrote {}", out.display());
             Ok(())
         }

@@ -1464,6 +1464,65 @@ fn the_general_ops_match_their_cpu_twins() {
     }
 }
 
+/// The mixture-of-experts block on the GPU (router, sort, grouped expert GEMVs, weighted
+/// sum) gives the CPU's, for f32 and bf16 experts, at decode and prefill row counts, with
+/// and without renormalized routes; and a shared expert's sigmoid gate.
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+fn fused_moe_matches_its_cpu_twin() {
+    use actorllm::kernels::MoeSpec;
+    let (g, _turn) = gpu();
+    let c = CpuDevice::default();
+    let (experts, h, inter) = (16, 256, 128);
+    let gate_up = rand(experts * 2 * inter * h, 60);
+    let down = rand(experts * h * inter, 61);
+    for bf16 in [false, true] {
+        let weight = |v: &[f32], shape: &[usize]| match bf16 {
+            false => host(v, shape),
+            true => HostTensor {
+                dtype: DType::BF16,
+                shape: shape.to_vec(),
+                data: v
+                    .iter()
+                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                    .collect::<Vec<u8>>()
+                    .into(),
+            },
+        };
+        let gu_shape = [experts, 2 * inter, h];
+        let d_shape = [experts, h, inter];
+        let (guc, gug) =
+            (c.upload(weight(&gate_up, &gu_shape)).unwrap(), g.upload(weight(&gate_up, &gu_shape)).unwrap());
+        let (dc, dg) =
+            (c.upload(weight(&down, &d_shape)).unwrap(), g.upload(weight(&down, &d_shape)).unwrap());
+        for (rows, top_k, renormalize, act) in [
+            (1, 2, true, Activation::Silu),
+            (5, 4, false, Activation::Silu),
+            (40, 8, true, Activation::GeluTanh),
+        ] {
+            let spec = MoeSpec { experts, top_k, renormalize, act };
+            let x = rand(rows * h, 62 + rows as u64);
+            let logits: Vec<f32> = rand(rows * experts, 63).iter().map(|v| v * 8.0).collect();
+            let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
+            let (lc, lg) =
+                (CpuTensor::new(logits.clone(), rows, experts), g.from_host(&logits, rows, experts).unwrap());
+            close(
+                &format!("fused_moe, bf16 {bf16}, rows {rows}, top {top_k}"),
+                &g.to_host(&g.fused_moe(&xg, &lg, &gug, &dg, spec).unwrap()).unwrap(),
+                &c.to_host(&c.fused_moe(&xc, &lc, &guc, &dc, spec).unwrap()).unwrap(),
+                1e-3,
+            );
+        }
+    }
+    let (rows, x, y, gate) = (7, rand(7 * h, 64), rand(7 * h, 65), rand(7, 66));
+    let (mut ac, mut ag) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
+    let (yc, yg) = (CpuTensor::new(y.clone(), rows, h), g.from_host(&y, rows, h).unwrap());
+    let (gc, gg) = (CpuTensor::new(gate.clone(), rows, 1), g.from_host(&gate, rows, 1).unwrap());
+    c.add_sigmoid_gated(&mut ac, &yc, &gc).unwrap();
+    g.add_sigmoid_gated(&mut ag, &yg, &gg).unwrap();
+    close("add_sigmoid_gated", &g.to_host(&ag).unwrap(), &c.to_host(&ac).unwrap(), 1e-5);
+}
+
 /// Every architecture of tests/models.rs (tiny models, f32) on the GPU gives the CPU's
 /// greedy tokens for its prompts, submitted together: with graphs and eager.
 #[actix_rt::test]

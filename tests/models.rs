@@ -104,6 +104,24 @@ async fn qwen3_with_qk_norms() {
     matches_transformers("qwen3").await;
 }
 
+/// 8 experts, top-2, renormalized; a sliding window of 16 with prompts past it.
+#[actix_rt::test]
+async fn mixtral_with_eight_experts_and_a_window() {
+    matches_transformers("mixtral").await;
+}
+
+/// A shared expert under its sigmoid gate, top-2 weights not renormalized, and a dense MLP
+/// on the layer `mlp_only_layers` names.
+#[actix_rt::test]
+async fn qwen2_moe_with_a_shared_expert_and_a_dense_layer() {
+    matches_transformers("qwen2-moe").await;
+}
+
+#[actix_rt::test]
+async fn qwen3_moe_with_qk_norms_and_renormalized_routes() {
+    matches_transformers("qwen3-moe").await;
+}
+
 #[actix_rt::test]
 async fn gemma() {
     matches_transformers("gemma").await;
@@ -263,4 +281,85 @@ async fn malformed_models_are_refused_by_field_not_by_panic() {
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
     let e = Engine::start(common::args(&dir)).await.err().expect("refused").to_string();
     assert!(e.contains("tokenizer.json") && e.contains("cannot encode"), "{e}");
+}
+
+/// LoRA on a mixture-of-experts model: an adapter on the attention projections changes the
+/// output of its own requests only, in a batch with the base model; one that targets the
+/// experts' projections is refused, and the message says why.
+#[actix_rt::test]
+async fn adapters_on_moe_models_take_attention_and_refuse_the_experts() {
+    use actorllm::config::LoraArgs;
+    let g = golden("qwen3-moe");
+    let dir = common::scratch("qwen3-moe-lora");
+    actorllm::models::random::write_golden_model(&g, &dir).unwrap();
+    let registry = actorllm::models::registry::ModelRegistry::<actorllm::kernels::cpu::CpuDevice>::default();
+    let cfg = registry.read_config(&dir).unwrap();
+    let names: Vec<&str> = cfg.lora_targets.iter().map(|t| t.name).collect();
+    assert_eq!(names, ["q_proj", "k_proj", "v_proj", "o_proj"]);
+    let adapter = dir.join("attn");
+    actorllm::models::random::make_random_lora(&cfg, &adapter, 8, 3).unwrap();
+
+    // The same adapter, its config naming an expert projection too.
+    let on_experts = dir.join("experts");
+    actorllm::models::random::make_random_lora(&cfg, &on_experts, 8, 3).unwrap();
+    let config = on_experts.join("adapter_config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["target_modules"] = serde_json::json!(["q_proj", "gate_proj"]);
+    std::fs::write(&config, c.to_string()).unwrap();
+    let refused =
+        actorllm::models::lora::load_peft(&on_experts, "experts", 1, &cfg, 16).map(|_| ()).unwrap_err();
+    let refused = refused.to_string();
+    assert!(refused.contains("\"gate_proj\"") && refused.contains("mixture-of-experts"), "{refused}");
+
+    let lora = LoraArgs {
+        enable_lora: true,
+        lora_modules: vec![("attn".into(), adapter)],
+        max_lora_rank: 16,
+        ..Default::default()
+    };
+    let engine = Engine::start(EngineArgs { lora, ..common::args(&dir) }).await.unwrap();
+    let prompts: Vec<Vec<u32>> = g["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .collect();
+    let run = |p: Vec<u32>, lora: Option<&'static str>| {
+        let engine = &engine;
+        async move {
+            let id = engine.next_request_id("t");
+            let params = SamplingParams { ignore_eos: true, ..common::greedy(24) };
+            let s = engine.add_request_with_lora(id, p, params, lora).await.unwrap();
+            common::collect(s, 1).await.tokens.remove(0)
+        }
+    };
+    let both = prompts.iter().flat_map(|p| [run(p.clone(), None), run(p.clone(), Some("attn"))]);
+    let outs = futures::future::join_all(both).await;
+    let mut changed = 0;
+    for (i, (pair, r)) in outs.chunks(2).zip(g["runs"].as_array().unwrap()).enumerate() {
+        let want: Vec<u32> =
+            r["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        assert_eq!(pair[0], want, "prompt {i}: the base model beside an adapter");
+        changed += (pair[1] != want) as usize;
+    }
+    assert!(changed > 0, "the adapter changed no output");
+}
+
+/// `--load-format dummy`: a directory with config.json and a tokenizer only serves, with
+/// the same weights at every load (deterministic by name).
+#[actix_rt::test]
+async fn dummy_weights_serve_a_config_without_a_checkpoint() {
+    let dir = common::scratch("dummy-mixtral");
+    actorllm::models::random::write_golden_model(&golden("mixtral"), &dir).unwrap();
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    assert!(Engine::start(common::args(&dir)).await.is_err(), "no checkpoint, no dummy: refused");
+    let mut outputs = Vec::new();
+    for _ in 0..2 {
+        let args = EngineArgs { load_format: actorllm::config::LoadFormat::Dummy, ..common::args(&dir) };
+        let engine = Engine::start(args).await.unwrap();
+        let params = SamplingParams { ignore_eos: true, ..common::greedy(8) };
+        outputs.push(common::run(&engine, vec![5, 6, 7], params).await.tokens.remove(0));
+    }
+    assert_eq!(outputs[0].len(), 8);
+    assert_eq!(outputs[0], outputs[1]);
 }

@@ -1,7 +1,8 @@
 //! Tensor parallelism on the CPU (ranks are threads joined by an in-process all-reduce):
 //! split over 2, 3 and 4 ranks, the model gives the greedy output of one rank, through
 //! every parallel layer (split and replicated KV heads, q/k/v bias, a vocabulary that does
-//! not divide, tied and untied heads); shapes that cannot split are refused by name.
+//! not divide, tied and untied heads, experts split by their intermediate size); shapes that
+//! cannot split are refused by name.
 
 mod common;
 
@@ -56,6 +57,25 @@ async fn split_over_two_and_three_ranks_gives_the_single_rank_output() {
     assert!(one.iter().all(|o| o.len() == 24));
     assert_eq!(outputs(model.path(), 2, &p).await, one, "TP=2");
     assert_eq!(outputs(model.path(), 3, &p).await, one, "TP=3");
+}
+
+/// Mixture-of-experts models split each expert's intermediate size (and a shared expert's,
+/// and a dense layer's) over the ranks: at TP=2 they still give transformers' tokens.
+#[actix_rt::test]
+async fn experts_split_over_two_ranks_give_transformers_tokens() {
+    for name in ["mixtral", "qwen2-moe"] {
+        let path = common::fixture(&format!("tests/fixtures/models/{name}.json"));
+        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let dir = common::scratch(&format!("tp-{name}"));
+        actorllm::models::random::write_golden_model(&g, dir.path()).unwrap();
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+        };
+        let runs = g["runs"].as_array().unwrap();
+        let p: Vec<Vec<u32>> = runs.iter().map(|r| ids(&r["prompt_ids"])).collect();
+        let want: Vec<Vec<u32>> = runs.iter().map(|r| ids(&r["output_ids"])).collect();
+        assert_eq!(outputs(dir.path(), 2, &p).await, want, "{name} at TP=2");
+    }
 }
 
 #[actix_rt::test]

@@ -39,9 +39,11 @@ fn copy_bandwidth(args: &EngineArgs) -> f64 {
 
 #[derive(Debug, Serialize)]
 struct Bound {
+    /// The weights one token's forward reads (a mixture-of-experts model's chosen experts
+    /// only).
     weight_bytes: usize,
     copy_bandwidth_gb_s: f64,
-    /// Batch-1 decode can not beat reading every weight once per token.
+    /// Batch-1 decode can not beat reading those weights once per token.
     bound_tokens_per_s: f64,
 }
 
@@ -52,9 +54,9 @@ fn bound(engine: &Engine, args: &EngineArgs) -> Bound {
     let bw = copy_bandwidth(args);
     let tp = engine.config().tensor_parallel_size as f64;
     Bound {
-        weight_bytes: engine.weight_bytes(),
+        weight_bytes: engine.active_weight_bytes(),
         copy_bandwidth_gb_s: bw / 1e9,
-        bound_tokens_per_s: bw * tp / engine.weight_bytes() as f64,
+        bound_tokens_per_s: bw * tp / engine.active_weight_bytes() as f64,
     }
 }
 

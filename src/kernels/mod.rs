@@ -8,8 +8,10 @@
 pub mod attn;
 pub mod cpu;
 pub mod cuda;
+pub mod moe;
 mod rope;
 
+pub use moe::MoeSpec;
 pub use rope::{RopeByLen, RopeSpec};
 
 use crate::kernels::attn::AttnMetadata;
@@ -360,6 +362,28 @@ pub trait Device: Send + Unpin + 'static {
     fn softcap(&self, x: &mut Self::Tensor, cap: f32) -> DevResult<()>;
     /// `x = act(x)`, in place (the activation of a plain MLP).
     fn activation(&self, x: &mut Self::Tensor, act: Activation) -> DevResult<()>;
+    /// `acc[t] += sigmoid(gate[t, 0]) · x[t]` for each row t (a shared expert's output
+    /// under its gate, Qwen2-MoE's).
+    fn add_sigmoid_gated(
+        &self,
+        acc: &mut Self::Tensor,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+    ) -> DevResult<()>;
+    /// A mixture-of-experts MLP (vLLM's FusedMoE) over the rows of `x`: each row's experts
+    /// chosen from `router_logits` (`[rows, experts]`) by [`moe::route`]'s rules, then
+    /// `Σ w_e · down_e(act(gate_e x) · up_e x)` over them. `gate_up` is
+    /// `[experts, 2·inter, hidden]` (each expert's gate rows, then its up rows) and `down`
+    /// `[experts, hidden, inter]`; under tensor parallelism each holds this rank's share of
+    /// `inter` and the result is this rank's partial sum, for the caller to all-reduce.
+    fn fused_moe(
+        &self,
+        x: &Self::Tensor,
+        router_logits: &Self::Tensor,
+        gate_up: &Self::Weight,
+        down: &Self::Weight,
+        spec: MoeSpec,
+    ) -> DevResult<Self::Tensor>;
     /// `[n, 2·i]` holding gate then up → `act(gate) · up` of shape `[n, i]`.
     fn act_mul(&self, gate_up: &Self::Tensor, act: Activation) -> DevResult<Self::Tensor>;
     /// RMSNorm over each head of q and k in a fused `[n, q + k + v]` projection of `shape`

@@ -63,6 +63,8 @@ pub struct ModelConfig {
     pub checkpoint_dtype: Option<String>,
     /// The projections PEFT adapters may target, in the order the model applies them.
     pub lora_targets: Vec<LoraTarget>,
+    /// Experts in each mixture-of-experts block (0 for a dense model).
+    pub moe_experts: usize,
     /// config.json as read: the model file parses its own fields from it.
     pub hf: Arc<serde_json::Value>,
 }
@@ -141,6 +143,7 @@ impl ModelConfig {
             eos_token_ids: c.eos_token_id.map(|e| e.to_vec()).unwrap_or_default(),
             checkpoint_dtype: c.torch_dtype.or(c.dtype),
             lora_targets: Vec::new(),
+            moe_experts: 0,
             hf: hf.clone(),
         })
     }

@@ -4,15 +4,12 @@
 //! `hidden_act: "gelu"` of the official configs means the tanh approximation, as
 //! transformers reads it.
 
-use std::sync::Arc;
-
 use serde::Deserialize;
 
+use super::ModelError;
 use super::config::{ModelConfig, parse_hf, unsupported};
-use super::llama::{LlamaArch, LlamaConfig, LlamaForCausalLM, STACKED_PARAMS, llama_config, skip_tensor};
-use super::loader::WeightStore;
+use super::llama::{LlamaArch, LlamaConfig, LlamaFamily, STACKED_PARAMS, family_entry, llama_config};
 use super::registry::ModelEntry;
-use super::{CausalLM, LoadOptions, ModelError};
 use crate::kernels::{Activation, Device};
 
 /// Gemma's own fields beyond Llama's.
@@ -48,22 +45,22 @@ pub fn tied(cfg: ModelConfig) -> ModelConfig {
     ModelConfig { tie_word_embeddings: explicit.unwrap_or(true), ..cfg }
 }
 
-fn read(hf: &Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
-    let cfg = tied(ModelConfig::from_hf(hf, name)?);
-    let a = arch(&cfg)?;
-    Ok(llama_config(cfg, &a))
-}
+/// `GemmaForCausalLM`: its options of the layers, read from its config.
+pub struct Gemma;
 
-fn build<D: Device>(
-    d: &D,
-    c: &ModelConfig,
-    w: &WeightStore,
-    o: &LoadOptions,
-) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &arch(c)?)?))
+impl LlamaFamily for Gemma {
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        arch(cfg)
+    }
+    /// A tied LM head unless the config says otherwise.
+    fn read(cfg: ModelConfig) -> Result<ModelConfig, ModelError> {
+        let cfg = tied(cfg);
+        let a = arch(&cfg)?;
+        Ok(llama_config(cfg, &a))
+    }
 }
 
 /// The registry's entry for `GemmaForCausalLM`.
 pub fn entry<D: Device>() -> ModelEntry<D> {
-    ModelEntry { config: read, construct: build::<D>, stacked_params: STACKED_PARAMS, skip: skip_tensor }
+    family_entry::<D, Gemma>(STACKED_PARAMS)
 }

@@ -12,8 +12,8 @@ use serde::Deserialize;
 use super::config::{ModelConfig, Rope, RopeConfig, check_layer_types, parse_hf, unsupported};
 use super::layers::lora::{LayerLora, layer_modules, plain, proj_lora, set_slot_in_layers};
 use super::layers::{
-    MergedColumnParallelLinear, Norm, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm,
-    RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, gather_last_rows,
+    MergedColumnParallelLinear, MoeConfig, Norm, PagedAttention, ParallelLMHead, QKVParallelLinear, RMSNorm,
+    RotaryEmbedding, RowParallelLinear, SparseMoeBlock, VocabParallelEmbedding, gather_last_rows,
 };
 use super::loader::{ParamView, StackedParam, WeightStore};
 use super::lora::{LoraAdapter, Proj, llama_targets};
@@ -70,6 +70,9 @@ pub struct LlamaArch {
     /// Per layer: its sliding window (0: full attention).
     pub windows: Vec<usize>,
     pub rope: Rope,
+    /// Mixture-of-experts blocks in place of the MLP on the layers it marks (Mixtral,
+    /// Qwen2-MoE, Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
 }
 
 impl LlamaConfig {
@@ -110,6 +113,7 @@ impl LlamaConfig {
             fused_checkpoint: false,
             windows: vec![0; cfg.num_layers],
             rope: self.rope.resolve(arch, cfg.head_dim, "full_attention", 10000.0)?,
+            moe: None,
         })
     }
 }
@@ -119,6 +123,11 @@ impl LlamaConfig {
 pub fn llama_config(cfg: ModelConfig, arch: &LlamaArch) -> ModelConfig {
     let mut cfg = cfg;
     cfg.lora_targets = llama_targets(&cfg, arch.intermediate_size);
+    if let Some(moe) = &arch.moe {
+        // Adapters apply to attention: not to the experts (nor a model's few dense MLPs).
+        cfg.lora_targets.retain(|t| t.path.starts_with("self_attn."));
+        cfg.moe_experts = moe.experts;
+    }
     if let Some(context) = arch.rope.context {
         cfg.max_position_embeddings = context;
     }
@@ -144,53 +153,96 @@ pub fn qwen2_arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
     Ok(a)
 }
 
-fn read_llama(hf: &std::sync::Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
-    let cfg = ModelConfig::from_hf(hf, name)?;
-    let a = arch(&cfg)?;
-    Ok(llama_config(cfg, &a))
+/// A family that shares Llama's layers: how its config sets their options. Its registry
+/// entry is [`family_entry`].
+pub trait LlamaFamily {
+    /// The layers' options, from the family's config.json.
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError>;
+    /// The shared config as the family resolves it (its LoRA targets and context set).
+    fn read(cfg: ModelConfig) -> Result<ModelConfig, ModelError> {
+        let a = Self::arch(&cfg)?;
+        Ok(llama_config(cfg, &a))
+    }
 }
 
-fn build_llama<D: Device>(
+fn read_family<F: LlamaFamily>(
+    hf: &std::sync::Arc<serde_json::Value>,
+    name: &str,
+) -> Result<ModelConfig, ModelError> {
+    F::read(ModelConfig::from_hf(hf, name)?)
+}
+
+fn build_family<D: Device, F: LlamaFamily>(
     d: &D,
     c: &ModelConfig,
     w: &WeightStore,
     o: &LoadOptions,
 ) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &arch(c)?)?))
+    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &F::arch(c)?)?))
 }
 
-/// The registry's entry for `LlamaForCausalLM` and `MistralForCausalLM`.
-pub fn entry<D: Device>() -> ModelEntry<D> {
+/// The registry's entry for family `F`, its checkpoint stacked by `stacked_params`.
+pub fn family_entry<D: Device, F: LlamaFamily>(stacked_params: &'static [StackedParam]) -> ModelEntry<D> {
     ModelEntry {
-        config: read_llama,
-        construct: build_llama::<D>,
-        stacked_params: STACKED_PARAMS,
+        config: read_family::<F>,
+        construct: build_family::<D, F>,
+        stacked_params,
         skip: skip_tensor,
     }
 }
 
-fn read_qwen2(hf: &std::sync::Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
-    let cfg = ModelConfig::from_hf(hf, name)?;
-    let a = qwen2_arch(&cfg)?;
-    Ok(llama_config(cfg, &a))
+/// `LlamaForCausalLM` and `MistralForCausalLM`.
+pub struct Llama;
+
+impl LlamaFamily for Llama {
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        arch(cfg)
+    }
 }
 
-fn build_qwen2<D: Device>(
-    d: &D,
-    c: &ModelConfig,
-    w: &WeightStore,
-    o: &LoadOptions,
-) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &qwen2_arch(c)?)?))
+/// `Qwen2ForCausalLM`.
+pub struct Qwen2;
+
+impl LlamaFamily for Qwen2 {
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        qwen2_arch(cfg)
+    }
+}
+
+/// The registry's entry for `LlamaForCausalLM` and `MistralForCausalLM`.
+pub fn entry<D: Device>() -> ModelEntry<D> {
+    family_entry::<D, Llama>(STACKED_PARAMS)
 }
 
 /// The registry's entry for `Qwen2ForCausalLM`.
 pub fn qwen2_entry<D: Device>() -> ModelEntry<D> {
-    ModelEntry {
-        config: read_qwen2,
-        construct: build_qwen2::<D>,
-        stacked_params: STACKED_PARAMS,
-        skip: skip_tensor,
+    family_entry::<D, Qwen2>(STACKED_PARAMS)
+}
+
+/// A layer's MLP: dense, or a mixture-of-experts block.
+pub enum Mlp<D: Device> {
+    Dense(LlamaMlp<D>),
+    Sparse(SparseMoeBlock<D>),
+}
+
+impl<D: Device> Mlp<D> {
+    /// The MLP of `x` added to `residual`, then `norm` of the sum for the next projection
+    /// (see [`LlamaMlp::forward_add_norm`]).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_add_norm(
+        &self,
+        dev: &D,
+        x: &D::Tensor,
+        lora: Option<&LayerLora<D>>,
+        meta: &AttnMetadata,
+        residual: &mut D::Tensor,
+        norm: &Norm<D>,
+        gemm_only: bool,
+    ) -> DevResult<D::Tensor> {
+        match self {
+            Mlp::Dense(m) => m.forward_add_norm(dev, x, lora, meta, residual, norm, gemm_only),
+            Mlp::Sparse(m) => norm.forward_to_proj(dev, &m.forward(dev, x)?, Some(residual), gemm_only),
+        }
     }
 }
 
@@ -302,7 +354,7 @@ pub struct LlamaDecoderLayer<D: Device> {
     input_layernorm: Norm<D>,
     self_attn: LlamaAttention<D>,
     post_attention_layernorm: Norm<D>,
-    mlp: LlamaMlp<D>,
+    mlp: Mlp<D>,
     lora: Option<LayerLora<D>>,
 }
 
@@ -328,7 +380,13 @@ impl<D: Device> LlamaDecoderLayer<D> {
             input_layernorm: load_norm(dev, &w.pp("input_layernorm"), h, a)?,
             self_attn: LlamaAttention::load(dev, &w.pp("self_attn"), cfg, a, a.windows[i])?,
             post_attention_layernorm: load_norm(dev, &w.pp("post_attention_layernorm"), h, a)?,
-            mlp: LlamaMlp::load(dev, &w.pp("mlp"), cfg, a)?,
+            mlp: match &a.moe {
+                Some(moe) if moe.sparse[i] => {
+                    let view = w.pp(moe.names.block);
+                    Mlp::Sparse(SparseMoeBlock::load(dev, &view, cfg.hidden_size, moe, a.act)?)
+                }
+                _ => Mlp::Dense(LlamaMlp::load(dev, &w.pp("mlp"), cfg, a)?),
+            },
             lora: opts.lora.map(|cap| LayerLora::new(dev, cfg, cap)).transpose()?,
         })
     }
@@ -343,6 +401,7 @@ pub struct LlamaForCausalLM<D: Device> {
     lm_head: ParallelLMHead<D>,
     rotary_emb: RotaryEmbedding,
     weight_bytes: usize,
+    active_weight_bytes: usize,
 }
 
 impl<D: Device> LlamaForCausalLM<D> {
@@ -371,11 +430,17 @@ impl<D: Device> LlamaForCausalLM<D> {
             .map(|i| LlamaDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, a, i, opts))
             .collect::<Result<Vec<_>, _>>()?;
         let tied = cfg.tie_word_embeddings || !root.contains("lm_head.weight");
-        let per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        let attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
             + cfg.num_heads * cfg.head_dim * h
-            + 3 * h * a.intermediate_size
             + 2 * h;
-        let params = v * h * if tied { 1 } else { 2 } + cfg.num_layers * per_layer + h;
+        // (all, read for one token): the experts a token does not take are not read.
+        let mlp = |i: usize| match &a.moe {
+            Some(m) if m.sparse[i] => (m.block_params(h), m.block_params(h) - m.idle_params(h)),
+            _ => (3 * h * a.intermediate_size, 3 * h * a.intermediate_size),
+        };
+        let embed = v * h * if tied { 1 } else { 2 } + h;
+        let params = embed + (0..cfg.num_layers).map(|i| attention + mlp(i).0).sum::<usize>();
+        let active = embed + (0..cfg.num_layers).map(|i| attention + mlp(i).1).sum::<usize>();
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens: VocabParallelEmbedding::load(dev, &w.pp("embed_tokens"), v, h)?,
@@ -387,6 +452,7 @@ impl<D: Device> LlamaForCausalLM<D> {
             rotary_emb: RotaryEmbedding::new(&a.rope, cfg.head_dim),
             // Per rank: everything but the norms is split over the ranks.
             weight_bytes: params * store.dtype.size() / dev.tp().world,
+            active_weight_bytes: active * store.dtype.size() / dev.tp().world,
         })
     }
 }
@@ -411,7 +477,9 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         // input).
         for (i, (layer, cache)) in self.layers.iter().zip(kv_caches.iter_mut()).enumerate() {
             let lora = layer.lora.as_ref();
-            let post = (&mut residual, &layer.post_attention_layernorm, plain(lora, Proj::Up, meta));
+            // An expert block reads its input whole (router and experts), not as a GEMM's.
+            let mlp_plain = plain(lora, Proj::Up, meta) && matches!(layer.mlp, Mlp::Dense(_));
+            let post = (&mut residual, &layer.post_attention_layernorm, mlp_plain);
             let rope = &self.rotary_emb;
             let h = layer.self_attn.forward_add_norm(dev, &x, rope, cache, lora, meta, post)?;
             let (next_norm, gemm_only) = match self.layers.get(i + 1) {
@@ -438,6 +506,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
 
     fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    fn active_weight_bytes(&self) -> usize {
+        self.active_weight_bytes
     }
 
     fn has_lora(&self) -> bool {

@@ -155,6 +155,9 @@ pub struct WeightStore<'a> {
     params: HashMap<String, BTreeMap<usize, TensorRef<'a>>>,
     /// The dtype every weight is converted to on load.
     pub dtype: DType,
+    /// `--load-format dummy`: no checkpoint; every parameter the model asks for is made of
+    /// deterministic values of its kind (see [`super::random::param_bytes`]).
+    dummy: bool,
 }
 
 impl<'a> WeightStore<'a> {
@@ -178,7 +181,14 @@ impl<'a> WeightStore<'a> {
             let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
             params.entry(param).or_default().insert(index, t);
         }
-        Self { params, dtype }
+        Self { params, dtype, dummy: false }
+    }
+
+    /// A store without a checkpoint (vLLM's `--load-format dummy`): each parameter is made
+    /// when the model loads it, of the shape it asks for, so that benchmarks of a model's
+    /// shapes need its config.json and tokenizer only.
+    pub fn dummy(dtype: DType) -> Self {
+        Self { params: HashMap::new(), dtype, dummy: true }
     }
 
     pub fn root(&self) -> ParamView<'_, 'a> {
@@ -186,7 +196,7 @@ impl<'a> WeightStore<'a> {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.params.contains_key(name)
+        self.dummy || self.params.contains_key(name)
     }
 }
 
@@ -219,9 +229,25 @@ impl<'s, 'a> ParamView<'s, 'a> {
         self.get_part(name, shape, Part::Whole)
     }
 
+    /// A parameter of a dummy store: `shape`'s values for `name`.
+    fn made(&self, name: &str, shape: Vec<usize>) -> HostTensor<'a> {
+        let full = format!("{}{name}", self.prefix);
+        let data = super::random::param_bytes(&full, &shape, self.store.dtype);
+        HostTensor { dtype: self.store.dtype, shape, data: data.into() }
+    }
+
     /// A part of a parameter (this rank's shard under tensor parallelism), checked against
     /// the full expected shape, in the store's dtype.
     pub fn get_part(&self, name: &str, shape: &[usize], part: Part) -> Result<HostTensor<'a>, ModelError> {
+        if self.store.dummy {
+            let mut out = shape.to_vec();
+            match part {
+                Part::Whole => {}
+                Part::Rows(r) => out[0] = r.len(),
+                Part::Cols(c) => out[1] = c.len(),
+            }
+            return Ok(self.made(name, out));
+        }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;
@@ -239,6 +265,10 @@ impl<'s, 'a> ParamView<'s, 'a> {
         picks: &[std::ops::Range<usize>],
         cols: Option<usize>,
     ) -> Result<HostTensor<'a>, ModelError> {
+        if self.store.dummy {
+            let total = picks.iter().map(|p| p.len()).sum();
+            return Ok(self.made(name, cols.map_or(vec![total], |c| vec![total, c])));
+        }
         let (full, shards) = self.shards(name)?;
         let mut data = Vec::new();
         for (i, (&r, shard)) in rows.iter().zip(shard_names).enumerate() {
@@ -271,6 +301,11 @@ impl<'s, 'a> ParamView<'s, 'a> {
         shape: &[usize],
         picks: &[std::ops::Range<usize>],
     ) -> Result<HostTensor<'a>, ModelError> {
+        if self.store.dummy {
+            let mut out = shape.to_vec();
+            out[0] = picks.iter().map(|p| p.len()).sum();
+            return Ok(self.made(name, out));
+        }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;

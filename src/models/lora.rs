@@ -232,8 +232,14 @@ pub fn load_peft(
         Targets::One(s) => vec![s],
     };
     if let Some(bad) = targets.iter().find(|t| !known.contains(&t.as_str())) {
+        let experts = match cfg.moe_experts {
+            0 => String::new(),
+            n => format!(
+                "; adapters on the MLPs of a mixture-of-experts model ({n} experts a layer) are not supported"
+            ),
+        };
         return Err(LoraError::Invalid(format!(
-            "target module {bad:?} is not supported by {} (supported: {})",
+            "target module {bad:?} is not supported by {} (supported: {}){experts}",
             cfg.architecture,
             known.join(", ")
         )));

@@ -9,9 +9,12 @@ pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod lora;
+pub mod mixtral;
 pub mod opt;
 pub mod phi3;
+pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod random;
 pub mod registry;
 
@@ -51,6 +54,8 @@ impl ModelError {
 pub struct LoadOptions {
     /// Adapter slots and the largest rank they hold, when LoRA is enabled.
     pub lora: Option<LoraCapacity>,
+    /// Weights made of the config's shapes instead of read (`--load-format dummy`).
+    pub dummy: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -78,6 +83,11 @@ pub trait CausalLM<D: Device>: Send {
     fn cache_shape(&self, num_blocks: usize, block_size: usize) -> (usize, CacheShape);
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
+    /// Bytes of weights one token's forward reads on this rank: all of them, but for the
+    /// experts of a mixture-of-experts model that the token does not take.
+    fn active_weight_bytes(&self) -> usize {
+        self.weight_bytes()
+    }
     /// Places an adapter's weights in a LoRA slot (None clears it). A no-op on a model
     /// built without LoRA capacity: the scheduler never assigns slots then.
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>) -> DevResult<()>;

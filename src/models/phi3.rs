@@ -4,14 +4,11 @@
 //! (`original_max_position_embeddings` at the top level) and a sliding window on every
 //! layer.
 
-use std::sync::Arc;
-
+use super::ModelError;
 use super::config::{ModelConfig, parse_hf};
-use super::llama::{LlamaArch, LlamaConfig, LlamaForCausalLM, llama_config, skip_tensor};
-use super::loader::WeightStore;
+use super::llama::{LlamaArch, LlamaConfig, LlamaFamily, family_entry, llama_config};
 use super::lora::{LoraSplit, LoraTarget, Proj, Shard};
 use super::registry::ModelEntry;
-use super::{CausalLM, LoadOptions, ModelError};
 use crate::kernels::Device;
 
 /// Phi-3's options of Llama's layers.
@@ -50,25 +47,23 @@ fn targets(cfg: &ModelConfig, intermediate: usize) -> Vec<LoraTarget> {
     ]
 }
 
-fn read(hf: &Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
-    let cfg = ModelConfig::from_hf(hf, name)?;
-    let a = arch(&cfg)?;
-    let mut cfg = llama_config(cfg, &a);
-    cfg.lora_targets = targets(&cfg, a.intermediate_size);
-    Ok(cfg)
+/// `Phi3ForCausalLM`: its options of the layers, read from its config.
+pub struct Phi3;
+
+impl LlamaFamily for Phi3 {
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        arch(cfg)
+    }
+    /// Its adapters target the fused projections.
+    fn read(cfg: ModelConfig) -> Result<ModelConfig, ModelError> {
+        let a = arch(&cfg)?;
+        let mut cfg = llama_config(cfg, &a);
+        cfg.lora_targets = targets(&cfg, a.intermediate_size);
+        Ok(cfg)
+    }
 }
 
-fn build<D: Device>(
-    d: &D,
-    c: &ModelConfig,
-    w: &WeightStore,
-    o: &LoadOptions,
-) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &arch(c)?)?))
-}
-
-/// The registry's entry for `Phi3ForCausalLM` (the checkpoint's parameters are fused as
-/// the model holds them: nothing to stack).
+/// The registry's entry for `Phi3ForCausalLM`.
 pub fn entry<D: Device>() -> ModelEntry<D> {
-    ModelEntry { config: read, construct: build::<D>, stacked_params: &[], skip: skip_tensor }
+    family_entry::<D, Phi3>(&[])
 }

@@ -3,13 +3,10 @@
 //! `k_norm`), a sliding window on the layers its config marks. Its layers are Llama's
 //! (`llama.rs`) with those options.
 
-use std::sync::Arc;
-
+use super::ModelError;
 use super::config::{ModelConfig, parse_hf};
-use super::llama::{LlamaArch, LlamaConfig, LlamaForCausalLM, STACKED_PARAMS, llama_config, skip_tensor};
-use super::loader::WeightStore;
+use super::llama::{LlamaArch, LlamaConfig, LlamaFamily, STACKED_PARAMS, family_entry};
 use super::registry::ModelEntry;
-use super::{CausalLM, LoadOptions, ModelError};
 use crate::kernels::Device;
 
 /// Qwen3's options of Llama's layers.
@@ -21,22 +18,16 @@ pub fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
     Ok(a)
 }
 
-fn read(hf: &Arc<serde_json::Value>, name: &str) -> Result<ModelConfig, ModelError> {
-    let cfg = ModelConfig::from_hf(hf, name)?;
-    let a = arch(&cfg)?;
-    Ok(llama_config(cfg, &a))
-}
+/// `Qwen3ForCausalLM`: its options of the layers, read from its config.
+pub struct Qwen3;
 
-fn build<D: Device>(
-    d: &D,
-    c: &ModelConfig,
-    w: &WeightStore,
-    o: &LoadOptions,
-) -> Result<Box<dyn CausalLM<D>>, ModelError> {
-    Ok(Box::new(LlamaForCausalLM::load_arch(d, c, w, o, &arch(c)?)?))
+impl LlamaFamily for Qwen3 {
+    fn arch(cfg: &ModelConfig) -> Result<LlamaArch, ModelError> {
+        arch(cfg)
+    }
 }
 
 /// The registry's entry for `Qwen3ForCausalLM`.
 pub fn entry<D: Device>() -> ModelEntry<D> {
-    ModelEntry { config: read, construct: build::<D>, stacked_params: STACKED_PARAMS, skip: skip_tensor }
+    family_entry::<D, Qwen3>(STACKED_PARAMS)
 }

@@ -143,6 +143,11 @@ pub fn make_random_model(
     seed: u64,
     scale: f32,
 ) -> Result<(), ModelError> {
+    write_checkpoint(&preset_checkpoint(shape), out, dtype, seed, scale, true)
+}
+
+/// A Llama-shaped preset's config and tensors.
+fn preset_checkpoint(shape: Shape) -> Checkpoint {
     let hd = shape.hidden / shape.heads;
     let config = json!({
         "architectures": [if shape.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
@@ -163,7 +168,7 @@ pub fn make_random_model(
             LayerExtras { qkv_bias: shape.qkv_bias, ..Default::default() },
         ));
     }
-    write_checkpoint(&Checkpoint { config, vocab: shape.vocab, tensors }, out, dtype, seed, scale)
+    Checkpoint { config, vocab: shape.vocab, tensors }
 }
 
 /// How a random tensor is filled.
@@ -202,7 +207,24 @@ struct LayerExtras {
     feedforward_norms: bool,
     /// Phi-3's fused qkv and gate/up.
     fused: bool,
+    /// An expert block in place of the MLP.
+    experts: Option<Experts>,
 }
+
+/// A random model's expert blocks: its block's name, its experts' projections' names, how
+/// many, and each one's intermediate size.
+#[derive(Debug, Clone, Copy)]
+struct Experts {
+    block: &'static str,
+    names: [&'static str; 3],
+    count: usize,
+    inter: usize,
+}
+
+const MIXTRAL_EXPERTS: Experts =
+    Experts { block: "block_sparse_moe", names: ["w1", "w3", "w2"], count: 8, inter: 14336 };
+const QWEN3_MOE_EXPERTS: Experts =
+    Experts { block: "mlp", names: ["gate_proj", "up_proj", "down_proj"], count: 128, inter: 768 };
 
 fn embed_and_head(vocab: usize, hidden: usize, tied: bool) -> Vec<(String, Vec<usize>, Init)> {
     let mut t = vec![
@@ -222,8 +244,19 @@ fn llama_layer(i: usize, d: LayerDims, inter: usize, x: LayerExtras) -> Vec<(Str
         (format!("{p}.input_layernorm.weight"), vec![h], Init::Norm),
         (format!("{p}.post_attention_layernorm.weight"), vec![h], Init::Norm),
         (format!("{p}.self_attn.o_proj.weight"), vec![h, d.q], Init::Weight),
-        (format!("{p}.mlp.down_proj.weight"), vec![h, inter], Init::Weight),
     ];
+    if let Some(e) = x.experts {
+        let b = format!("{p}.{}", e.block);
+        t.push((format!("{b}.gate.weight"), vec![e.count, h], Init::Weight));
+        for i in 0..e.count {
+            let [gate, up, down] = e.names;
+            t.push((format!("{b}.experts.{i}.{gate}.weight"), vec![e.inter, h], Init::Weight));
+            t.push((format!("{b}.experts.{i}.{up}.weight"), vec![e.inter, h], Init::Weight));
+            t.push((format!("{b}.experts.{i}.{down}.weight"), vec![h, e.inter], Init::Weight));
+        }
+    } else {
+        t.push((format!("{p}.mlp.down_proj.weight"), vec![h, inter], Init::Weight));
+    }
     if x.fused {
         t.push((format!("{p}.self_attn.qkv_proj.weight"), vec![d.q + 2 * d.kv, h], Init::Weight));
         t.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * inter, h], Init::Weight));
@@ -234,8 +267,10 @@ fn llama_layer(i: usize, d: LayerDims, inter: usize, x: LayerExtras) -> Vec<(Str
                 t.push((format!("{p}.self_attn.{name}.bias"), vec![rows], Init::Bias));
             }
         }
-        t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h], Init::Weight));
-        t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h], Init::Weight));
+        if x.experts.is_none() {
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![inter, h], Init::Weight));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![inter, h], Init::Weight));
+        }
     }
     if x.qk_norm {
         t.push((format!("{p}.self_attn.q_norm.weight"), vec![d.head_dim], Init::Norm));
@@ -249,13 +284,15 @@ fn llama_layer(i: usize, d: LayerDims, inter: usize, x: LayerExtras) -> Vec<(Str
 }
 
 /// Writes `c` to `out`: config.json (with its vocabulary's BOS and EOS and the dtype),
-/// generation_config.json, the byte-level tokenizer and model.safetensors.
+/// generation_config.json, the byte-level tokenizer and, with `weights`, model.safetensors
+/// (without, the directory serves with `--load-format dummy`).
 fn write_checkpoint(
     c: &Checkpoint,
     out: &Path,
     dtype: DType,
     seed: u64,
     scale: f32,
+    weights: bool,
 ) -> Result<(), ModelError> {
     std::fs::create_dir_all(out).map_err(io(out))?;
     let (bos, eos) = (c.vocab - 2, c.vocab - 1);
@@ -275,6 +312,9 @@ fn write_checkpoint(
     write("config.json", &config)?;
     write("generation_config.json", &json!({"bos_token_id": bos, "eos_token_id": eos}))?;
     write_tokenizer(c.vocab, out)?;
+    if !weights {
+        return Ok(());
+    }
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let tensors: Vec<(&String, &Vec<usize>, Vec<u8>)> = c
         .tensors
@@ -320,6 +360,8 @@ pub enum Family {
     Gemma3_4b,
     Phi3Mini,
     Opt1_3b,
+    Mixtral8x7b,
+    Qwen3_30bA3b,
 }
 
 /// `make-random-model --like`: every shape a random model can take.
@@ -346,13 +388,19 @@ pub enum Like {
     Phi3Mini,
     #[value(name = "opt-1.3b")]
     Opt1_3b,
+    #[value(name = "mixtral-8x7b")]
+    Mixtral8x7b,
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
 }
 
 impl Like {
-    /// Writes the model to `out`.
-    pub fn write(self, out: &Path, dtype: DType, seed: u64) -> Result<(), ModelError> {
-        let llama = |p: Preset| make_random_model(p.shape(), out, dtype, seed, 1.0);
-        let family = |f: Family| make_random_family(f, out, dtype, seed);
+    /// Writes the model to `out`: with `weights`, its checkpoint too (else it serves with
+    /// `--load-format dummy`).
+    pub fn write(self, out: &Path, dtype: DType, seed: u64, weights: bool) -> Result<(), ModelError> {
+        let llama =
+            |p: Preset| write_checkpoint(&preset_checkpoint(p.shape()), out, dtype, seed, 1.0, weights);
+        let family = |f: Family| write_checkpoint(&f.checkpoint(), out, dtype, seed, 1.0, weights);
         match self {
             Like::Tiny => llama(Preset::Tiny),
             Like::Smollm2_135m => llama(Preset::Smollm2_135m),
@@ -365,6 +413,8 @@ impl Like {
             Like::Gemma3_4b => family(Family::Gemma3_4b),
             Like::Phi3Mini => family(Family::Phi3Mini),
             Like::Opt1_3b => family(Family::Opt1_3b),
+            Like::Mixtral8x7b => family(Family::Mixtral8x7b),
+            Like::Qwen3_30bA3b => family(Family::Qwen3_30bA3b),
         }
     }
 }
@@ -402,6 +452,14 @@ impl Family {
                 let x = LayerExtras { fused: true, ..Default::default() };
                 ("Phi3ForCausalLM", 32, 32, 32, 96, 3072, 8192, 32064, false, x)
             }
+            Family::Mixtral8x7b => {
+                let x = LayerExtras { experts: Some(MIXTRAL_EXPERTS), ..Default::default() };
+                ("MixtralForCausalLM", 32, 32, 8, 128, 4096, 14336, 32000, false, x)
+            }
+            Family::Qwen3_30bA3b => {
+                let x = LayerExtras { qk_norm: true, experts: Some(QWEN3_MOE_EXPERTS), ..Default::default() };
+                ("Qwen3MoeForCausalLM", 48, 32, 4, 128, 2048, 6144, 151936, false, x)
+            }
             Family::Opt1_3b => unreachable!("OPT is not Llama-shaped"),
         };
         let mut config = json!({
@@ -427,6 +485,11 @@ impl Family {
             Family::Phi3Mini => {
                 json!({"max_position_embeddings": 4096, "rope_theta": 10000.0, "sliding_window": 2047})
             }
+            Family::Mixtral8x7b => json!({"max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                "num_local_experts": 8, "num_experts_per_tok": 2}),
+            Family::Qwen3_30bA3b => json!({"max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": []}),
             Family::Opt1_3b => json!({}),
         };
         for (k, v) in extra.as_object().into_iter().flatten() {
@@ -480,7 +543,7 @@ fn opt_checkpoint() -> Checkpoint {
 
 /// Writes a random model of `family`'s real shapes to `out`.
 pub fn make_random_family(family: Family, out: &Path, dtype: DType, seed: u64) -> Result<(), ModelError> {
-    write_checkpoint(&family.checkpoint(), out, dtype, seed, 1.0)
+    write_checkpoint(&family.checkpoint(), out, dtype, seed, 1.0, true)
 }
 
 pub fn write_tokenizer(vocab_size: usize, out: &Path) -> Result<(), ModelError> {
@@ -591,8 +654,30 @@ pub fn write_golden_model(golden: &serde_json::Value, dir: &Path) -> Result<(), 
     write_tokenizer(vocab, dir)
 }
 
+/// A parameter of a checkpoint-less load (`--load-format dummy`), in `dtype`: the golden
+/// generator's values for its name, kind and shape (embeddings in ±1), made in parallel.
+pub fn param_bytes(name: &str, shape: &[usize], dtype: DType) -> Vec<u8> {
+    use rayon::prelude::*;
+    let n: usize = shape.iter().product();
+    let size = dtype.size();
+    let mut out = vec![0u8; n * size];
+    const CHUNK: usize = 1 << 16;
+    out.par_chunks_mut(CHUNK * size).enumerate().for_each(|(c, bytes)| {
+        let first = (c * CHUNK) as u64;
+        let values = golden_range(name, shape, 1.0, first..first + (bytes.len() / size) as u64);
+        bytes.copy_from_slice(&encode(values.into_iter(), dtype));
+    });
+    out
+}
+
 /// One golden parameter's values by its kind, as the script computes them in float32.
 fn golden_values(name: &str, shape: &[usize], embed_scale: f64) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    golden_range(name, shape, embed_scale, 0..n as u64)
+}
+
+/// Values `range` of [`golden_values`].
+fn golden_range(name: &str, shape: &[usize], embed_scale: f64, range: std::ops::Range<u64>) -> Vec<f32> {
     let fnv = name
         .bytes()
         .fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3));
@@ -614,8 +699,7 @@ fn golden_values(name: &str, shape: &[usize], embed_scale: f64) -> Vec<f32> {
     } else {
         (0.0, (2.0 * (3.0 / shape[shape.len() - 1] as f64).sqrt()) as f32)
     };
-    let n: usize = shape.iter().product();
-    (0..n as u64)
+    range
         .map(|i| {
             let u = uniform(i) - 0.5;
             if offset == 0.0 { u * scale } else { offset + u * scale }

@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 use super::config::ModelConfig;
 use super::loader::{Checkpoint, StackedParam, WeightStore};
-use super::{CausalLM, LoadOptions, ModelError, gemma, gemma2, gemma3, llama, opt, phi3, qwen3};
+use super::{
+    CausalLM, LoadOptions, ModelError, gemma, gemma2, gemma3, llama, mixtral, opt, phi3, qwen2_moe, qwen3,
+    qwen3_moe,
+};
 use crate::kernels::{DType, Device};
 
 pub type Constructor<D> =
@@ -46,6 +49,9 @@ impl<D: Device> Default for ModelRegistry<D> {
         r.register_model("Gemma3ForCausalLM", gemma3::entry());
         r.register_model("Phi3ForCausalLM", phi3::entry());
         r.register_model("OPTForCausalLM", opt::entry());
+        r.register_model("MixtralForCausalLM", mixtral::entry());
+        r.register_model("Qwen2MoeForCausalLM", qwen2_moe::entry());
+        r.register_model("Qwen3MoeForCausalLM", qwen3_moe::entry());
         r
     }
 }
@@ -106,6 +112,10 @@ impl<D: Device> ModelRegistry<D> {
     ) -> Result<LoadedModel<D>, ModelError> {
         let config = self.read_config(dir)?;
         let entry = self.entry(&config.architecture)?;
+        if opts.dummy {
+            let model = (entry.construct)(dev, &config, &WeightStore::dummy(dtype), opts)?;
+            return Ok(LoadedModel { config, model, dtype });
+        }
         let ckpt = Checkpoint::open(dir)?;
         let store = WeightStore::load_weights(
             ckpt.tensors(),

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use half::f16;
 use rayon::prelude::*;
 
+use super::moe::{self, MoeSpec};
 use super::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor,
     LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
@@ -51,6 +52,8 @@ pub enum Layout {
     /// The SIMD families' panel layout of a 2-D weight.
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     Packed(PackedData),
+    /// A 3-D `[experts, out, in]` weight: one 2-D weight per expert, each in its own layout.
+    Stacked(Vec<CpuWeight>),
 }
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -88,6 +91,11 @@ impl CpuWeight {
             Layout::Packed(PackedData::Bf16(p)) => p.row_f32(r, out),
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::F16(p)) => p.row_f32(r, out),
+            // Row r of the experts' rows laid end to end.
+            Layout::Stacked(experts) => {
+                let per = experts[0].shape[0];
+                experts[r / per].row_f32(r % per, out)
+            }
         }
     }
     fn to_f32(&self) -> Vec<f32> {
@@ -256,6 +264,15 @@ impl Device for CpuDevice {
         if t.data.len() != need {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
+        if let [experts, n, k] = t.shape[..] {
+            let bytes = n * k * t.dtype.size();
+            let each = (0..experts).map(|e| {
+                let data = std::borrow::Cow::Borrowed(&t.data[e * bytes..(e + 1) * bytes]);
+                self.upload(HostTensor { dtype: t.dtype, shape: vec![n, k], data })
+            });
+            let layout = Layout::Stacked(each.collect::<Result<_, _>>()?);
+            return Ok(CpuWeight { shape: t.shape, layout });
+        }
         let b = &t.data;
         let data = match t.dtype {
             DType::F32 => WeightData::F32(bytemuck::pod_collect_to_vec(b)),
@@ -330,6 +347,9 @@ impl Device for CpuDevice {
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::F16(p)) => {
                 packed::matmul(self.family, &x.data, x.rows, p, &mut out.data)
+            }
+            Layout::Stacked(_) => {
+                return Err(DeviceError::Other("3-D expert weights are read by fused_moe only".into()));
             }
         }
         if let Some(b) = bias {
@@ -406,6 +426,46 @@ impl Device for CpuDevice {
     fn activation(&self, x: &mut CpuTensor, act: Activation) -> DevResult<()> {
         x.data.par_iter_mut().for_each(|v| *v = act.apply(*v));
         Ok(())
+    }
+
+    fn add_sigmoid_gated(&self, acc: &mut CpuTensor, x: &CpuTensor, gate: &CpuTensor) -> DevResult<()> {
+        assert_eq!((acc.rows, acc.cols), (x.rows, x.cols), "add_sigmoid_gated: shape mismatch");
+        for ((a, xr), g) in
+            acc.data.chunks_mut(acc.cols).zip(x.data.chunks(x.cols)).zip(gate.data.chunks(gate.cols))
+        {
+            let s = 1.0 / (1.0 + (-g[0]).exp());
+            a.iter_mut().zip(xr).for_each(|(a, &v)| *a += s * v);
+        }
+        Ok(())
+    }
+
+    fn fused_moe(
+        &self,
+        x: &CpuTensor,
+        router_logits: &CpuTensor,
+        gate_up: &CpuWeight,
+        down: &CpuWeight,
+        spec: MoeSpec,
+    ) -> DevResult<CpuTensor> {
+        let (Layout::Stacked(gate_up), Layout::Stacked(down)) = (&gate_up.layout, &down.layout) else {
+            return Err(DeviceError::Other("fused_moe needs 3-D expert weights".into()));
+        };
+        let (ids, weights) = moe::route(&router_logits.data, spec);
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        // Each expert once, over the rows routed to it, in expert order (transformers' order
+        // of accumulation).
+        for (e, rows, w) in moe::group_by_expert(&ids, &weights, spec) {
+            let mut xs = CpuTensor::zeros(rows.len(), x.cols);
+            for (dst, &r) in xs.data.chunks_mut(x.cols).zip(&rows) {
+                dst.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+            }
+            let act = self.act_mul(&self.linear(&xs, &gate_up[e], None)?, spec.act)?;
+            let y = self.linear(&act, &down[e], None)?;
+            for ((yr, &r), &w) in y.data.chunks(y.cols).zip(&rows).zip(&w) {
+                out.data[r * x.cols..(r + 1) * x.cols].iter_mut().zip(yr).for_each(|(o, &v)| *o += v * w);
+            }
+        }
+        Ok(out)
     }
 
     fn act_mul(&self, gate_up: &CpuTensor, act: Activation) -> DevResult<CpuTensor> {

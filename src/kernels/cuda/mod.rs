@@ -28,6 +28,7 @@ mod attend;
 mod gemm;
 mod graph;
 mod lora;
+mod moe;
 mod nvrtc;
 mod ops;
 mod pool;

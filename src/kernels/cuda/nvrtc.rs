@@ -6,13 +6,14 @@ use super::DeviceError;
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 pub(super) const COMMON: &str = include_str!("common.cuh");
 
-pub(super) const SOURCES: [(&str, &str); 6] = [
+pub(super) const SOURCES: [(&str, &str); 7] = [
     ("elementwise", include_str!("elementwise.cu")),
     ("attention", include_str!("attention.cu")),
     ("flash", include_str!("flash.cu")),
     ("sampling", include_str!("sampling.cu")),
     ("lora", include_str!("lora.cu")),
     ("gemv", include_str!("gemv.cu")),
+    ("moe", include_str!("moe.cu")),
 ];
 
 /// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'

@@ -10,7 +10,7 @@ use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, Weig
 use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor,
-    LoraRows, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
+    LoraRows, LoraShape, LoraSlotWeights, MoeSpec, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::sampling::SampleInput;
 
@@ -85,11 +85,11 @@ impl Device for CudaDevice {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         let buf = match (t.dtype, t.shape.len()) {
-            (DType::BF16, 2) => {
+            (DType::BF16, 2 | 3) => {
                 self.act16.set(1);
                 WeightBuf::Bf16(self.upload_u16(&t.data)?)
             }
-            (DType::F16, 2) => {
+            (DType::F16, 2 | 3) => {
                 self.act16.set(2);
                 WeightBuf::F16(self.upload_u16(&t.data)?)
             }
@@ -353,6 +353,21 @@ impl Device for CudaDevice {
 
     fn activation(&self, x: &mut CudaTensor, act: Activation) -> DevResult<()> {
         self.elementwise_f32("activation_f32", x, Param::I32(act_code(act)))
+    }
+
+    fn add_sigmoid_gated(&self, acc: &mut CudaTensor, x: &CudaTensor, gate: &CudaTensor) -> DevResult<()> {
+        self.add_sigmoid_gated_impl(acc, x, gate)
+    }
+
+    fn fused_moe(
+        &self,
+        x: &CudaTensor,
+        router_logits: &CudaTensor,
+        gate_up: &CudaWeight,
+        down: &CudaWeight,
+        spec: MoeSpec,
+    ) -> DevResult<CudaTensor> {
+        self.fused_moe_impl(x, router_logits, gate_up, down, spec)
     }
 
     fn act_mul(&self, gate_up: &CudaTensor, act: Activation) -> DevResult<CudaTensor> {

@@ -1,11 +1,13 @@
 //! Layers shared by model files, with vLLM's names and meaning. Each has `load` (from a
 //! prefix-scoped weight view) and `forward` (on a [`Device`]): linear layers split for
 //! tensor parallelism, norms, rotary embedding and paged attention, the vocabulary
-//! embedding and LM head, learned positions, and a layer's LoRA buffers.
+//! embedding and LM head, learned positions, mixture-of-experts blocks, and a layer's LoRA
+//! buffers.
 
 mod attention;
 mod linear;
 pub mod lora;
+mod moe;
 mod norm;
 
 pub use attention::{PagedAttention, RotaryEmbedding};
@@ -13,6 +15,7 @@ pub use linear::{
     ColumnParallelLinear, MergedColumnParallelLinear, ProjLora, QKVParallelLinear, RowParallelLinear,
     qkv_heads, shard,
 };
+pub use moe::{ExpertNames, MoeConfig, SparseMoeBlock};
 pub use norm::{LayerNorm, Norm, RMSNorm};
 
 use super::ModelError;

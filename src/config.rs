@@ -80,6 +80,12 @@ pub struct EngineArgs {
     /// `auto`/`safetensors` read the checkpoint; `dummy` makes weights of its shapes instead.
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
+    /// Turns automatic prefix caching off; it is on by default, as in vLLM.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// Automatic prefix caching (the default; the flag is accepted for vLLM's scripts).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
     /// Plan and send the next step while one runs, so that the host's share of a step
     /// (scheduling, outputs, messages) overlaps the device's; a sequence that stops is given
     /// one step more, whose token is dropped. On by default (vLLM's flag is accepted);
@@ -204,6 +210,8 @@ impl Default for EngineArgs {
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
             load_format: LoadFormat::Auto,
+            no_enable_prefix_caching: false,
+            enable_prefix_caching: false,
             async_scheduling: true,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
@@ -417,6 +425,24 @@ impl EngineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Prefix caching is on unless `--no-enable-prefix-caching` comes last.
+    #[test]
+    fn prefix_caching_is_on_unless_turned_off() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let on = |args: &[&str]| {
+            let argv = std::iter::once("actorllm").chain(args.iter().copied());
+            !<Cli as clap::Parser>::try_parse_from(argv).unwrap().engine.no_enable_prefix_caching
+        };
+        assert!(on(&[]));
+        assert!(on(&["--enable-prefix-caching"]));
+        assert!(!on(&["--no-enable-prefix-caching"]));
+        assert!(on(&["--no-enable-prefix-caching", "--enable-prefix-caching"]));
+    }
 
     /// Async scheduling is on unless `--async-scheduling=false` says otherwise; vLLM's bare
     /// flag still parses, and a bare flag does not swallow the argument after it.

@@ -179,6 +179,13 @@ impl Engine {
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
         let active_weight_bytes = ranks.iter().map(|(_, m)| m.active_weight_bytes()).sum();
+        let prefix_caching =
+            !args.no_enable_prefix_caching && ranks.iter().all(|(_, m)| m.prefix_cacheable());
+        if !args.no_enable_prefix_caching && !prefix_caching {
+            tracing::info!(
+                "prefix caching off: this model's rotary embedding changes with the sequence's length"
+            );
+        }
         let dev_name = ranks[0].0.name();
         tracing::info!(
             model = %config.model_dir.display(),
@@ -229,6 +236,7 @@ impl Engine {
             block_size: config.block_size,
             num_blocks: config.num_blocks,
             max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
+            prefix_caching,
         };
         let limits = AdmissionLimits {
             max_model_len: config.max_model_len,

@@ -67,6 +67,9 @@ pub struct Metrics {
     pub aborts_engine: AtomicU64,
     pub aborts_slow: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
     pub steps: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
@@ -224,6 +227,8 @@ impl Default for Metrics {
             aborts_engine: AtomicU64::new(0),
             aborts_slow: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
+            prefix_queries: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
             steps: AtomicU64::new(0),
             ttft: Histogram::new(),
             itl: Histogram::new(),
@@ -290,6 +295,11 @@ impl Metrics {
     pub fn on_preemptions(&self, n: usize) {
         self.preemptions.fetch_add(n as u64, Relaxed);
     }
+    /// The scheduler's running totals of prefix-cache lookups.
+    pub fn on_prefix_cache(&self, queries: u64, hits: u64) {
+        self.prefix_queries.store(queries, Relaxed);
+        self.prefix_hits.store(hits, Relaxed);
+    }
     pub fn aborts(&self, reason: AbortReason) -> u64 {
         match reason {
             AbortReason::ClientGone => &self.aborts_client,
@@ -325,6 +335,20 @@ impl Metrics {
             "vllm:num_preemptions_total",
             "Sequences preempted (recompute).",
             self.preemptions.load(Relaxed),
+            "",
+        );
+        counter(
+            out,
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in prompt tokens looked up.",
+            self.prefix_queries.load(Relaxed),
+            "",
+        );
+        counter(
+            out,
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in prompt tokens found cached.",
+            self.prefix_hits.load(Relaxed),
             "",
         );
         let _ = writeln!(

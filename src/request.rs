@@ -205,6 +205,10 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    #[serde(default)]
+    pub cached_tokens: usize,
 }
 
 /// The logprob of the chosen token and the top alternatives at one position.

@@ -94,6 +94,10 @@ impl CausalLM<CpuDevice> for Faulty {
     fn has_lora(&self) -> bool {
         self.inner.has_lora()
     }
+    fn prefix_cacheable(&self) -> bool {
+        self.inner.prefix_cacheable()
+    }
+
     fn recompute_past(&self) -> Option<u32> {
         self.inner.recompute_past()
     }

@@ -302,11 +302,14 @@ impl SchedulerActor {
         for c in &req.choices {
             self.seq_owner.remove(&c.seq);
         }
+        let cached_tokens =
+            req.choices.first().and_then(|c| self.core.seq(c.seq)).map_or(0, |s| s.cached_tokens);
         self.core.remove_group(group);
         let usage = Usage {
             prompt_tokens: req.prompt_len,
             completion_tokens: req.completion_tokens,
             total_tokens: req.prompt_len + req.completion_tokens,
+            cached_tokens,
         };
         if !aborted {
             self.metrics.on_request_done(req.arrival, req.first_token, req.completion_tokens);
@@ -535,6 +538,7 @@ impl SchedulerActor {
             self.core.on_launched(s);
         }
         self.metrics.on_preemptions(plan.num_preempted);
+        self.metrics.on_prefix_cache(self.core.prefix_queries, self.core.prefix_hits);
         let scheduled = plan.seqs;
         let dropped = plan.dropped;
         let lora_loads = plan.lora_loads;

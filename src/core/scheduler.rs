@@ -1,14 +1,14 @@
 //! Continuous batching, as a plain struct: waiting and running queues, a token budget per
-//! step, first come first served, chunked prefill, and preemption by recompute when the KV
-//! cache runs out. It plans block operations against an exact mirror of the pool's free
-//! count (it is the pool's only client), so that the BlockManager can apply each step's
-//! plan in one message.
+//! step, first come first served, chunked prefill, preemption by recompute when the KV
+//! cache runs out, and automatic prefix caching: a sequence admitted with a prompt whose
+//! leading full blocks are cached adopts them and computes only the rest, and every full
+//! block a sequence computes is offered to the cache. It plans block operations against a
+//! replica of the pool fed the same operations in the same order (it is the pool's only
+//! client), so that the BlockManager can apply each step's plan in one message.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
-use std::collections::HashSet;
-
-use super::block_pool::{AllocStatus, BlockOp, SeqId};
+use super::block_pool::{AllocStatus, BlockKey, BlockOp, BlockPool, SeqId};
 use super::lora_slots::LoraSlots;
 
 #[derive(Debug, Clone, Copy)]
@@ -19,15 +19,15 @@ pub struct SchedulerConfig {
     pub num_blocks: usize,
     /// Adapter slots (`--max-loras`); 0 when LoRA is off.
     pub max_loras: usize,
+    /// Automatic prefix caching (`--enable-prefix-caching`).
+    pub prefix_caching: bool,
 }
 
-/// A request's sequences (n > 1 gives several) share its full prompt blocks when admitted
-/// together; the group tracks who still holds them.
+/// A request's sequences (n > 1 gives several), which share its full prompt blocks when
+/// admitted together.
 #[derive(Debug)]
 struct Group {
     seqs: Vec<SeqId>,
-    shared_blocks: usize,
-    shared_holders: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,8 +51,11 @@ pub struct Sequence {
     pub lora: Option<u64>,
     /// Whether the ModelRunner holds this sequence's state (set false on preemption).
     pub registered: bool,
-    blocks: usize,
-    shared: usize,
+    /// Prompt tokens whose blocks came from the prefix cache when it was first admitted.
+    pub cached_tokens: usize,
+    /// Full blocks of `tokens` offered to the prefix cache, and the last one's hash.
+    hashed: usize,
+    last_hash: u64,
     /// Never preempted: may share its group's prompt blocks on admission.
     fresh: bool,
     /// Tokens (prompt included) at which it ends whatever it samples (`max_tokens`, the
@@ -96,13 +99,18 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     seqs: HashMap<SeqId, Sequence>,
     groups: HashMap<u64, Group>,
-    free_blocks: usize,
+    /// The pool as the BlockManager will have it once it has applied `pending_ops`.
+    pool: BlockPool,
     pending_ops: Vec<BlockOp>,
     pending_dropped: Vec<SeqId>,
     next_seq: SeqId,
     lora_slots: LoraSlots,
     /// Preemptions since start.
     pub total_preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and those found (vLLM's
+    /// `prefix_cache_queries` and `prefix_cache_hits`).
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
 }
 
 impl Scheduler {
@@ -113,13 +121,27 @@ impl Scheduler {
             running: Vec::new(),
             seqs: HashMap::new(),
             groups: HashMap::new(),
-            free_blocks: cfg.num_blocks,
+            pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             pending_ops: Vec::new(),
             pending_dropped: Vec::new(),
             next_seq: 0,
             lora_slots: LoraSlots::new(cfg.max_loras),
             total_preemptions: 0,
+            prefix_queries: 0,
+            prefix_hits: 0,
         }
+    }
+
+    /// Applies `op` to the replica and queues it for the BlockManager, in the same order.
+    fn op(&mut self, op: BlockOp) {
+        self.pool
+            .apply(std::slice::from_ref(&op))
+            .expect("the scheduler plans within its replica of the pool");
+        self.pending_ops.push(op);
+    }
+
+    fn table_len(&self, id: SeqId) -> usize {
+        self.pool.table(id).map_or(0, <[_]>::len)
     }
 
     fn blocks_for(&self, tokens: usize) -> usize {
@@ -151,15 +173,16 @@ impl Scheduler {
                     status: SeqStatus::Waiting,
                     lora,
                     registered: false,
-                    blocks: 0,
-                    shared: 0,
+                    cached_tokens: 0,
+                    hashed: 0,
+                    last_hash: 0,
                     fresh: true,
                     max_len: usize::MAX,
                 },
             );
             self.waiting.push_back(id);
         }
-        self.groups.insert(group, Group { seqs: ids.clone(), shared_blocks: 0, shared_holders: 0 });
+        self.groups.insert(group, Group { seqs: ids.clone() });
         ids
     }
 
@@ -185,8 +208,9 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Blocks an allocation can have (free, or cached and held by no sequence).
     pub fn free_blocks(&self) -> usize {
-        self.free_blocks
+        self.pool.num_free()
     }
 
     /// Adapter slots holding an adapter.
@@ -236,25 +260,15 @@ impl Scheduler {
         !self.pending_ops.is_empty() || !self.pending_dropped.is_empty()
     }
 
-    /// Returns a sequence's blocks to the mirror count and queues the pool operation.
+    /// Frees a sequence's blocks (cached ones stay cached until evicted).
     fn release(&mut self, id: SeqId) {
-        let Some(seq) = self.seqs.get_mut(&id) else { return };
-        if seq.blocks == 0 {
-            return;
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.hashed = 0;
+            seq.last_hash = 0;
         }
-        let (owned, shared) = (seq.blocks - seq.shared, seq.shared);
-        seq.blocks = 0;
-        seq.shared = 0;
-        self.free_blocks += owned;
-        if shared > 0
-            && let Some(g) = self.groups.get_mut(&seq.group)
-        {
-            g.shared_holders -= 1;
-            if g.shared_holders == 0 {
-                self.free_blocks += g.shared_blocks;
-            }
+        if self.pool.table(id).is_some() {
+            self.op(BlockOp::Free(id));
         }
-        self.pending_ops.push(BlockOp::Free(id));
     }
 
     fn forget_on_runner(&mut self, id: SeqId) {
@@ -287,7 +301,7 @@ impl Scheduler {
         }
     }
 
-    fn preempt(&mut self, id: SeqId) {
+    pub(crate) fn preempt(&mut self, id: SeqId) {
         self.release(id);
         self.forget_on_runner(id);
         self.running.retain(|&s| s != id);
@@ -301,29 +315,72 @@ impl Scheduler {
     }
 
     /// Reserves `tokens` of cache for `id`; false if the pool lacks the blocks.
-    fn reserve(&mut self, id: SeqId, tokens: usize, ops: &mut Vec<BlockOp>) -> bool {
-        let have = self.seqs[&id].blocks;
-        let need = self.blocks_for(tokens).saturating_sub(have);
-        if need > self.free_blocks {
+    fn reserve(&mut self, id: SeqId, tokens: usize) -> bool {
+        let need = self.blocks_for(tokens).saturating_sub(self.table_len(id));
+        if need > self.pool.num_free() {
             return false;
         }
-        self.free_blocks -= need;
-        if let Some(s) = self.seqs.get_mut(&id) {
-            s.blocks += need;
-        }
-        ops.push(BlockOp::Grow { seq: id, num_tokens: tokens });
+        self.op(BlockOp::Grow { seq: id, num_tokens: tokens });
         true
+    }
+
+    /// Offers `id`'s full blocks whose tokens are computed (and known) to the prefix cache.
+    fn cache_computed(&mut self, id: SeqId) {
+        let bs = self.cfg.block_size;
+        loop {
+            let seq = &self.seqs[&id];
+            let (i, end) = (seq.hashed, (seq.hashed + 1) * bs);
+            if end > seq.num_computed || end > seq.tokens.len() || seq.tokens[i * bs..end].contains(&PENDING)
+            {
+                return;
+            }
+            let key = BlockKey::chain(seq.last_hash, &seq.tokens[i * bs..end], seq.lora);
+            let hash = key.hash;
+            self.op(BlockOp::Cache { seq: id, index: i, key });
+            let seq = self.seqs.get_mut(&id).expect("looked up above");
+            seq.hashed += 1;
+            seq.last_hash = hash;
+        }
+    }
+
+    /// The keys of the leading full blocks of `id`'s tokens that the cache holds, leaving
+    /// at least its last token to compute (the one whose logits are sampled).
+    fn prefix_hits(&self, id: SeqId) -> Vec<BlockKey> {
+        let seq = &self.seqs[&id];
+        let bs = self.cfg.block_size;
+        let mut keys = Vec::new();
+        if !self.cfg.prefix_caching {
+            return keys;
+        }
+        let mut parent = 0;
+        for block in seq.tokens[..seq.tokens.len() - 1].chunks_exact(bs) {
+            if block.contains(&PENDING) {
+                break;
+            }
+            let key = BlockKey::chain(parent, block, seq.lora);
+            if self.pool.lookup(&key).is_none() {
+                break;
+            }
+            parent = key.hash;
+            keys.push(key);
+        }
+        keys
     }
 
     /// Plans the next step. Returns None when there is nothing to run or deliver.
     pub fn schedule(&mut self) -> Option<StepPlan> {
-        let mut plan = StepPlan { ops: std::mem::take(&mut self.pending_ops), ..Default::default() };
+        let mut plan = StepPlan::default();
+        if self.cfg.prefix_caching {
+            for id in self.running.clone() {
+                self.cache_computed(id);
+            }
+        }
         let mut budget = self.cfg.max_num_batched_tokens;
         self.schedule_running(&mut plan, &mut budget);
         if plan.num_preempted == 0 {
             self.schedule_waiting(&mut plan, &mut budget);
         }
-        plan.ops.append(&mut self.pending_ops);
+        plan.ops = std::mem::take(&mut self.pending_ops);
         plan.dropped = std::mem::take(&mut self.pending_dropped);
         if plan.seqs.is_empty() && plan.ops.is_empty() && plan.dropped.is_empty() {
             return None;
@@ -345,10 +402,7 @@ impl Scheduler {
             let len = (total - start).min(*budget);
             let mut scheduled = false;
             loop {
-                let mut ops = Vec::new();
-                if self.reserve(id, start + len, &mut ops) {
-                    plan.ops.append(&mut self.pending_ops);
-                    plan.ops.extend(ops);
+                if self.reserve(id, start + len) {
                     scheduled = true;
                     break;
                 }
@@ -385,19 +439,39 @@ impl Scheduler {
             if self.try_admit_group(id, plan, budget) {
                 continue;
             }
-            let seq = &self.seqs[&id];
-            let total = seq.tokens.len();
-            let len = total.min(*budget);
+            let total = self.seqs[&id].tokens.len();
+            let hits = self.prefix_hits(id);
+            let start = hits.len() * self.cfg.block_size;
+            let len = (total - start).min(*budget);
+            // Cached blocks no one holds leave the free count when adopted.
+            let idle = hits
+                .iter()
+                .filter(|k| self.pool.lookup(k).is_some_and(|b| self.pool.is_evictable(b)))
+                .count();
             // A prompt whose first chunk cannot fit now waits (FCFS: nobody overtakes it).
-            if self.blocks_for(len) > self.free_blocks {
+            if self.blocks_for(start + len) - hits.len() + idle > self.pool.num_free() {
                 break;
             }
-            let mut ops = Vec::new();
-            self.reserve(id, len, &mut ops);
-            plan.ops.extend(ops);
+            if self.cfg.prefix_caching {
+                self.prefix_queries += total as u64;
+                self.prefix_hits += start as u64;
+            }
+            let (n, last) = (hits.len(), hits.last().map_or(0, |k| k.hash));
+            if n > 0 {
+                self.op(BlockOp::Adopt { seq: id, keys: hits });
+            }
+            if let Some(seq) = self.seqs.get_mut(&id) {
+                seq.num_computed = start;
+                seq.hashed = n;
+                seq.last_hash = last;
+                if seq.fresh {
+                    seq.cached_tokens = start;
+                }
+            }
+            self.reserve(id, start + len);
             self.admit(id);
             let lora_slot = self.slot_of(id);
-            plan.seqs.push(ScheduledSeq { seq: id, start: 0, len, sample: len == total, lora_slot });
+            plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total, lora_slot });
             *budget -= len;
         }
     }
@@ -429,33 +503,20 @@ impl Scheduler {
         let blocks = self.blocks_for(p) + (n - 1) * (self.blocks_for(p) - shared);
         if shared == 0
             || tokens > *budget
-            || blocks > self.free_blocks
+            || blocks > self.pool.num_free()
             || self.running.len() + n > self.cfg.max_num_seqs
         {
             return false;
         }
         let ids = group.seqs.clone();
-        let gid = seq.group;
-        let mut ops = Vec::new();
-        self.reserve(parent, p, &mut ops);
+        self.reserve(parent, p);
         for &child in &ids[1..] {
-            ops.push(BlockOp::Fork { parent, child, num_blocks: shared });
+            self.op(BlockOp::Fork { parent, child, num_blocks: shared });
             if let Some(c) = self.seqs.get_mut(&child) {
-                c.blocks = shared;
-                c.shared = shared;
                 c.num_computed = shared * self.cfg.block_size;
             }
-            self.reserve(child, p, &mut ops);
+            self.reserve(child, p);
         }
-        if let Some(s) = self.seqs.get_mut(&parent) {
-            s.shared = shared;
-        }
-        if let Some(g) = self.groups.get_mut(&gid) {
-            g.shared_blocks = shared;
-            g.shared_holders = n;
-        }
-        // The shared blocks count once: reserve() charged them to the parent only.
-        plan.ops.extend(ops);
         for &id in &ids {
             self.admit(id);
             let start = self.seqs[&id].num_computed;

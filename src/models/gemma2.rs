@@ -367,6 +367,10 @@ impl<D: Device> CausalLM<D> for Gemma2ForCausalLM<D> {
         self.layers.first().is_some_and(|l| l.lora.is_some())
     }
 
+    fn prefix_cacheable(&self) -> bool {
+        [&self.rope_full, &self.rope_local].iter().all(|r| !r.spec.varies())
+    }
+
     fn recompute_past(&self) -> Option<u32> {
         [&self.rope_full, &self.rope_local].into_iter().filter_map(|r| r.spec.recompute_past()).min()
     }

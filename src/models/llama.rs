@@ -516,6 +516,10 @@ impl<D: Device> CausalLM<D> for LlamaForCausalLM<D> {
         self.layers.first().is_some_and(|l| l.lora.is_some())
     }
 
+    fn prefix_cacheable(&self) -> bool {
+        !self.rotary_emb.spec.varies()
+    }
+
     fn recompute_past(&self) -> Option<u32> {
         self.rotary_emb.spec.recompute_past()
     }

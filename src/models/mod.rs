@@ -88,6 +88,12 @@ pub trait CausalLM<D: Device>: Send {
     fn active_weight_bytes(&self) -> usize {
         self.weight_bytes()
     }
+    /// Whether a block of keys and values depends only on the tokens before it (and so may
+    /// serve another sequence with the same prefix): not where the rotary embedding changes
+    /// with the sequence's length (dynamic NTK, LongRoPE past its original context).
+    fn prefix_cacheable(&self) -> bool {
+        true
+    }
     /// Places an adapter's weights in a LoRA slot (None clears it). A no-op on a model
     /// built without LoRA capacity: the scheduler never assigns slots then.
     fn set_lora_slot(&mut self, dev: &D, slot: usize, adapter: Option<&lora::LoraAdapter>) -> DevResult<()>;

@@ -72,6 +72,7 @@ pub fn merge(streams: Vec<RequestStream>, n: usize) -> impl Stream<Item = GenEve
                         usage.prompt_tokens += u.prompt_tokens;
                         usage.completion_tokens += u.completion_tokens;
                         usage.total_tokens += u.total_tokens;
+                        usage.cached_tokens += u.cached_tokens;
                         left -= 1;
                         if left > 0 {
                             continue;
@@ -94,7 +95,8 @@ fn stop_reason_json(s: &Option<StopReason>) -> Value {
 }
 
 fn usage_json(u: &Usage) -> Value {
-    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens})
+    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
 }
 
 /// Per-choice state for the non-streaming response.

@@ -11,12 +11,23 @@ struct Harness {
 
 impl Harness {
     fn new(num_blocks: usize, block_size: usize, max_num_seqs: usize, budget: usize) -> Self {
+        Self::with_caching(num_blocks, block_size, max_num_seqs, budget, false)
+    }
+
+    fn with_caching(
+        num_blocks: usize,
+        block_size: usize,
+        max_num_seqs: usize,
+        budget: usize,
+        on: bool,
+    ) -> Self {
         let cfg = SchedulerConfig {
             max_num_seqs,
             max_num_batched_tokens: budget,
             block_size,
             num_blocks,
             max_loras: 2,
+            prefix_caching: on,
         };
         Self { s: Scheduler::new(cfg), pool: BlockPool::new(num_blocks, block_size) }
     }
@@ -29,6 +40,7 @@ impl Harness {
         assert_eq!(self.pool.num_free(), self.s.free_blocks(), "mirror of the free count");
         for sq in &plan.seqs {
             let table = self.pool.table(sq.seq).expect("scheduled sequences have blocks");
+            assert_eq!(Some(table), self.s.pool.table(sq.seq), "the replica's table");
             assert!(table.len() * self.pool.block_size() >= sq.start + sq.len);
             self.s.on_computed(sq);
             if sq.sample {
@@ -186,4 +198,55 @@ fn a_step_planned_before_the_last_ones_tokens_are_known_decodes_on_and_resolves_
     h.s.finish(a);
     h.s.resolve_token(a, 42);
     assert_eq!(h.s.seq(a).unwrap().tokens, vec![1, 2, 3, 40, 41]);
+}
+
+/// With prefix caching, a request whose prompt starts with blocks another computed adopts
+/// them and computes only the rest (keeping its last token to compute); another adapter's
+/// request does not; a preempted sequence comes back through its own cached blocks.
+#[test]
+fn prefix_cache_hits_skip_computed_blocks() {
+    let mut h = Harness::with_caching(16, 4, 8, 64, true);
+    let prompt: Vec<u32> = (1..=10).collect();
+    let a = h.s.add(0, &prompt, 1, None)[0];
+    assert_eq!(lens(&h.step(50)), vec![(a, 0, 10)]);
+    h.step(51);
+    // Blocks [1..4] and [5..8] are computed: a second request with the prompt takes them.
+    let b = h.s.add(1, &prompt, 1, None)[0];
+    let plan = h.step(52);
+    assert!(lens(&plan).contains(&(b, 8, 2)), "{:?}", lens(&plan));
+    assert_eq!(h.pool.table(b).unwrap()[..2], h.pool.table(a).unwrap()[..2]);
+    assert_eq!(h.s.seq(b).unwrap().cached_tokens, 8);
+    assert_eq!((h.s.prefix_queries, h.s.prefix_hits), (20, 8));
+    // A prompt that is exactly two blocks recomputes its last token: one block hit.
+    let c = h.s.add(2, &prompt[..8], 1, None)[0];
+    assert!(lens(&h.step(53)).contains(&(c, 4, 4)));
+    // Under an adapter, nothing is shared with the base model.
+    let d = h.s.add(3, &prompt, 1, Some(7))[0];
+    assert!(lens(&h.step(54)).contains(&(d, 0, 10)));
+    // Its own blocks serve it after a preemption: a runs on from its generated tokens.
+    h.s.finish(b);
+    h.s.finish(c);
+    h.s.finish(d);
+    h.step(55);
+    h.s.preempt(a);
+    // Its 16 tokens: blocks up to token 12 were offered to the cache before it went (the
+    // fourth was computed by the step in flight), so it computes 4.
+    let back = lens(&h.step(56));
+    assert_eq!(h.s.seq(a).unwrap().tokens.len(), 17, "16, and the one this step sampled");
+    assert_eq!(back, vec![(a, 12, 4)]);
+}
+
+/// Outputs of steps and pool state agree with caching off: nothing is looked up or kept
+/// beyond what a request holds.
+#[test]
+fn without_prefix_caching_nothing_is_cached() {
+    let mut h = Harness::new(16, 4, 8, 64);
+    let prompt: Vec<u32> = (1..=10).collect();
+    h.s.add(0, &prompt, 1, None);
+    h.step(1);
+    h.step(2);
+    let b = h.s.add(1, &prompt, 1, None)[0];
+    assert!(lens(&h.step(3)).contains(&(b, 0, 10)));
+    assert_eq!(h.pool.num_cached(), 0);
+    assert_eq!((h.s.prefix_queries, h.s.prefix_hits), (0, 0));
 }

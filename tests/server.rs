@@ -585,3 +585,56 @@ async fn websocket_refuses_oversized_frames_and_answers_pings() {
     assert_eq!(reason.code, awc::ws::CloseCode::Size);
     assert!(reason.description.unwrap_or_default().contains("over the limit of 1048576 bytes"));
 }
+
+/// `bench serve`'s client sees the first token when a raw socket reader does (one write,
+/// bytes read as they arrive): a client whose request waited on Nagle's algorithm, or
+/// whose reads batched the stream, would show the delayed-ACK wait (about 40 ms) on top.
+#[actix_rt::test]
+async fn the_bench_client_times_streams_as_a_raw_socket_reader_does() {
+    let s = start_tiny(61, |_| {}).await;
+    let body = json!({"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 16, "temperature": 0,
+        "ignore_eos": true, "stream": true, "logprobs": 0});
+    let host = s.url("").trim_start_matches("http://").to_string();
+    let raw = |body: Value| {
+        let host = host.clone();
+        actix_rt::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let body = body.to_string();
+            let req = format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let mut sock = std::net::TcpStream::connect(&host).unwrap();
+            sock.set_nodelay(true).unwrap();
+            let start = Instant::now();
+            sock.write_all(req.as_bytes()).unwrap();
+            let (mut seen, mut buf) = (Vec::new(), [0u8; 4096]);
+            loop {
+                let n = sock.read(&mut buf).unwrap();
+                assert!(n > 0, "the stream ended before a token");
+                seen.extend_from_slice(&buf[..n]);
+                if String::from_utf8_lossy(&seen).contains("\"text\":\"") {
+                    return start.elapsed().as_secs_f64();
+                }
+            }
+        })
+    };
+    let (mut bench, mut socket) = (Vec::new(), Vec::new());
+    for _ in 0..7 {
+        let (ttft, _, tokens) =
+            actorllm::bench::serve::stream_request(&s.url(""), "/v1/completions", &body).await.unwrap();
+        assert_eq!(tokens, 16);
+        bench.push(ttft);
+        socket.push(raw(body.clone()).await.unwrap());
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] * 1e3
+    };
+    let (b, r) = (median(bench), median(socket));
+    assert!(
+        b <= 2.0 * r + 10.0,
+        "bench client's first token after {b:.1} ms, a raw reader's after {r:.1} ms"
+    );
+}

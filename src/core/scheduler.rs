@@ -324,14 +324,19 @@ impl Scheduler {
         true
     }
 
-    /// Offers `id`'s full blocks whose tokens are computed (and known) to the prefix cache.
-    fn cache_computed(&mut self, id: SeqId) {
+    /// Offers `id`'s full blocks of known tokens below `upto` to the prefix cache: those
+    /// computed, or computed by the step being planned. A sequence admitted later adopts
+    /// them; steps run in order, and within one forward every key and value is written
+    /// before attention reads any, so a block is there for whoever reads it.
+    fn offer_blocks(&mut self, id: SeqId, upto: usize) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
         let bs = self.cfg.block_size;
         loop {
             let seq = &self.seqs[&id];
             let (i, end) = (seq.hashed, (seq.hashed + 1) * bs);
-            if end > seq.num_computed || end > seq.tokens.len() || seq.tokens[i * bs..end].contains(&PENDING)
-            {
+            if end > upto || end > seq.tokens.len() || seq.tokens[i * bs..end].contains(&PENDING) {
                 return;
             }
             let key = BlockKey::chain(seq.last_hash, &seq.tokens[i * bs..end], seq.lora);
@@ -370,10 +375,9 @@ impl Scheduler {
     /// Plans the next step. Returns None when there is nothing to run or deliver.
     pub fn schedule(&mut self) -> Option<StepPlan> {
         let mut plan = StepPlan::default();
-        if self.cfg.prefix_caching {
-            for id in self.running.clone() {
-                self.cache_computed(id);
-            }
+        // Blocks whose tokens became known since they were computed (sampled tokens).
+        for id in self.running.clone() {
+            self.offer_blocks(id, self.seqs[&id].num_computed);
         }
         let mut budget = self.cfg.max_num_batched_tokens;
         self.schedule_running(&mut plan, &mut budget);
@@ -419,6 +423,7 @@ impl Scheduler {
             }
             let lora_slot = self.slot_of(id);
             plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total, lora_slot });
+            self.offer_blocks(id, start + len);
             *budget -= len;
             i += 1;
         }
@@ -472,6 +477,7 @@ impl Scheduler {
             self.admit(id);
             let lora_slot = self.slot_of(id);
             plan.seqs.push(ScheduledSeq { seq: id, start, len, sample: start + len == total, lora_slot });
+            self.offer_blocks(id, start + len);
             *budget -= len;
         }
     }
@@ -522,6 +528,7 @@ impl Scheduler {
             let start = self.seqs[&id].num_computed;
             let lora_slot = self.slot_of(id);
             plan.seqs.push(ScheduledSeq { seq: id, start, len: p - start, sample: true, lora_slot });
+            self.offer_blocks(id, p);
         }
         *budget -= tokens;
         true

@@ -250,3 +250,24 @@ fn without_prefix_caching_nothing_is_cached() {
     assert_eq!(h.pool.num_cached(), 0);
     assert_eq!((h.s.prefix_queries, h.s.prefix_hits), (0, 0));
 }
+
+/// Requests that arrive together with the same prompt compute it once: the first's blocks
+/// are offered as its step is planned, and the second, admitted in the same step, adopts
+/// them (their keys and values are written before attention reads them).
+#[test]
+fn requests_admitted_together_compute_a_shared_prompt_once() {
+    let mut h = Harness::with_caching(16, 4, 8, 64, true);
+    let prompt: Vec<u32> = (1..=10).collect();
+    let a = h.s.add(0, &prompt, 1, None)[0];
+    let b = h.s.add(1, &prompt, 1, None)[0];
+    assert_eq!(lens(&h.step(5)), vec![(a, 0, 10), (b, 8, 2)]);
+    assert_eq!(h.pool.table(b).unwrap()[..2], h.pool.table(a).unwrap()[..2]);
+    // A prompt longer than the step's budget: the next request adopts the chunk computed.
+    let mut h = Harness::with_caching(16, 4, 8, 12, true);
+    let long: Vec<u32> = (1..=20).collect();
+    let c = h.s.add(0, &long, 1, None)[0];
+    let d = h.s.add(1, &long, 1, None)[0];
+    assert_eq!(lens(&h.step(5)), vec![(c, 0, 12)]);
+    // d takes the 12 computed and the 4 c computes in this step: it keeps its last 4.
+    assert_eq!(lens(&h.step(5)), vec![(c, 12, 8), (d, 16, 4)]);
+}

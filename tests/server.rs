@@ -638,3 +638,33 @@ async fn the_bench_client_times_streams_as_a_raw_socket_reader_does() {
         "bench client's first token after {b:.1} ms, a raw reader's after {r:.1} ms"
     );
 }
+
+/// Logprob counts: up to 20 alternatives a token on both endpoints; -1 (vLLM's "the whole
+/// vocabulary") and 21 are refused with a 400 naming the field.
+#[actix_rt::test]
+async fn logprob_counts_go_to_twenty_and_minus_one_is_refused_by_name() {
+    let s = start_tiny(62, |_| {}).await;
+    let chat = |top: i64| {
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "logprobs": true, "top_logprobs": top})
+    };
+    let (st, v) = s.post("/v1/chat/completions", &chat(20)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["logprobs"]["content"][0]["top_logprobs"].as_array().unwrap().len(), 20);
+    let completion = |n: i64| json!({"prompt": [5, 6, 7], "max_tokens": 2, "logprobs": n});
+    // (Completions key them by text, where the tiny model's byte tokens may coincide.)
+    let (st, v) = s.post("/v1/completions", &completion(20)).await;
+    assert_eq!(st, 200, "{v}");
+    for (path, body, field) in [
+        ("/v1/completions", completion(-1), "logprobs"),
+        ("/v1/completions", completion(21), "logprobs"),
+        ("/v1/chat/completions", chat(-1), "top_logprobs"),
+        ("/v1/chat/completions", chat(21), "top_logprobs"),
+    ] {
+        let (st, v) = s.post(path, &body).await;
+        assert_eq!(st, 400, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(field) && message.contains("20"), "{message}");
+    }
+}

@@ -133,7 +133,7 @@ pub struct CompletionRequest {
     pub sampling: SamplingFields,
     #[serde(default)]
     pub echo: bool,
-    pub logprobs: Option<usize>,
+    pub logprobs: Option<i64>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
@@ -172,7 +172,7 @@ pub struct ChatRequest {
     pub sampling: SamplingFields,
     #[serde(default)]
     pub logprobs: bool,
-    pub top_logprobs: Option<usize>,
+    pub top_logprobs: Option<i64>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
@@ -205,6 +205,23 @@ pub struct Prepared {
     pub params: SamplingParams,
     pub stream: bool,
     pub stream_options: StreamOptions,
+}
+
+/// A count of top logprobs a request asks for, 0 to [`MAX_LOGPROBS`]; vLLM's -1 (the whole
+/// vocabulary) is refused by name.
+fn logprob_count(v: i64, field: &'static str) -> Result<usize, ApiError> {
+    match v {
+        -1 => Err(ApiError::bad(
+            format!(
+                "{field} -1 (every token of the vocabulary) is not supported: ask for 0 to {MAX_LOGPROBS}"
+            ),
+            Some(field),
+        )),
+        v if (0..=MAX_LOGPROBS as i64).contains(&v) => Ok(v as usize),
+        _ => {
+            Err(ApiError::bad(format!("{field} must be between 0 and {MAX_LOGPROBS}, got {v}"), Some(field)))
+        }
+    }
 }
 
 fn check_n(f: &SamplingFields) -> Result<usize, ApiError> {
@@ -344,13 +361,8 @@ pub fn prepare_completion(
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
-    if req.logprobs.is_some_and(|l| l > MAX_LOGPROBS) {
-        return Err(ApiError::bad(
-            format!("logprobs must be between 0 and {MAX_LOGPROBS}"),
-            Some("logprobs"),
-        ));
-    }
-    let params = sampling(&req.sampling, Some(16), req.logprobs)?;
+    let logprobs = req.logprobs.map(|l| logprob_count(l, "logprobs")).transpose()?;
+    let params = sampling(&req.sampling, Some(16), logprobs)?;
     let tok = engine.tokenizer();
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
         PromptInput::Text(t) => (vec![tok.encode(&t, true)?], vec![Some(t)]),
@@ -448,19 +460,14 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
     }
     let messages = chat_messages(&req.messages)?;
-    let top = match (req.logprobs, req.top_logprobs) {
+    let asked = req.top_logprobs.map(|t| logprob_count(t, "top_logprobs")).transpose()?;
+    let top = match (req.logprobs, asked) {
         (false, Some(t)) if t > 0 => {
             return Err(ApiError::bad("top_logprobs requires logprobs to be true", Some("top_logprobs")));
         }
         (true, t) => Some(t.unwrap_or(0)),
         (false, _) => None,
     };
-    if top.is_some_and(|t| t > MAX_LOGPROBS) {
-        return Err(ApiError::bad(
-            format!("top_logprobs must be between 0 and {MAX_LOGPROBS}"),
-            Some("top_logprobs"),
-        ));
-    }
     let params = sampling(&req.sampling, None, top)?;
     let tok = engine.tokenizer();
     let text = tok.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;

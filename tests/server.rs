@@ -668,3 +668,42 @@ async fn logprob_counts_go_to_twenty_and_minus_one_is_refused_by_name() {
         assert!(message.contains(field) && message.contains("20"), "{message}");
     }
 }
+
+/// Fields clients send routinely are accepted; a vLLM field that would change the output
+/// and is not implemented gets a 400 naming it (never silently ignored); at its default
+/// value it is accepted.
+#[actix_rt::test]
+async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
+    let s = start_tiny(63, |_| {}).await;
+    let with = |extra: Value| {
+        let mut body = json!({"prompt": [5, 6, 7], "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let routine = json!({"user": "u1", "metadata": {"k": "v"}, "store": false, "service_tier": "auto",
+        "use_beam_search": false, "length_penalty": 1.0, "early_stopping": false, "bad_words": [],
+        "priority": 0, "chat_template_kwargs": {}});
+    let (st, v) = s.post("/v1/completions", &with(routine)).await;
+    assert_eq!(st, 200, "{v}");
+    for (field, value) in [
+        ("use_beam_search", json!(true)),
+        ("length_penalty", json!(0.8)),
+        ("early_stopping", json!(true)),
+        ("prompt_logprobs", json!(1)),
+        ("bad_words", json!(["no"])),
+        ("allowed_token_ids", json!([5, 6])),
+        ("truncate_prompt_tokens", json!(2)),
+        ("priority", json!(3)),
+        ("chat_template_kwargs", json!({"enable_thinking": false})),
+        ("continue_final_message", json!(true)),
+    ] {
+        let (st, v) = s.post("/v1/completions", &with(json!({ field: value }))).await;
+        assert_eq!(st, 400, "{field}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+    }
+    let chat =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ x }}"});
+    let (st, v) = s.post("/v1/chat/completions", &chat).await;
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("chat_template")), "{v}");
+}

@@ -86,6 +86,73 @@ impl StructuredFields {
     }
 }
 
+/// vLLM's request fields that change the output and that this server does not implement
+/// yet: a request that sets one (to other than its default) gets a 400 naming it, never
+/// output that silently ignored it. Fields that do not change the output (`user`,
+/// `metadata`, `store`, `service_tier`, ...) are accepted and ignored.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct UnimplementedFields {
+    use_beam_search: Option<serde_json::Value>,
+    length_penalty: Option<serde_json::Value>,
+    early_stopping: Option<serde_json::Value>,
+    prompt_logprobs: Option<serde_json::Value>,
+    bad_words: Option<serde_json::Value>,
+    allowed_token_ids: Option<serde_json::Value>,
+    truncate_prompt_tokens: Option<serde_json::Value>,
+    logits_processors: Option<serde_json::Value>,
+    return_tokens_as_token_ids: Option<serde_json::Value>,
+    priority: Option<serde_json::Value>,
+    chat_template: Option<serde_json::Value>,
+    chat_template_kwargs: Option<serde_json::Value>,
+    continue_final_message: Option<serde_json::Value>,
+    documents: Option<serde_json::Value>,
+}
+
+impl UnimplementedFields {
+    fn check(&self) -> Result<(), ApiError> {
+        use serde_json::Value;
+        // Each field with the value that leaves the output as this server makes it.
+        let default_is =
+            |v: &Option<Value>, default: &Value| v.as_ref().is_none_or(|v| v.is_null() || v == default);
+        let empty = |v: &Option<Value>| {
+            v.as_ref().is_none_or(|v| {
+                v.is_null()
+                    || v.as_array().is_some_and(Vec::is_empty)
+                    || v.as_object().is_some_and(|o| o.is_empty())
+            })
+        };
+        let (f, zero, one) = (Value::Bool(false), Value::from(0), Value::from(1.0));
+        let fields: [(&'static str, bool); 14] = [
+            ("use_beam_search", default_is(&self.use_beam_search, &f)),
+            (
+                "length_penalty",
+                default_is(&self.length_penalty, &one) || default_is(&self.length_penalty, &Value::from(1)),
+            ),
+            ("early_stopping", default_is(&self.early_stopping, &f)),
+            ("prompt_logprobs", empty(&self.prompt_logprobs)),
+            ("bad_words", empty(&self.bad_words)),
+            ("allowed_token_ids", empty(&self.allowed_token_ids)),
+            ("truncate_prompt_tokens", empty(&self.truncate_prompt_tokens)),
+            ("logits_processors", empty(&self.logits_processors)),
+            ("return_tokens_as_token_ids", default_is(&self.return_tokens_as_token_ids, &f)),
+            ("priority", default_is(&self.priority, &zero)),
+            ("chat_template", empty(&self.chat_template)),
+            ("chat_template_kwargs", empty(&self.chat_template_kwargs)),
+            ("continue_final_message", default_is(&self.continue_final_message, &f)),
+            ("documents", empty(&self.documents)),
+        ];
+        match fields.iter().find(|(_, default)| !default) {
+            Some((name, _)) => Err(ApiError::bad(
+                format!(
+                    "{name} is not supported by this server yet: the request would not be served as asked"
+                ),
+                Some(name),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The roles a chat message may have.
 pub const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
@@ -140,6 +207,8 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     #[serde(flatten)]
     pub structured: StructuredFields,
+    #[serde(flatten)]
+    pub unimplemented: UnimplementedFields,
 }
 
 /// Message content: a string or a list of parts (only text parts are accepted).
@@ -181,6 +250,8 @@ pub struct ChatRequest {
     pub echo: bool,
     #[serde(flatten)]
     pub structured: StructuredFields,
+    #[serde(flatten)]
+    pub unimplemented: UnimplementedFields,
 }
 
 /// Which response shape a request gets.
@@ -358,6 +429,7 @@ pub fn prepare_completion(
 ) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
     req.structured.check()?;
+    req.unimplemented.check()?;
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
@@ -456,6 +528,7 @@ pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
 pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
     req.structured.check()?;
+    req.unimplemented.check()?;
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
     }

@@ -28,6 +28,7 @@ impl CudaDevice {
         spec: MoeSpec,
     ) -> DevResult<CudaTensor> {
         x.f32_values("fused_moe")?;
+        x.final_values("fused_moe")?;
         logits.f32_values("fused_moe's router logits")?;
         let (rows, hidden) = (x.rows, x.cols);
         let (experts, k) = (spec.experts, spec.top_k);
@@ -120,6 +121,7 @@ impl CudaDevice {
         gate: &CudaTensor,
     ) -> DevResult<()> {
         x.f32_values("add_sigmoid_gated")?;
+        x.final_values("add_sigmoid_gated")?;
         gate.f32_values("add_sigmoid_gated's gate")?;
         let (rows, cols) = (acc.rows as i32, acc.cols as i32);
         let cfg = LaunchConfig {

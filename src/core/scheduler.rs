@@ -376,8 +376,11 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<StepPlan> {
         let mut plan = StepPlan::default();
         // Blocks whose tokens became known since they were computed (sampled tokens).
-        for id in self.running.clone() {
-            self.offer_blocks(id, self.seqs[&id].num_computed);
+        if self.cfg.prefix_caching {
+            for i in 0..self.running.len() {
+                let id = self.running[i];
+                self.offer_blocks(id, self.seqs[&id].num_computed);
+            }
         }
         let mut budget = self.cfg.max_num_batched_tokens;
         self.schedule_running(&mut plan, &mut budget);

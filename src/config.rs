@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use crate::kernels::DType;
 use crate::models::config::ModelConfig;
 use crate::models::lora::{LoraSplit, Shard};
+use crate::request::MAX_LOGPROBS;
 
 /// Where the README's commands put the default model.
 pub const DEFAULT_MODEL_DIR: &str = "models/SmolLM2-135M-Instruct";
@@ -43,9 +44,36 @@ pub enum DeviceArg {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    /// A Hugging Face model directory (config.json, safetensors, tokenizer.json), or a model
+    /// id (`org/name`) found in the local Hugging Face cache (see [`crate::hub`]).
     #[arg(long, default_value = DEFAULT_MODEL_DIR)]
     pub model: PathBuf,
+    /// The branch, tag or commit of a model id to serve from the cache (default `main`).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// A Hugging Face cache directory searched for model ids before the default cache.
+    #[arg(long)]
+    pub download_dir: Option<PathBuf>,
+    /// Accepted for vLLM's scripts. There is no Python here, so a checkpoint's own modeling
+    /// code never runs: models are served by the built-in architectures, and one whose
+    /// config needs its remote code is refused.
+    #[arg(long)]
+    pub trust_remote_code: bool,
+    /// Seeds the sampling of requests that set no seed, so that a run is repeatable
+    /// (each such request takes the next seed of a sequence that starts here).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Most logprobs a request may ask for per token (vLLM's default 20, which is also the
+    /// most this engine returns; -1 asks for no limit).
+    #[arg(long, default_value_t = MAX_LOGPROBS as i64, allow_negative_numbers = true)]
+    pub max_logprobs: i64,
+    /// No periodic log line of throughput, queue and KV cache usage (every
+    /// VLLM_LOG_STATS_INTERVAL seconds, 10 by default, while the engine is busy).
+    #[arg(long)]
+    pub disable_log_stats: bool,
+    /// No log line when a request starts or finishes.
+    #[arg(long)]
+    pub disable_log_requests: bool,
     /// Weight dtype; `auto` keeps the checkpoint's.
     #[arg(long, value_enum, default_value_t = DTypeArg::Auto)]
     pub dtype: DTypeArg,
@@ -136,14 +164,16 @@ pub struct LoraArgs {
     /// Serve LoRA adapters.
     #[arg(long)]
     pub enable_lora: bool,
-    /// Adapters to load at start: name=path ...
+    /// Adapters to load at start: `name=path`, or vLLM's JSON form
+    /// `{"name": ..., "path": ..., "base_model_name": ...}`.
     #[arg(long, num_args = 1.., value_parser = parse_lora_module)]
     pub lora_modules: Vec<(String, PathBuf)>,
     /// Most distinct adapters in one batch (adapter slots on each device).
     #[arg(long, default_value_t = 1)]
     pub max_loras: usize,
-    /// Largest adapter rank accepted.
-    #[arg(long, default_value_t = 16)]
+    /// Largest adapter rank accepted: one of vLLM's values, 1, 8, 16, 32, 64, 128, 256, 320
+    /// or 512.
+    #[arg(long, default_value_t = 16, value_parser = parse_max_lora_rank)]
     pub max_lora_rank: usize,
     /// Adapters kept loaded in host memory (default: --max-loras).
     #[arg(long)]
@@ -175,8 +205,38 @@ impl Default for LoraArgs {
     }
 }
 
+/// The ranks vLLM's `--max-lora-rank` takes.
+pub const MAX_LORA_RANKS: [usize; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+
+fn parse_max_lora_rank(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(r) if MAX_LORA_RANKS.contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not one of {MAX_LORA_RANKS:?}")),
+    }
+}
+
+/// vLLM's JSON form of an adapter on the command line.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoraModuleJson {
+    name: String,
+    path: PathBuf,
+    /// The base model the adapter was trained on; vLLM shows it in /v1/models.
+    #[serde(default)]
+    #[allow(dead_code)]
+    base_model_name: Option<String>,
+}
+
 fn parse_lora_module(s: &str) -> Result<(String, PathBuf), String> {
-    let (name, path) = s.split_once('=').ok_or_else(|| format!("expected name=path, got {s:?}"))?;
+    if s.trim_start().starts_with('{') {
+        let m: LoraModuleJson =
+            serde_json::from_str(s).map_err(|e| format!("invalid JSON adapter {s:?}: {e}"))?;
+        if m.name.is_empty() || m.path.as_os_str().is_empty() {
+            return Err(format!("an adapter needs a name and a path, got {s:?}"));
+        }
+        return Ok((m.name, m.path));
+    }
+    let (name, path) = s.split_once('=').ok_or_else(|| format!("expected name=path or JSON, got {s:?}"))?;
     if name.is_empty() || path.is_empty() {
         return Err(format!("expected name=path, got {s:?}"));
     }
@@ -200,6 +260,13 @@ impl Default for EngineArgs {
     fn default() -> Self {
         Self {
             model: PathBuf::from(DEFAULT_MODEL_DIR),
+            revision: None,
+            download_dir: None,
+            trust_remote_code: false,
+            seed: None,
+            max_logprobs: MAX_LOGPROBS as i64,
+            disable_log_stats: false,
+            disable_log_requests: false,
             dtype: DTypeArg::Auto,
             max_model_len: None,
             max_num_seqs: None,
@@ -240,8 +307,10 @@ pub enum ConfigError {
     NoBlocks(f64),
     #[error("{0} needs --enable-lora")]
     LoraDisabled(&'static str),
-    #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 256")]
+    #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 512")]
     LoraLimits,
+    #[error("--max-logprobs must be -1 (no limit) or at least 0, got {0}")]
+    MaxLogprobs(i64),
     #[error("--tensor-parallel-size {tp}: {reason}")]
     TensorParallel { tp: usize, reason: String },
 }
@@ -263,6 +332,11 @@ pub struct EngineConfig {
     pub num_blocks: usize,
     pub lora: Option<LoraConfig>,
     pub tensor_parallel_size: usize,
+    /// Most logprobs per token a request may ask for (--max-logprobs, at most
+    /// [`MAX_LOGPROBS`]).
+    pub max_logprobs: usize,
+    /// Log a line as each request starts and finishes (not --disable-log-requests).
+    pub log_requests: bool,
 }
 
 /// KV heads each rank holds: a share of them, or one replicated head when there are fewer
@@ -381,7 +455,7 @@ impl EngineConfig {
         };
         let l = &args.lora;
         let lora = if l.enable_lora {
-            if l.max_loras == 0 || l.max_lora_rank == 0 || l.max_lora_rank > 256 {
+            if l.max_loras == 0 || l.max_lora_rank == 0 || l.max_lora_rank > 512 {
                 return Err(ConfigError::LoraLimits);
             }
             Some(LoraConfig {
@@ -408,8 +482,15 @@ impl EngineConfig {
             };
             l
         });
+        let max_logprobs = match args.max_logprobs {
+            -1 => MAX_LOGPROBS,
+            n if n < 0 => return Err(ConfigError::MaxLogprobs(n)),
+            n => (n as usize).min(MAX_LOGPROBS),
+        };
         Ok(Self {
             lora,
+            max_logprobs,
+            log_requests: !args.disable_log_requests,
             model_dir: args.model.clone(),
             dtype,
             max_model_len,
@@ -462,6 +543,36 @@ mod tests {
         assert!(parse(&["--async-scheduling", "--enforce-eager"]).unwrap());
         assert!(!parse(&["--async-scheduling=false"]).unwrap());
         assert!(parse(&["--async-scheduling", "false"]).is_err(), "a bare flag takes no value");
+    }
+
+    /// `--lora-modules` takes `name=path` and vLLM's JSON form alike; `--max-lora-rank`
+    /// takes vLLM's values only.
+    #[test]
+    fn adapters_parse_as_name_path_or_json_and_ranks_as_vllm_lists_them() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let parse = |args: &[&str]| {
+            let argv = std::iter::once("actorllm").chain(args.iter().copied());
+            <Cli as clap::Parser>::try_parse_from(argv).map(|c| c.engine.lora)
+        };
+        let json = r#"{"name": "sql", "path": "/a/sql", "base_model_name": "meta-llama/Llama-2-7b-hf"}"#;
+        let l = parse(&["--lora-modules", "chat=/a/chat", json, "--max-lora-rank", "320"]).unwrap();
+        assert_eq!(
+            l.lora_modules,
+            [("chat".to_string(), PathBuf::from("/a/chat")), ("sql".to_string(), PathBuf::from("/a/sql"))]
+        );
+        assert_eq!(l.max_lora_rank, 320);
+        assert!(parse(&["--lora-modules", r#"{"name": "x"}"#]).is_err(), "a JSON adapter needs a path");
+        assert!(parse(&["--lora-modules", r#"{"name": "x", "path": "/p", "rank": 8}"#]).is_err());
+        for r in MAX_LORA_RANKS {
+            assert_eq!(parse(&["--max-lora-rank", &r.to_string()]).unwrap().max_lora_rank, r);
+        }
+        for r in ["0", "24", "1024", "-8"] {
+            assert!(parse(&["--max-lora-rank", r]).is_err(), "{r}");
+        }
     }
 
     #[test]

@@ -127,10 +127,17 @@ impl Engine {
     /// the ranks of a tensor-parallel group in rank order. Each rank loads its shard of the
     /// weights on a thread of its own.
     pub async fn start_on<D: Device>(
-        args: EngineArgs,
+        mut args: EngineArgs,
         registry: ModelRegistry<D>,
         make: impl FnOnce() -> Result<Vec<D>, DeviceError> + Send + 'static,
     ) -> Result<Engine, EngineError> {
+        let located =
+            crate::hub::locate(&args.model, args.revision.as_deref(), args.download_dir.as_deref())?;
+        if let Some(commit) = &located.commit {
+            tracing::info!(model = %args.model.display(), commit, dir = %located.dir.display(), "model found in the Hugging Face cache");
+        }
+        args.model = located.dir;
+        log_inapplicable(&args);
         let model_config = registry.read_config(&args.model)?;
         // A device that reports its memory (a GPU) sizes the KV cache from it after a
         // profiling step, and checks --max-model-len then.
@@ -229,7 +236,10 @@ impl Engine {
             }
         }
         let block_manager = BlockManager::new(config.num_blocks, config.block_size).start();
-        let metrics = Arc::new(Metrics::default());
+        let metrics = Arc::new(match args.seed {
+            Some(seed) => Metrics::default().with_seed(seed),
+            None => Metrics::default(),
+        });
         let sched_cfg = SchedulerConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -252,6 +262,7 @@ impl Engine {
             metrics.clone(),
         )
         .with_async_scheduling(args.async_scheduling)
+        .with_request_log(config.log_requests)
         .start();
         let lora = match &config.lora {
             None => None,
@@ -279,7 +290,7 @@ impl Engine {
                 Some(manager)
             }
         };
-        Ok(Engine {
+        let engine = Engine {
             inner: Arc::new(Inner {
                 scheduler,
                 block_manager,
@@ -293,7 +304,11 @@ impl Engine {
                 next_id: std::sync::atomic::AtomicU64::new(0),
                 stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
             }),
-        })
+        };
+        if !args.disable_log_stats {
+            spawn_stats_log(&engine);
+        }
+        Ok(engine)
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -403,8 +418,59 @@ impl Engine {
     }
 }
 
-/// Starts a runner on a thread of its own: a SyncArbiter with one thread calls the factory
-/// once, and the runner moves into it.
+/// Logs vLLM's stats line (throughput, queue, KV cache usage, prefix-cache hits) every
+/// `VLLM_LOG_STATS_INTERVAL` seconds (10 by default) while the engine is busy, until the
+/// engine is dropped.
+fn spawn_stats_log(engine: &Engine) {
+    let seconds = std::env::var("VLLM_LOG_STATS_INTERVAL")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(10.0);
+    let every = std::time::Duration::from_secs_f64(seconds);
+    let weak = Arc::downgrade(&engine.inner);
+    actix_rt::spawn(async move {
+        let mut before = match weak.upgrade() {
+            Some(inner) => inner.metrics.totals(),
+            None => return,
+        };
+        let mut at = std::time::Instant::now();
+        loop {
+            actix_rt::time::sleep(every).await;
+            let Some(inner) = weak.upgrade() else { return };
+            let engine = Engine { inner };
+            let Ok((s, b)) = engine.stats().await else { return };
+            let now = engine.inner.metrics.totals();
+            let load = crate::metrics::Load {
+                running: s.num_running,
+                waiting: s.num_waiting,
+                kv_usage: 1.0 - b.num_free as f64 / b.num_total.max(1) as f64,
+            };
+            if let Some(line) = crate::metrics::stats_line(before, now, at.elapsed().as_secs_f64(), load) {
+                tracing::info!("{line}");
+            }
+            (before, at) = (now, std::time::Instant::now());
+        }
+    });
+}
+
+/// One log line for each vLLM flag given that does less here than in vLLM.
+fn log_inapplicable(args: &EngineArgs) {
+    if args.trust_remote_code {
+        tracing::info!(
+            "--trust-remote-code: a checkpoint's own modeling code cannot run here (there is no Python); \
+             the built-in architectures serve the model"
+        );
+    }
+    if args.max_logprobs < 0 || args.max_logprobs > crate::request::MAX_LOGPROBS as i64 {
+        tracing::info!(
+            "--max-logprobs {}: this engine returns at most {} logprobs per token, the limit requests get",
+            args.max_logprobs,
+            crate::request::MAX_LOGPROBS
+        );
+    }
+}
+
 /// A step at the largest batch the scheduler may form: `max_num_batched_tokens` tokens
 /// over `max_num_seqs` prefilling sequences, each sampling. Also the KV blocks it needs.
 fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
@@ -576,6 +642,8 @@ async fn size_kv_cache<D: Device>(
     Ok(())
 }
 
+/// Starts a runner on a thread of its own: a SyncArbiter with one thread calls the factory
+/// once, and the runner moves into it.
 fn start_runner<D: Device>(runner: ModelRunner<D>) -> Addr<ModelRunner<D>> {
     let slot = Mutex::new(Some(runner));
     SyncArbiter::start(1, move || {

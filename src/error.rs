@@ -15,6 +15,8 @@ pub enum EngineError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
+    #[error(transparent)]
     InvalidParams(#[from] ValidationError),
     #[error("Input prompt ({prompt_tokens} tokens) is too long and exceeds limit of {max_model_len}")]
     PromptTooLong { prompt_tokens: usize, max_model_len: usize },
@@ -33,6 +35,9 @@ pub enum EngineError {
     QueueFull { waiting: usize, limit: usize },
     #[error("device: {0}")]
     Device(String),
+    /// The HTTP server could not start: its address or its TLS files.
+    #[error("server: {0}")]
+    Server(String),
     #[error("The model `{0}` does not exist.")]
     LoraNotFound(String),
     #[error("LoRA adapter: {0}")]

@@ -5,6 +5,7 @@
 //! # Layout
 //!
 //! - `engine`: the [`Engine`] handle: starts the actors, `add_request` → token stream, abort.
+//! - `offline`: `Engine::generate`, vLLM's `LLM.generate` (prompts in, finished outputs out).
 //! - `actors/`: one actor per file: `scheduler` (queues, step loop), `block_manager` (KV
 //!   blocks), `model_runner` (one per device, on its own thread), `lora_manager` (adapter
 //!   registry and host copies).
@@ -18,6 +19,7 @@
 //! - `request`, `sampling`, `tokenizer`: sampling parameters and events, the sampler, the
 //!   tokenizer with chat templates and incremental detokenization.
 //! - `config`: engine arguments with vLLM's flag names, resolved once.
+//! - `hub`: `--model` as a directory or a Hugging Face model id in the local cache.
 //! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
 //! - `metrics`: counters and histograms for `/metrics`.
 //! - `scratch`: temporary directories of their own for benchmarks and tests.
@@ -32,10 +34,12 @@ pub mod core;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod hub;
 pub mod kernels;
 pub mod mapped;
 pub mod metrics;
 pub mod models;
+pub mod offline;
 pub mod request;
 pub mod sampling;
 pub mod scratch;
@@ -43,4 +47,5 @@ pub mod tokenizer;
 pub mod web;
 
 pub use engine::{Architectures, Engine, EngineError, RequestStream};
+pub use offline::{CompletionOutput, LoraRequest, Prompt, RequestOutput};
 pub use request::{FinishReason, SamplingParams, TokenEvent};

@@ -1,4 +1,5 @@
-//! The `actorllm` command line: import-gguf, generate, bench.
+//! The `actorllm` command line: serve, run-batch, generate, bench, import-gguf and
+//! make-random-model.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -31,6 +32,8 @@ enum Cmd {
     },
     /// Serve the OpenAI-compatible API, the WebSocket protocol and the playground.
     Serve(actorllm::web::ServeArgs),
+    /// Run an OpenAI batch file (JSONL requests) through the engine, as vLLM's run-batch.
+    RunBatch(actorllm::web::batch::RunBatchArgs),
     /// Generate text from a prompt (or a chat message) and print it as it is produced.
     Generate(GenerateArgs),
     /// Write a model directory of a known architecture's shapes with random weights.
@@ -69,7 +72,7 @@ struct GenerateArgs {
     sampling: SamplingArgs,
 }
 
-/// vLLM's SamplingParams as flags.
+/// vLLM's SamplingParams as flags (the engine's `--seed` seeds the sampling).
 #[derive(clap::Args)]
 struct SamplingArgs {
     #[arg(long, default_value_t = 1)]
@@ -88,8 +91,6 @@ struct SamplingArgs {
     presence_penalty: f32,
     #[arg(long, default_value_t = 0.0)]
     frequency_penalty: f32,
-    #[arg(long)]
-    seed: Option<u64>,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     #[arg(long, default_value_t = 0)]
@@ -113,7 +114,6 @@ impl SamplingArgs {
             repetition_penalty: self.repetition_penalty,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
-            seed: self.seed,
             max_tokens: Some(self.max_tokens),
             min_tokens: self.min_tokens,
             stop: self.stop.clone(),
@@ -125,16 +125,22 @@ impl SamplingArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // RUST_LOG wins; else `serve --uvicorn-log-level` (info by default).
+    let level = match &cli.cmd {
+        Cmd::Serve(a) => a.uvicorn_log_level.directive(),
+        _ => "info",
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "actorllm=info,warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+            let others = if level == "error" { "error" } else { "warn" };
+            format!("actorllm={level},{others}").into()
+        }))
         .with_writer(std::io::stderr)
         // Colour only on a terminal: logs piped to a file or a collector stay plain text.
         .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
-    match Cli::parse().cmd {
+    match cli.cmd {
         Cmd::ImportGguf { file, out, dtype } => {
             import_gguf(&file, &out, dtype).with_context(|| format!("importing {}", file.display()))?;
             eprintln!("wrote {}", out.display());
@@ -154,6 +160,10 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Serve(args) => with_engine_threads(async move {
             actorllm::web::serve(args).await?;
+            Ok(())
+        }),
+        Cmd::RunBatch(args) => with_engine_threads(async move {
+            actorllm::web::batch::run(args).await?;
             Ok(())
         }),
         Cmd::Generate(args) => with_engine_threads(generate(args)),

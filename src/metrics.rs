@@ -239,6 +239,57 @@ impl Default for Metrics {
     }
 }
 
+/// The counters the periodic stats line is the difference of.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Totals {
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+}
+
+/// The state of the queue and the KV cache when the stats line is written.
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    pub running: usize,
+    pub waiting: usize,
+    /// Fraction of KV cache blocks in use.
+    pub kv_usage: f64,
+}
+
+impl Metrics {
+    pub fn totals(&self) -> Totals {
+        Totals {
+            prompt_tokens: self.prompt_tokens.load(Relaxed),
+            generation_tokens: self.generation_tokens.load(Relaxed),
+            prefix_queries: self.prefix_queries.load(Relaxed),
+            prefix_hits: self.prefix_hits.load(Relaxed),
+        }
+    }
+}
+
+/// vLLM's periodic stats line over the `seconds` between `before` and `now`, or None when
+/// the engine was idle all along (nothing came in or out and nothing is queued).
+pub fn stats_line(before: Totals, now: Totals, seconds: f64, load: Load) -> Option<String> {
+    if before == now && load.running == 0 && load.waiting == 0 {
+        return None;
+    }
+    let rate = |a: u64, b: u64| (b - a) as f64 / seconds.max(1e-9);
+    let queries = now.prefix_queries - before.prefix_queries;
+    let hit_rate =
+        if queries == 0 { 0.0 } else { (now.prefix_hits - before.prefix_hits) as f64 / queries as f64 };
+    Some(format!(
+        "Avg prompt throughput: {:.1} tokens/s, Avg generation throughput: {:.1} tokens/s, Running: {} reqs, \
+         Waiting: {} reqs, KV cache usage: {:.1}%, Prefix cache hit rate: {:.1}%",
+        rate(before.prompt_tokens, now.prompt_tokens),
+        rate(before.generation_tokens, now.generation_tokens),
+        load.running,
+        load.waiting,
+        100.0 * load.kv_usage,
+        100.0 * hit_rate
+    ))
+}
+
 /// A label value escaped as the Prometheus text format requires (`\\`, `\"`, `\n`).
 pub fn label(v: &str) -> String {
     let mut out = String::with_capacity(v.len());
@@ -254,6 +305,13 @@ pub fn label(v: &str) -> String {
 }
 
 impl Metrics {
+    /// Seeds the sequence [`Self::random_seed`] draws from (`--seed`), so that requests
+    /// that set no seed sample the same way from one run to the next.
+    pub fn with_seed(self, seed: u64) -> Self {
+        self.seed_state.store(seed, Relaxed);
+        self
+    }
+
     /// A fresh seed for a request that set none.
     pub fn random_seed(&self) -> u64 {
         let s = self.seed_state.fetch_add(0x9E37_79B9_7F4A_7C15, Relaxed);

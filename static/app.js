@@ -2,7 +2,7 @@
 // WebSocket protocol, stops for real (aborted fetch / cancel frame), renders answers as
 // Markdown, keeps the conversation in localStorage. No build step, no CDN.
 
-import { renderMarkdown } from "/static/render.js";
+import { renderMarkdown } from "./render.js";
 
 const STORE = "actorllm.conversation.v1";
 const THEME = "actorllm.theme";
@@ -165,7 +165,7 @@ async function describeHttpError(resp) {
 
 async function loadModels() {
   try {
-    const resp = await fetch("/v1/models", { headers: authHeaders() });
+    const resp = await fetch("v1/models", { headers: authHeaders() });
     if (!resp.ok) throw new Error(await describeHttpError(resp));
     const list = await resp.json();
     const previous = els.model.value;
@@ -228,7 +228,7 @@ class Meter {
 async function streamSse(body, turn, el, meter, signal) {
   let resp;
   try {
-    resp = await fetch("/v1/chat/completions", {
+    resp = await fetch("v1/chat/completions", {
       method: "POST",
       headers: authHeaders({ "Content-Type": "application/json" }),
       body: JSON.stringify(body),
@@ -284,10 +284,12 @@ const wsHandlers = new Map();
 function openSocket() {
   if (socket && socket.readyState <= WebSocket.OPEN) return Promise.resolve(socket);
   return new Promise((resolve, reject) => {
-    const proto = location.protocol === "https:" ? "wss" : "ws";
+    // Relative to the page, so that the playground works under a --root-path prefix.
+    const url = new URL("v1/ws", document.baseURI);
+    url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
     const key = apiKey();
-    const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
-    const ws = new WebSocket(`${proto}://${location.host}/v1/ws${query}`);
+    if (key) url.searchParams.set("api_key", key);
+    const ws = new WebSocket(url);
     ws.onopen = () => {
       socket = ws;
       resolve(ws);
@@ -296,7 +298,7 @@ function openSocket() {
     ws.onerror = async () => {
       let why = "The WebSocket connection failed. Is actorllm running?";
       try {
-        const resp = await fetch("/v1/models", { headers: authHeaders() });
+        const resp = await fetch("v1/models", { headers: authHeaders() });
         if (resp.status === 401) why = await describeHttpError(resp);
       } catch {
         /* not reachable: the first message stands */

@@ -2,12 +2,12 @@
 // Model output is untrusted: marked turns it into HTML with any raw HTML the model wrote
 // escaped (shown as the characters it is, never as markup), DOMPurify then removes
 // whatever could still act (scripts, event handlers, javascript: links), and highlight.js
-// colours code from its text. The libraries are vendored in /static/vendor/
+// colours code from its text. The libraries are vendored in static/vendor/
 // (scripts/vendor_static.sh); nothing is fetched from elsewhere.
 
-import { Marked } from "/static/vendor/marked.esm.js";
-import DOMPurify from "/static/vendor/purify.es.mjs";
-import hljs from "/static/vendor/highlight.min.js";
+import { Marked } from "./vendor/marked.esm.js";
+import DOMPurify from "./vendor/purify.es.mjs";
+import hljs from "./vendor/highlight.min.js";
 
 const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" };
 const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESCAPES[c]);

@@ -496,10 +496,8 @@ fn sigterm_drains_then_ends_what_still_runs_with_a_word() {
         read_all(c)
     };
     let running_reaches = |want: usize| {
-        let line = format!(
-            "vllm:num_requests_running{{model_name=\"{}\"}} {want}\n",
-            model.file_name().unwrap().to_str().unwrap()
-        );
+        let line =
+            format!("vllm:num_requests_running{{model_name=\"{}\"}} {want}\n", model.to_str().unwrap());
         for _ in 0..600 {
             if get("/metrics").contains(&line) {
                 return;

@@ -160,6 +160,8 @@ pub struct SchedulerActor {
     /// starts), so that the device runs that step while the streams are fed; every event
     /// goes through here, so each request's stay in order.
     outbox: Vec<(u64, mpsc::Sender<TokenEvent>, TokenEvent)>,
+    /// Log a line as each request ends (not `--disable-log-requests`).
+    log_requests: bool,
 }
 
 impl SchedulerActor {
@@ -192,12 +194,19 @@ impl SchedulerActor {
             last_step: None,
             total_blocks: cfg.num_blocks,
             outbox: Vec::new(),
+            log_requests: true,
         }
     }
 
     /// With `on`, the next step is planned and sent while one runs (vLLM's
     /// `--async-scheduling`): the host's share of a step overlaps the device's. A sequence
     /// that stops at a step has then already been given the next one, whose token is dropped.
+    /// Whether each request's end is logged (`request finished`); on by default.
+    pub fn with_request_log(mut self, on: bool) -> Self {
+        self.log_requests = on;
+        self
+    }
+
     pub fn with_async_scheduling(mut self, on: bool) -> Self {
         self.max_in_flight = if on { 2 } else { 1 };
         self
@@ -289,7 +298,9 @@ impl SchedulerActor {
     /// Removes a request whose choices have all ended; sends `Done`.
     fn end_request(&mut self, group: u64, aborted: bool) {
         let Some(req) = self.requests.remove(&group) else { return };
-        self.log_finished(&req);
+        if self.log_requests {
+            self.log_finished(&req);
+        }
         self.by_id.remove(&req.id);
         if let Some(id) = req.lora
             && let Some(e) = self.adapters.get_mut(&id)

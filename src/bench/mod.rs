@@ -73,10 +73,10 @@ pub enum BenchMode {
     Throughput {
         #[command(flatten)]
         engine: EngineArgs,
+        /// Requests in the run; their lengths come from the engine's `--seed` (0 when not
+        /// given), which also seeds their sampling.
         #[arg(long, default_value_t = 1000)]
         num_prompts: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
         /// Sampling temperature of every request (vLLM's benchmark samples at 1.0; 0 is greedy).
         #[arg(long, default_value_t = 1.0)]
         temperature: f32,
@@ -220,7 +220,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match &mut args.mode {
         BenchMode::Offline { engine, .. }
         | BenchMode::Latency { engine, .. }
-        | BenchMode::Throughput { engine, .. } => engine.offline = true,
+        | BenchMode::Throughput { engine, .. } => {
+            // As vLLM's LLM class: no periodic stats line in the benchmark's output.
+            engine.offline = true;
+            engine.disable_log_stats = true;
+        }
         BenchMode::Serve(_) => {}
     }
     let (eargs, batch_sizes, input_len, output_len, prefill_len, json, loras) = match args.mode {
@@ -248,7 +252,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         BenchMode::Throughput {
             mut engine,
             num_prompts,
-            seed,
             temperature,
             top_p,
             random_loras,
@@ -256,6 +259,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             json,
         } => {
             let sampling = SamplingParams { temperature, top_p, ..Default::default() };
+            let seed = *engine.seed.get_or_insert(0);
             with_random_loras(&mut engine, random_loras, random_lora_rank)?;
             let run = gpu::ThroughputRun { num_prompts, seed, sampling, loras: random_loras };
             gpu::throughput(engine, run, json).await?;

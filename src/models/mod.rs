@@ -33,6 +33,11 @@ pub enum ModelError {
     Config(String),
     #[error("architecture {arch:?} is not registered (registered: {known})")]
     UnknownArchitecture { arch: String, known: String },
+    #[error(
+        "architecture {arch:?} needs the checkpoint's remote code ({code} in auto_map), which cannot run \
+         here: there is no Python, whatever --trust-remote-code says. The built-in architectures are: {known}"
+    )]
+    RemoteCode { arch: String, code: String, known: String },
     #[error("checkpoint: {0}")]
     Weights(String),
     #[error("checkpoint has no tensor {0}")]

@@ -91,7 +91,13 @@ impl<D: Device> ModelRegistry<D> {
         let arch = hf["architectures"].get(0).and_then(|a| a.as_str()).ok_or_else(|| {
             ModelError::Config(format!("{source}: no `architectures` entry names the model class"))
         })?;
-        let entry = self.entry(arch)?;
+        let entry = match self.entry(arch) {
+            Err(ModelError::UnknownArchitecture { known, .. }) if hf.get("auto_map").is_some() => {
+                let code = hf["auto_map"]["AutoModelForCausalLM"].as_str().unwrap_or("its own modeling code");
+                return Err(ModelError::RemoteCode { arch: arch.to_string(), code: code.to_string(), known });
+            }
+            other => other?,
+        };
         (entry.config)(&Arc::new(hf.clone()), arch)
     }
 
@@ -125,5 +131,27 @@ impl<D: Device> ModelRegistry<D> {
         );
         let model = (entry.construct)(dev, &config, &store, opts)?;
         Ok(LoadedModel { config, model, dtype })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::CpuDevice;
+
+    /// A config whose class is not built in and that maps it to the checkpoint's own code
+    /// is refused as needing remote code, naming that code; without auto_map it is an
+    /// unknown architecture.
+    #[test]
+    fn configs_that_need_remote_code_are_refused_by_name() {
+        let registry = ModelRegistry::<CpuDevice>::default();
+        let remote = br#"{"architectures": ["ChatGLMModel"],
+            "auto_map": {"AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}}"#;
+        let e = registry.config_from_json(remote, "config.json").unwrap_err().to_string();
+        assert!(e.contains("remote code (modeling_chatglm.ChatGLMForConditionalGeneration"), "{e}");
+        assert!(e.contains("LlamaForCausalLM"), "the built-in architectures are listed: {e}");
+        let unknown = br#"{"architectures": ["ChatGLMModel"]}"#;
+        let e = registry.config_from_json(unknown, "config.json").unwrap_err();
+        assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e}");
     }
 }

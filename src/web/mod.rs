@@ -3,6 +3,7 @@
 //! edge (`protocol`) and only talk to the [`Engine`].
 
 pub mod access;
+pub mod batch;
 pub mod errors;
 pub mod lora;
 pub mod openai;
@@ -35,8 +36,9 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Names clients use in `model` (defaults to the model directory's name); every name is
-    /// listed by /v1/models and responses echo the one asked for.
+    /// Names clients use in `model` (defaults to the `--model` argument as given, a path or
+    /// a model id, as vLLM's does); every name is listed by /v1/models and responses echo
+    /// the one asked for.
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
     /// Require `Authorization: Bearer <key>` on every route but /health and the playground.
@@ -84,6 +86,57 @@ pub struct ServeArgs {
     /// ended with an error (`actorllm serve`; see `web::shutdown`).
     #[arg(long, default_value_t = 30.0, value_parser = non_negative_seconds)]
     pub shutdown_timeout: f64,
+    /// The path prefix a reverse proxy serves this server under (`/llm`): every route also
+    /// answers under it, `<root-path>` alone redirects to the playground at `<root-path>/`,
+    /// and the playground's links are relative, so it works behind a proxy that strips the
+    /// prefix and one that passes it on.
+    #[arg(long, value_parser = parse_root_path)]
+    pub root_path: Option<String>,
+    /// Serve HTTPS (and WSS) with this PEM private key; needs --ssl-certfile.
+    #[arg(long, requires = "ssl_certfile")]
+    pub ssl_keyfile: Option<std::path::PathBuf>,
+    /// The PEM certificate chain for --ssl-keyfile, the server's certificate first.
+    #[arg(long, requires = "ssl_keyfile")]
+    pub ssl_certfile: Option<std::path::PathBuf>,
+    /// The log level when RUST_LOG is not set (vLLM's flag for its HTTP server's log).
+    #[arg(long, value_enum, default_value_t = LogLevel::Info)]
+    pub uvicorn_log_level: LogLevel,
+    /// No log line per HTTP request.
+    #[arg(long)]
+    pub disable_uvicorn_access_log: bool,
+}
+
+/// Uvicorn's log levels, as `--uvicorn-log-level` takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogLevel {
+    Critical,
+    Error,
+    Warning,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl LogLevel {
+    /// The `tracing` filter directive of the level.
+    pub fn directive(self) -> &'static str {
+        match self {
+            LogLevel::Critical | LogLevel::Error => "error",
+            LogLevel::Warning => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+}
+
+/// `/llm`, `/llm/` and `llm` all give `/llm`; `/` gives none.
+fn parse_root_path(s: &str) -> Result<String, String> {
+    let trimmed = s.trim_matches('/');
+    if trimmed.chars().any(|c| c.is_whitespace() || c == '?' || c == '#') {
+        return Err(format!("{s:?} is not a URL path"));
+    }
+    Ok(if trimmed.is_empty() { String::new() } else { format!("/{trimmed}") })
 }
 
 impl ServeArgs {
@@ -106,6 +159,11 @@ impl ServeArgs {
             stream_backlog: crate::engine::DEFAULT_STREAM_BACKLOG,
             request_body_timeout: 30.0,
             shutdown_timeout: 30.0,
+            root_path: None,
+            ssl_keyfile: None,
+            ssl_certfile: None,
+            uvicorn_log_level: LogLevel::Info,
+            disable_uvicorn_access_log: false,
         }
     }
 }
@@ -155,6 +213,10 @@ pub struct AppState {
     pub started_unix: u64,
     /// Serving, draining or cut (`shutdown`); WebSocket sessions hold its receivers.
     pub phase: tokio::sync::watch::Sender<shutdown::Phase>,
+    /// `--root-path` (`/llm`), or empty.
+    pub root_path: String,
+    /// One log line per HTTP request (not `--disable-uvicorn-access-log`).
+    pub access_log: bool,
     id_salt: u64,
     next_id: AtomicU64,
 }
@@ -177,6 +239,8 @@ impl AppState {
             live: DashMap::new(),
             started_unix: now.as_secs(),
             phase: tokio::sync::watch::Sender::new(shutdown::Phase::Serving),
+            root_path: String::new(),
+            access_log: true,
             id_salt: crate::sampling::uniform(now.as_nanos() as u64, 0, 0).to_bits(),
             next_id: AtomicU64::new(0),
         }
@@ -251,12 +315,7 @@ fn bind(
 ) -> Result<(actix_web::dev::Server, SocketAddr, web::Data<AppState>), EngineError> {
     let mut names = args.served_model_name.clone();
     if names.is_empty() {
-        names.push(
-            args.engine
-                .model
-                .file_name()
-                .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned()),
-        );
+        names.push(args.engine.model.to_string_lossy().into_owned());
     }
     let name = names.join(", ");
     let timeouts = Timeouts {
@@ -275,26 +334,66 @@ fn bind(
         allowed_headers: &args.allowed_headers,
         allow_credentials: args.allow_credentials,
     });
-    let state = web::Data::new(AppState::new(engine, names, args.api_key.clone(), timeouts, access));
+    let mut state = AppState::new(engine, names, args.api_key.clone(), timeouts, access);
+    state.root_path = args.root_path.clone().unwrap_or_default();
+    state.access_log = !args.disable_uvicorn_access_log;
+    let state = web::Data::new(state);
     let app_state = state.clone();
-    let mut server = HttpServer::new(move || {
+    let server = HttpServer::new(move || {
         App::new()
             .app_data(app_state.clone())
             .wrap(middleware::from_fn(ops::auth_and_log))
+            .wrap(middleware::from_fn(ops::root_path))
             .configure(configure)
     })
     .workers(2)
     // A client that closes its end has gone: its connection, and with it a non-streamed
     // request still waiting for its response, is dropped (which aborts the generation).
-    .h1_allow_half_closed(false)
-    .bind((args.host.as_str(), args.port))
-    .map_err(|e| EngineError::Device(format!("cannot bind {}:{}: {e}", args.host, args.port)))?;
+    .h1_allow_half_closed(false);
+    let at = (args.host.as_str(), args.port);
+    let cannot_bind =
+        |e: std::io::Error| EngineError::Server(format!("cannot bind {}:{}: {e}", args.host, args.port));
+    let (mut server, scheme) = match (&args.ssl_keyfile, &args.ssl_certfile) {
+        (Some(key), Some(cert)) => {
+            (server.bind_rustls_0_23(at, tls_config(key, cert)?).map_err(cannot_bind)?, "https")
+        }
+        _ => (server.bind(at).map_err(cannot_bind)?, "http"),
+    };
     if own_signals {
         // The drain has run by the time the server is stopped: what is left may go.
         server = server.disable_signals().shutdown_timeout(1);
     }
     let addr =
         server.addrs().first().copied().ok_or_else(|| EngineError::Device("no bound address".into()))?;
-    tracing::info!(model = %name, "listening on http://{addr}");
+    tracing::info!(model = %name, "listening on {scheme}://{addr}{}", state.root_path);
     Ok((server.run(), addr, state))
+}
+
+/// The TLS settings of `--ssl-keyfile` and `--ssl-certfile` (PEM), with HTTP/1.1 offered
+/// by ALPN.
+fn tls_config(key: &std::path::Path, cert: &std::path::Path) -> Result<rustls::ServerConfig, EngineError> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let fail = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+        EngineError::Server(format!("{what} {}: {e}", path.display()))
+    };
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| fail("--ssl-certfile", cert, &e))?;
+    if chain.is_empty() {
+        return Err(fail("--ssl-certfile", cert, &"no PEM certificate in the file"));
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| fail("--ssl-keyfile", key, &e))?;
+    // ring rather than aws-lc-rs keeps the build free of cmake and a C++ toolchain; the
+    // price is no post-quantum key exchange, which rustls marks by deprecating this.
+    #[allow(deprecated)]
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| EngineError::Server(format!("TLS: {e}")))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key_der)
+        .map_err(|e| fail("--ssl-keyfile", key, &e))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
 }

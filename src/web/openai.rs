@@ -49,25 +49,56 @@ pub async fn start(state: &web::Data<AppState>, prepared: Prepared) -> Result<St
         Endpoint::Chat => "chatcmpl",
     };
     let id = state.new_request_id(prefix);
-    let mut streams = Vec::with_capacity(prepared.prompts.len());
-    let mut engine_ids = Vec::with_capacity(prepared.prompts.len());
-    for (i, p) in prepared.prompts.iter().enumerate() {
-        let eid = if prepared.prompts.len() == 1 { id.clone() } else { format!("{id}-{i}") };
-        let lora = prepared.lora.as_deref();
-        streams.push(
-            state.engine.add_request_with_lora(eid.clone(), p.clone(), prepared.params.clone(), lora).await?,
-        );
-        engine_ids.push(eid);
-    }
+    let (engine_ids, events) = submit(&state.engine, &id, &prepared).await?;
     state.live.insert(id.clone(), engine_ids);
-    tracing::info!(request_id = %id, prompts = prepared.prompts.len(), n = prepared.params.n,
-        prompt_tokens = prepared.prompts.iter().map(Vec::len).sum::<usize>(), stream = prepared.stream, "request started");
+    if state.engine.config().log_requests {
+        tracing::info!(request_id = %id, prompts = prepared.prompts.len(), n = prepared.params.n,
+            prompt_tokens = prepared.prompts.iter().map(Vec::len).sum::<usize>(), stream = prepared.stream, "request started");
+    }
     let guard = LiveGuard { state: state.clone(), id: id.clone() };
-    let events = merge(streams, prepared.params.n).map(move |e| {
+    let events = events.map(move |e| {
         let _keep = &guard;
         e
     });
     Ok(Started { id, prepared: Arc::new(prepared), events: Box::pin(events) })
+}
+
+/// Submits every prompt of `prepared` under the response id `id` (`id-<i>` for each of
+/// several prompts); returns the engine's request ids and the merged events. Dropping
+/// the events aborts the requests.
+pub async fn submit(
+    engine: &crate::Engine,
+    id: &str,
+    prepared: &Prepared,
+) -> Result<(Vec<String>, impl Stream<Item = GenEvent> + use<>), ApiError> {
+    let mut streams = Vec::with_capacity(prepared.prompts.len());
+    let mut engine_ids = Vec::with_capacity(prepared.prompts.len());
+    for (i, p) in prepared.prompts.iter().enumerate() {
+        let eid = if prepared.prompts.len() == 1 { id.to_string() } else { format!("{id}-{i}") };
+        let lora = prepared.lora.as_deref();
+        streams
+            .push(engine.add_request_with_lora(eid.clone(), p.clone(), prepared.params.clone(), lora).await?);
+        engine_ids.push(eid);
+    }
+    Ok((engine_ids, merge(streams, prepared.params.n)))
+}
+
+/// The JSON body of a non-streamed response: its events read to the end through `shaper`.
+pub async fn whole_response(
+    mut events: impl Stream<Item = GenEvent> + Unpin,
+    mut shaper: Shaper,
+) -> Result<serde_json::Value, ApiError> {
+    while let Some(ev) = events.next().await {
+        if let GenEvent::Error { message } = &ev {
+            return Err(ApiError::Internal(message.clone()));
+        }
+        let done = matches!(ev, GenEvent::Done { .. });
+        shaper.absorb(ev);
+        if done {
+            break;
+        }
+    }
+    Ok(shaper.response())
 }
 
 fn data(v: &serde_json::Value) -> sse::Event {
@@ -116,19 +147,8 @@ async fn respond(state: web::Data<AppState>, prepared: Prepared) -> Result<HttpR
             .insert_header(("X-Request-Id", id))
             .body(sse));
     }
-    let mut shaper = shaper;
-    let mut events = started.events;
-    while let Some(ev) = events.next().await {
-        if let GenEvent::Error { message } = &ev {
-            return Err(ApiError::Internal(message.clone()));
-        }
-        let done = matches!(ev, GenEvent::Done { .. });
-        shaper.absorb(ev);
-        if done {
-            break;
-        }
-    }
-    Ok(HttpResponse::Ok().insert_header(("X-Request-Id", id)).json(shaper.response()))
+    let body = whole_response(started.events, shaper).await?;
+    Ok(HttpResponse::Ok().insert_header(("X-Request-Id", id)).json(body))
 }
 
 pub async fn completions(

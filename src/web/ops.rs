@@ -149,6 +149,7 @@ pub async fn auth_and_log(
     let request_id =
         res.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-").to_string();
     let line = HttpLine {
+        enabled: state.as_ref().is_none_or(|s| s.access_log),
         method: method.clone(),
         path: path.clone(),
         status: res.status().as_u16(),
@@ -193,8 +194,37 @@ impl futures::Stream for BodyDeadline {
     }
 }
 
+/// `--root-path`: a request under the prefix is routed as the same request without it
+/// (a proxy that passes the prefix on), and the prefix alone is redirected to the
+/// playground at `<prefix>/`, whose relative links then stay under it.
+pub async fn root_path(
+    mut req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let root = req.app_data::<web::Data<AppState>>().map(|s| s.root_path.clone()).unwrap_or_default();
+    if !root.is_empty() {
+        let path = req.path();
+        if path == root {
+            let res = HttpResponse::PermanentRedirect()
+                .insert_header((header::LOCATION, format!("{root}/")))
+                .finish();
+            return Ok(req.into_response(res).map_into_right_body());
+        }
+        if let Some(rest) = path.strip_prefix(root.as_str()).filter(|r| r.starts_with('/')) {
+            let query = req.uri().query().map_or(String::new(), |q| format!("?{q}"));
+            if let Ok(uri) = format!("{rest}{query}").parse::<actix_web::http::Uri>() {
+                req.match_info_mut().get_mut().update(&uri);
+                req.head_mut().uri = uri;
+            }
+        }
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
 /// What the request's log line says.
 struct HttpLine {
+    /// Not `--disable-uvicorn-access-log`.
+    enabled: bool,
     method: String,
     path: String,
     status: u16,
@@ -229,6 +259,9 @@ impl MessageBody for LoggedBody {
 impl Drop for LoggedBody {
     fn drop(&mut self) {
         let l = &self.line;
+        if !l.enabled {
+            return;
+        }
         tracing::info!(
             method = %l.method,
             path = %l.path,

@@ -278,20 +278,20 @@ pub struct Prepared {
     pub stream_options: StreamOptions,
 }
 
-/// A count of top logprobs a request asks for, 0 to [`MAX_LOGPROBS`]; vLLM's -1 (the whole
-/// vocabulary) is refused by name.
-fn logprob_count(v: i64, field: &'static str) -> Result<usize, ApiError> {
+/// A count of top logprobs a request asks for, 0 to `max` (`--max-logprobs`, at most
+/// [`MAX_LOGPROBS`]); vLLM's -1 (the whole vocabulary) is refused by name.
+fn logprob_count(v: i64, field: &'static str, max: usize) -> Result<usize, ApiError> {
     match v {
         -1 => Err(ApiError::bad(
-            format!(
-                "{field} -1 (every token of the vocabulary) is not supported: ask for 0 to {MAX_LOGPROBS}"
-            ),
+            format!("{field} -1 (every token of the vocabulary) is not supported: ask for 0 to {max}"),
             Some(field),
         )),
-        v if (0..=MAX_LOGPROBS as i64).contains(&v) => Ok(v as usize),
-        _ => {
-            Err(ApiError::bad(format!("{field} must be between 0 and {MAX_LOGPROBS}, got {v}"), Some(field)))
-        }
+        v if (0..=max as i64).contains(&v) => Ok(v as usize),
+        _ if max < MAX_LOGPROBS => Err(ApiError::bad(
+            format!("{field} must be between 0 and {max} (this server's --max-logprobs), got {v}"),
+            Some(field),
+        )),
+        _ => Err(ApiError::bad(format!("{field} must be between 0 and {max}, got {v}"), Some(field))),
     }
 }
 
@@ -433,7 +433,8 @@ pub fn prepare_completion(
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
-    let logprobs = req.logprobs.map(|l| logprob_count(l, "logprobs")).transpose()?;
+    let logprobs =
+        req.logprobs.map(|l| logprob_count(l, "logprobs", engine.config().max_logprobs)).transpose()?;
     let params = sampling(&req.sampling, Some(16), logprobs)?;
     let tok = engine.tokenizer();
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
@@ -533,7 +534,10 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
     }
     let messages = chat_messages(&req.messages)?;
-    let asked = req.top_logprobs.map(|t| logprob_count(t, "top_logprobs")).transpose()?;
+    let asked = req
+        .top_logprobs
+        .map(|t| logprob_count(t, "top_logprobs", engine.config().max_logprobs))
+        .transpose()?;
     let top = match (req.logprobs, asked) {
         (false, Some(t)) if t > 0 => {
             return Err(ApiError::bad("top_logprobs requires logprobs to be true", Some("top_logprobs")));

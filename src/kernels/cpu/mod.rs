@@ -560,8 +560,8 @@ impl Device for CpuDevice {
         shapes
             .iter()
             .map(|&shape| {
-                if shape.max_rank > 256 {
-                    return Err(DeviceError::Other(format!("max LoRA rank {} exceeds 256", shape.max_rank)));
+                if shape.max_rank > 512 {
+                    return Err(DeviceError::Other(format!("max LoRA rank {} exceeds 512", shape.max_rank)));
                 }
                 Ok(lora::CpuLora::new(shape))
             })

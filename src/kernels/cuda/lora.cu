@@ -66,7 +66,7 @@ template <typename W>
 __device__ void lora_expand(float* y, const float* part, const W* b0, const W* b1, const W* b2,
                             const int* slots, int rows, int parts, int rank, int f0, int f1, int f2, int o0,
                             int o1, int o2, int ycols) {
-    __shared__ float v[256 + RCHUNK];  // --max-lora-rank is at most 256; zeros past the rank
+    __shared__ float v[512 + RCHUNK];  // --max-lora-rank is at most 512; zeros past the rank
     int t = blockIdx.x, m = blockIdx.z;
     int s = slots[t];
     if (s < 0) return;

@@ -67,6 +67,12 @@ pub struct EngineArgs {
     /// most this engine returns; -1 asks for no limit).
     #[arg(long, default_value_t = MAX_LOGPROBS as i64, allow_negative_numbers = true)]
     pub max_logprobs: i64,
+    /// Where defaults for the sampling fields a request leaves unset come from: `auto`, the
+    /// model's generation_config.json (temperature, top_p, top_k, min_p,
+    /// repetition_penalty, max_new_tokens); `vllm`, vLLM's own defaults; or a directory
+    /// holding a generation_config.json.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
     /// No periodic log line of throughput, queue and KV cache usage (every
     /// VLLM_LOG_STATS_INTERVAL seconds, 10 by default, while the engine is busy).
     #[arg(long)]
@@ -265,6 +271,7 @@ impl Default for EngineArgs {
             trust_remote_code: false,
             seed: None,
             max_logprobs: MAX_LOGPROBS as i64,
+            generation_config: "auto".into(),
             disable_log_stats: false,
             disable_log_requests: false,
             dtype: DTypeArg::Auto,
@@ -309,6 +316,8 @@ pub enum ConfigError {
     LoraDisabled(&'static str),
     #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 512")]
     LoraLimits,
+    #[error("--generation-config: {0}")]
+    GenerationConfig(String),
     #[error("--max-logprobs must be -1 (no limit) or at least 0, got {0}")]
     MaxLogprobs(i64),
     #[error("--tensor-parallel-size {tp}: {reason}")]
@@ -337,6 +346,8 @@ pub struct EngineConfig {
     pub max_logprobs: usize,
     /// Log a line as each request starts and finishes (not --disable-log-requests).
     pub log_requests: bool,
+    /// Defaults for the sampling fields a request leaves unset (--generation-config).
+    pub sampling_defaults: crate::request::SamplingDefaults,
 }
 
 /// KV heads each rank holds: a share of them, or one replicated head when there are fewer
@@ -491,6 +502,7 @@ impl EngineConfig {
             lora,
             max_logprobs,
             log_requests: !args.disable_log_requests,
+            sampling_defaults: Default::default(),
             model_dir: args.model.clone(),
             dtype,
             max_model_len,

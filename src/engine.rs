@@ -143,6 +143,7 @@ impl Engine {
         // profiling step, and checks --max-model-len then.
         let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();
         let mut config = EngineConfig::resolve(&args, &model_config, sized_by_device)?;
+        config.sampling_defaults = sampling_defaults(&args)?;
         let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
         let opts = LoadOptions {
@@ -452,6 +453,36 @@ fn spawn_stats_log(engine: &Engine) {
             (before, at) = (now, std::time::Instant::now());
         }
     });
+}
+
+/// The sampling defaults `--generation-config` names: the model's generation_config.json
+/// (`auto`; none when the file is absent), none (`vllm`), or a directory's.
+fn sampling_defaults(args: &EngineArgs) -> Result<crate::request::SamplingDefaults, EngineError> {
+    let dir = match args.generation_config.as_str() {
+        "vllm" => return Ok(Default::default()),
+        "auto" => args.model.clone(),
+        other => std::path::PathBuf::from(other),
+    };
+    let path = dir.join("generation_config.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(_) if args.generation_config == "auto" => return Ok(Default::default()),
+        Err(e) => {
+            return Err(
+                crate::config::ConfigError::GenerationConfig(format!("{}: {e}", path.display())).into()
+            );
+        }
+    };
+    let defaults = crate::request::SamplingDefaults::from_json(&text, &path.display().to_string())
+        .map_err(crate::config::ConfigError::GenerationConfig)?;
+    if !defaults.is_empty() {
+        tracing::info!(
+            ?defaults,
+            "default sampling parameters come from the model's generation config (--generation-config vllm \
+             keeps vLLM's)"
+        );
+    }
+    Ok(defaults)
 }
 
 /// One log line for each vLLM flag given that does less here than in vLLM.

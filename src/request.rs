@@ -62,6 +62,32 @@ impl Default for SamplingParams {
     }
 }
 
+/// Defaults for the sampling fields a request leaves unset, from the model's
+/// `generation_config.json` (vLLM's `--generation-config auto`): only the fields vLLM takes
+/// from it, each only when the file sets it.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// `max_new_tokens`, the default `max_tokens`.
+    #[serde(rename = "max_new_tokens")]
+    pub max_tokens: Option<usize>,
+}
+
+impl SamplingDefaults {
+    /// The defaults of a generation_config.json's text; `source` names it in errors.
+    pub fn from_json(text: &str, source: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| format!("{source}: {e}"))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// A sampling field outside its range: names the field, the rule and the value given.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{param} {rule}, got {value}")]

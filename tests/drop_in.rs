@@ -477,3 +477,40 @@ async fn run_batch_answers_every_line_as_the_server_does() {
     assert_eq!(by_id("BAD-model")["response"]["status_code"], 404);
     assert!(by_id("BAD-stream")["error"]["message"].as_str().unwrap().contains("stream"));
 }
+
+/// `--generation-config auto` (the default) takes unset sampling fields from the model's
+/// generation_config.json, as vLLM does; a request's own fields win; `vllm` keeps vLLM's
+/// defaults; a directory names another file.
+#[actix_rt::test]
+async fn the_generation_config_gives_defaults_to_unset_fields() {
+    let tiny = common::tiny_model(74);
+    let write =
+        |dir: &Path, v: Value| std::fs::write(dir.join("generation_config.json"), v.to_string()).unwrap();
+    write(
+        tiny.path(),
+        json!({"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 5}),
+    );
+    let other = common::scratch("generation-config");
+    write(other.path(), json!({"max_new_tokens": 7}));
+    let req = json!({"prompt": "hello", "ignore_eos": true});
+    let tokens = |r: &Value| r["usage"]["completion_tokens"].as_u64().unwrap();
+    let text = |r: &Value| r["choices"][0]["text"].as_str().unwrap().to_string();
+    for (flag, want) in [("auto", 5), ("vllm", 16), (other.path().to_str().unwrap(), 7)] {
+        let server = common::server::start(&tiny, |a| a.engine.generation_config = flag.into()).await;
+        let (status, first) = server.post("/v1/completions", &req).await;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(tokens(&first), want, "--generation-config {flag}");
+        let (_, again) = server.post("/v1/completions", &req).await;
+        if flag == "auto" {
+            assert_eq!(text(&first), text(&again), "temperature 0 from the file: greedy");
+            let (_, own) = server.post("/v1/completions", &json!({"prompt": "hello", "max_tokens": 3})).await;
+            assert_eq!(tokens(&own), 3, "the request's max_tokens wins");
+        } else {
+            assert_ne!(text(&first), text(&again), "vLLM's temperature 1 samples");
+        }
+    }
+    let missing =
+        actorllm::config::EngineArgs { generation_config: "/nonexistent".into(), ..common::args(&tiny) };
+    let e = actorllm::Engine::start(missing).await.err().unwrap().to_string();
+    assert!(e.contains("--generation-config: /nonexistent/generation_config.json"), "{e}");
+}

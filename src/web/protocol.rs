@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::errors::ApiError;
 use crate::engine::Engine;
-use crate::request::{MAX_LOGPROBS, SamplingParams};
+use crate::request::{MAX_LOGPROBS, SamplingDefaults, SamplingParams};
 use crate::tokenizer::ChatMessage;
 
 /// Prompts in every shape `/v1/completions` accepts.
@@ -311,24 +311,26 @@ fn check_n(f: &SamplingFields) -> Result<usize, ApiError> {
     Ok(n)
 }
 
-/// SamplingParams from the request's fields; `logprobs` is the per-token top count.
+/// SamplingParams from the request's fields, unset ones from `model` (the model's
+/// generation config) and then vLLM's defaults; `logprobs` is the per-token top count.
 fn sampling(
     f: &SamplingFields,
+    model: &SamplingDefaults,
     default_max: Option<usize>,
     logprobs: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
     let d = SamplingParams::default();
     let params = SamplingParams {
         n: check_n(f)?,
-        temperature: f.temperature.unwrap_or(d.temperature),
-        top_p: f.top_p.unwrap_or(d.top_p),
-        top_k: f.top_k.unwrap_or(d.top_k),
-        min_p: f.min_p.unwrap_or(d.min_p),
-        repetition_penalty: f.repetition_penalty.unwrap_or(d.repetition_penalty),
+        temperature: f.temperature.or(model.temperature).unwrap_or(d.temperature),
+        top_p: f.top_p.or(model.top_p).unwrap_or(d.top_p),
+        top_k: f.top_k.or(model.top_k).unwrap_or(d.top_k),
+        min_p: f.min_p.or(model.min_p).unwrap_or(d.min_p),
+        repetition_penalty: f.repetition_penalty.or(model.repetition_penalty).unwrap_or(d.repetition_penalty),
         presence_penalty: f.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: f.frequency_penalty.unwrap_or(d.frequency_penalty),
         seed: f.seed,
-        max_tokens: f.max_completion_tokens.or(f.max_tokens).or(default_max),
+        max_tokens: f.max_completion_tokens.or(f.max_tokens).or(model.max_tokens).or(default_max),
         min_tokens: f.min_tokens.unwrap_or(0),
         stop: match &f.stop {
             None => Vec::new(),
@@ -435,7 +437,7 @@ pub fn prepare_completion(
     }
     let logprobs =
         req.logprobs.map(|l| logprob_count(l, "logprobs", engine.config().max_logprobs)).transpose()?;
-    let params = sampling(&req.sampling, Some(16), logprobs)?;
+    let params = sampling(&req.sampling, &engine.config().sampling_defaults, Some(16), logprobs)?;
     let tok = engine.tokenizer();
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
         PromptInput::Text(t) => (vec![tok.encode(&t, true)?], vec![Some(t)]),
@@ -545,7 +547,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         (true, t) => Some(t.unwrap_or(0)),
         (false, _) => None,
     };
-    let params = sampling(&req.sampling, None, top)?;
+    let params = sampling(&req.sampling, &engine.config().sampling_defaults, None, top)?;
     let tok = engine.tokenizer();
     let text = tok.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
     let ids = tok.encode(&text, false)?;

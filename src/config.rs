@@ -73,6 +73,10 @@ pub struct EngineArgs {
     /// holding a generation_config.json.
     #[arg(long, default_value = "auto")]
     pub generation_config: String,
+    /// The chat template for every chat request that names none: a file, or the template
+    /// itself (vLLM's flag); the model's own by default.
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// No periodic log line of throughput, queue and KV cache usage (every
     /// VLLM_LOG_STATS_INTERVAL seconds, 10 by default, while the engine is busy).
     #[arg(long)]
@@ -272,6 +276,7 @@ impl Default for EngineArgs {
             seed: None,
             max_logprobs: MAX_LOGPROBS as i64,
             generation_config: "auto".into(),
+            chat_template: None,
             disable_log_stats: false,
             disable_log_requests: false,
             dtype: DTypeArg::Auto,
@@ -316,6 +321,8 @@ pub enum ConfigError {
     LoraDisabled(&'static str),
     #[error("--max-loras must be at least 1 and --max-lora-rank between 1 and 512")]
     LoraLimits,
+    #[error("--chat-template: {0}")]
+    ChatTemplate(String),
     #[error("--generation-config: {0}")]
     GenerationConfig(String),
     #[error("--max-logprobs must be -1 (no limit) or at least 0, got {0}")]

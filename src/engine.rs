@@ -144,7 +144,17 @@ impl Engine {
         let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();
         let mut config = EngineConfig::resolve(&args, &model_config, sized_by_device)?;
         config.sampling_defaults = sampling_defaults(&args)?;
-        let tokenizer = Arc::new(Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?);
+        let mut tokenizer = Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?;
+        if let Some(t) = &args.chat_template {
+            // vLLM's rule: a path that exists is a file to read, anything else the template.
+            let template = match std::fs::read_to_string(t) {
+                Ok(text) => text,
+                Err(_) if !std::path::Path::new(t).exists() => t.clone(),
+                Err(e) => return Err(crate::config::ConfigError::ChatTemplate(format!("{t}: {e}")).into()),
+            };
+            tokenizer.set_chat_template(template);
+        }
+        let tokenizer = Arc::new(tokenizer);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
         let opts = LoadOptions {
             lora: config.lora.as_ref().map(|l| LoraCapacity {

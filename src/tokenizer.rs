@@ -256,6 +256,11 @@ impl Tokenizer {
         self.decode(&[id], false).unwrap_or_default()
     }
 
+    /// Replaces the model's chat template (`--chat-template`).
+    pub fn set_chat_template(&mut self, template: String) {
+        self.chat_template = Some(template);
+    }
+
     pub fn has_chat_template(&self) -> bool {
         self.chat_template.is_some()
     }
@@ -266,7 +271,25 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let template = self.chat_template.as_deref().ok_or(TokenizerError::NoChatTemplate)?;
+        let opts = ChatTemplateOptions { add_generation_prompt, ..Default::default() };
+        self.apply_chat_template_with(messages, &opts)
+    }
+
+    /// As [`Self::apply_chat_template`], with HF's other options: another template, extra
+    /// template variables, and `continue_final_message` (the text ends inside the last
+    /// message, as HF cuts it, so that generation continues it).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        opts: &ChatTemplateOptions<'_>,
+    ) -> Result<String, TokenizerError> {
+        if opts.add_generation_prompt && opts.continue_final_message {
+            return Err(TokenizerError::Template(
+                "continue_final_message and add_generation_prompt cannot both be true".into(),
+            ));
+        }
+        let template =
+            opts.template.or(self.chat_template.as_deref()).ok_or(TokenizerError::NoChatTemplate)?;
         let mut env = Environment::new();
         // HF renders with trim_blocks and lstrip_blocks, and exposes raise_exception.
         env.set_trim_blocks(true);
@@ -280,18 +303,54 @@ impl Tokenizer {
         });
         env.add_template("chat", template).map_err(|e| TokenizerError::Template(e.to_string()))?;
         let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
-        tmpl.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| TokenizerError::Template(e.to_string()))
+        let empty = serde_json::Map::new();
+        let kwargs = minijinja::Value::from_serialize(opts.kwargs.unwrap_or(&empty));
+        let rendered = tmpl
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => opts.add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+                ..kwargs
+            })
+            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        match (opts.continue_final_message, messages.last()) {
+            (true, Some(last)) => cut_after_final_message(rendered, &last.content),
+            _ => Ok(rendered),
+        }
     }
 
     pub fn is_special(&self, id: u32) -> bool {
         self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
     }
+}
+
+/// Options of [`Tokenizer::apply_chat_template_with`] (HF's `apply_chat_template` keywords).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChatTemplateOptions<'a> {
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// A template to render instead of the tokenizer's.
+    pub template: Option<&'a str>,
+    /// Extra variables for the template (`enable_thinking`, ...); they never replace
+    /// `messages`, `add_generation_prompt` or the special tokens.
+    pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
+}
+
+/// HF's cut for `continue_final_message`: the rendered chat up to the end of the last
+/// message's text (keeping its trailing spaces where the template kept them).
+fn cut_after_final_message(rendered: String, last: &str) -> Result<String, TokenizerError> {
+    let at = rendered.rfind(last.trim()).ok_or_else(|| {
+        TokenizerError::Template(
+            "continue_final_message is set but the final message does not appear in the chat after applying \
+             the chat template"
+                .into(),
+        )
+    })?;
+    // HF keeps the message's trailing spaces when the template kept the message whole.
+    let whole = last.trim_start().len() == last.len() && rendered[at..].starts_with(last);
+    let end = at + if whole { last.len() } else { last.trim().len() };
+    Ok(rendered[..end].to_string())
 }
 
 /// Streams text from a growing token list without ever emitting a broken UTF-8 sequence:

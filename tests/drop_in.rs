@@ -514,3 +514,58 @@ async fn the_generation_config_gives_defaults_to_unset_fields() {
     let e = actorllm::Engine::start(missing).await.err().unwrap().to_string();
     assert!(e.contains("--generation-config: /nonexistent/generation_config.json"), "{e}");
 }
+
+/// The chat template controls: `continue_final_message` ends the prompt inside the last
+/// message as transformers' `apply_chat_template(continue_final_message=True)` renders it
+/// for the default model (the string below, from transformers 5.25); a request's
+/// `chat_template` with `chat_template_kwargs`, and the server's `--chat-template`, replace
+/// the model's; contradictions and broken templates are a 400.
+#[actix_rt::test]
+async fn chat_template_fields_render_as_transformers_does() {
+    let transformers = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face\
+        <|im_end|>\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\nThe color is ";
+    let inline = "{% for m in messages %}[{{ m.content }}]{% endfor %}{{ tail }}";
+    let server =
+        common::server::start(common::default_model(), |a| a.engine.chat_template = Some(inline.into()))
+            .await;
+    let ids = |r: &Value| r["tokens"].as_array().unwrap().clone();
+    let (_, expected) =
+        server.post("/tokenize", &json!({"prompt": transformers, "add_special_tokens": false})).await;
+    let messages = json!([{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is "}]);
+    let chatml = std::fs::read_to_string(common::default_model().join("tokenizer_config.json")).unwrap();
+    let chatml: Value = serde_json::from_str(&chatml).unwrap();
+    let chatml = chatml["chat_template"].as_str().unwrap();
+    let (status, got) = server
+        .post(
+            "/tokenize",
+            &json!({"messages": messages, "continue_final_message": true, "chat_template": chatml}),
+        )
+        .await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(ids(&got), ids(&expected));
+    // The continued message is answered after its last word, with no new assistant turn.
+    let body = json!({"messages": messages, "continue_final_message": true, "chat_template": chatml,
+        "max_tokens": 4, "temperature": 0});
+    let (status, r) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"].as_u64().unwrap() as usize, ids(&expected).len());
+    // --chat-template is the default template; a request's template and variables win.
+    let (_, flag) = server.post("/tokenize", &json!({"messages": [{"role": "user", "content": "Hi"}]})).await;
+    let (_, plain) = server.post("/tokenize", &json!({"prompt": "[Hi]", "add_special_tokens": false})).await;
+    assert_eq!(ids(&flag), ids(&plain));
+    let own = json!({"messages": [{"role": "user", "content": "Hi"}], "chat_template": inline,
+        "chat_template_kwargs": {"tail": "!", "messages": "never replaced"}});
+    let (_, own) = server.post("/tokenize", &own).await;
+    let (_, plain) = server.post("/tokenize", &json!({"prompt": "[Hi]!", "add_special_tokens": false})).await;
+    assert_eq!(ids(&own), ids(&plain));
+    for (bad, param) in [
+        (json!({"continue_final_message": true, "add_generation_prompt": true}), "messages"),
+        (json!({"chat_template": "{% for %}"}), "messages"),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(bad.as_object().unwrap().clone());
+        let (status, e) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
+    }
+}

@@ -207,7 +207,8 @@ pub struct TokenizeRequest {
     model: Option<String>,
     prompt: Option<String>,
     messages: Option<Vec<MessageIn>>,
-    add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    template: super::protocol::TemplateFields,
     add_special_tokens: Option<bool>,
 }
 
@@ -223,8 +224,7 @@ pub async fn tokenize(
         match (req.prompt, req.messages) {
             (Some(p), None) => Ok(tok.encode(&p, req.add_special_tokens.unwrap_or(true))?),
             (None, Some(msgs)) => {
-                let text = tok
-                    .apply_chat_template(&chat_messages(&msgs)?, req.add_generation_prompt.unwrap_or(true))?;
+                let text = tok.apply_chat_template_with(&chat_messages(&msgs)?, &req.template.options())?;
                 Ok(tok.encode(&text, false)?)
             }
             _ => Err(ApiError::bad("give exactly one of prompt or messages", Some("prompt"))),

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use super::errors::ApiError;
 use crate::engine::Engine;
 use crate::request::{MAX_LOGPROBS, SamplingDefaults, SamplingParams};
-use crate::tokenizer::ChatMessage;
+use crate::tokenizer::{ChatMessage, ChatTemplateOptions};
 
 /// Prompts in every shape `/v1/completions` accepts.
 #[derive(Debug, Clone, Deserialize)]
@@ -102,9 +102,6 @@ pub struct UnimplementedFields {
     logits_processors: Option<serde_json::Value>,
     return_tokens_as_token_ids: Option<serde_json::Value>,
     priority: Option<serde_json::Value>,
-    chat_template: Option<serde_json::Value>,
-    chat_template_kwargs: Option<serde_json::Value>,
-    continue_final_message: Option<serde_json::Value>,
     documents: Option<serde_json::Value>,
 }
 
@@ -122,7 +119,7 @@ impl UnimplementedFields {
             })
         };
         let (f, zero, one) = (Value::Bool(false), Value::from(0), Value::from(1.0));
-        let fields: [(&'static str, bool); 14] = [
+        let fields: [(&'static str, bool); 11] = [
             ("use_beam_search", default_is(&self.use_beam_search, &f)),
             (
                 "length_penalty",
@@ -136,9 +133,6 @@ impl UnimplementedFields {
             ("logits_processors", empty(&self.logits_processors)),
             ("return_tokens_as_token_ids", default_is(&self.return_tokens_as_token_ids, &f)),
             ("priority", default_is(&self.priority, &zero)),
-            ("chat_template", empty(&self.chat_template)),
-            ("chat_template_kwargs", empty(&self.chat_template_kwargs)),
-            ("continue_final_message", default_is(&self.continue_final_message, &f)),
             ("documents", empty(&self.documents)),
         ];
         match fields.iter().find(|(_, default)| !default) {
@@ -245,13 +239,40 @@ pub struct ChatRequest {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub template: TemplateFields,
     #[serde(default)]
     pub echo: bool,
     #[serde(flatten)]
     pub structured: StructuredFields,
     #[serde(flatten)]
     pub unimplemented: UnimplementedFields,
+}
+
+/// How a chat request's messages become its prompt (vLLM's fields, HF's keywords).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct TemplateFields {
+    pub add_generation_prompt: Option<bool>,
+    /// End the prompt inside the last message, so that the answer continues it.
+    #[serde(default)]
+    pub continue_final_message: bool,
+    /// A Jinja chat template to use instead of the model's.
+    pub chat_template: Option<String>,
+    /// Extra variables for the chat template (`{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl TemplateFields {
+    /// The rendering options; as vLLM, a continued final message takes no generation
+    /// prompt unless one is asked for.
+    pub fn options(&self) -> ChatTemplateOptions<'_> {
+        ChatTemplateOptions {
+            add_generation_prompt: self.add_generation_prompt.unwrap_or(!self.continue_final_message),
+            continue_final_message: self.continue_final_message,
+            template: self.chat_template.as_deref(),
+            kwargs: self.chat_template_kwargs.as_ref(),
+        }
+    }
 }
 
 /// Which response shape a request gets.
@@ -549,7 +570,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
     };
     let params = sampling(&req.sampling, &engine.config().sampling_defaults, None, top)?;
     let tok = engine.tokenizer();
-    let text = tok.apply_chat_template(&messages, req.add_generation_prompt.unwrap_or(true))?;
+    let text = tok.apply_chat_template_with(&messages, &req.template.options())?;
     let ids = tok.encode(&text, false)?;
     let prompts = vec![ids];
     check_context(&prompts, &params, engine)?;

@@ -170,6 +170,7 @@ fn llamafactory_engine_arguments_start_the_server_and_each_has_its_effect() {
             "7",
             "--max-logprobs",
             "5",
+            "--disable-uvicorn-access-log",
             "--root-path",
             "/llm",
             "--served-model-name",
@@ -220,13 +221,15 @@ fn llamafactory_engine_arguments_start_the_server_and_each_has_its_effect() {
     assert!(log.contains("--trust-remote-code: a checkpoint's own modeling code cannot run here"), "{log}");
     assert!(log.contains("model found in the Hugging Face cache"), "{log}");
     assert!(log.contains("listening on http://") && log.contains("/llm"), "{log}");
-    for quiet in ["Avg prompt throughput", "request started", "request finished"] {
+    for quiet in ["Avg prompt throughput", "request started", "request finished", "actorllm::web::ops: http"]
+    {
         assert!(!log.contains(quiet), "{quiet:?} logged despite the flags:\n{log}");
     }
 }
 
 /// Without the two switches, the same server logs each request and, while busy, the
-/// periodic stats line; `--uvicorn-log-level debug` shows debug lines; the served name
+/// periodic stats line, and each HTTP request its access line; `--uvicorn-log-level debug`
+/// shows debug lines; the served name
 /// defaults to `--model` as given.
 #[test]
 fn stats_and_request_lines_are_logged_unless_switched_off() {
@@ -243,9 +246,14 @@ fn stats_and_request_lines_are_logged_unless_switched_off() {
     assert_eq!(http(&addr, "POST", "/v1/completions", Some(&req)).0, 200);
     std::thread::sleep(Duration::from_millis(600));
     let log = served.stop();
-    for line in
-        ["Avg prompt throughput", "Avg generation throughput", "request started", "request finished", "DEBUG"]
-    {
+    for line in [
+        "Avg prompt throughput",
+        "Avg generation throughput",
+        "request started",
+        "request finished",
+        "DEBUG",
+        "actorllm::web::ops: http",
+    ] {
         assert!(log.contains(line), "{line:?} missing:\n{log}");
     }
 }

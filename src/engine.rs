@@ -146,13 +146,7 @@ impl Engine {
         config.sampling_defaults = sampling_defaults(&args)?;
         let mut tokenizer = Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?;
         if let Some(t) = &args.chat_template {
-            // vLLM's rule: a path that exists is a file to read, anything else the template.
-            let template = match std::fs::read_to_string(t) {
-                Ok(text) => text,
-                Err(_) if !std::path::Path::new(t).exists() => t.clone(),
-                Err(e) => return Err(crate::config::ConfigError::ChatTemplate(format!("{t}: {e}")).into()),
-            };
-            tokenizer.set_chat_template(template);
+            tokenizer.set_chat_template(chat_template_arg(t)?);
         }
         let tokenizer = Arc::new(tokenizer);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
@@ -452,17 +446,24 @@ fn spawn_stats_log(engine: &Engine) {
             let engine = Engine { inner };
             let Ok((s, b)) = engine.stats().await else { return };
             let now = engine.inner.metrics.totals();
-            let load = crate::metrics::Load {
-                running: s.num_running,
-                waiting: s.num_waiting,
-                kv_usage: 1.0 - b.num_free as f64 / b.num_total.max(1) as f64,
-            };
+            let load =
+                crate::metrics::Load { running: s.num_running, waiting: s.num_waiting, kv_usage: b.usage() };
             if let Some(line) = crate::metrics::stats_line(before, now, at.elapsed().as_secs_f64(), load) {
                 tracing::info!("{line}");
             }
             (before, at) = (now, std::time::Instant::now());
         }
     });
+}
+
+/// The template `--chat-template` gives, as vLLM reads it: a path that exists is a file to
+/// read, anything else the template itself.
+fn chat_template_arg(t: &str) -> Result<String, EngineError> {
+    match std::fs::read_to_string(t) {
+        Ok(text) => Ok(text),
+        Err(_) if !std::path::Path::new(t).exists() => Ok(t.to_string()),
+        Err(e) => Err(crate::config::ConfigError::ChatTemplate(format!("{t}: {e}")).into()),
+    }
 }
 
 /// The sampling defaults `--generation-config` names: the model's generation_config.json

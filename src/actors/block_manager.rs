@@ -30,6 +30,13 @@ pub struct BlockStats {
     pub num_total: usize,
 }
 
+impl BlockStats {
+    /// Fraction of the blocks in use (0 to 1).
+    pub fn usage(&self) -> f64 {
+        1.0 - self.num_free as f64 / self.num_total.max(1) as f64
+    }
+}
+
 pub struct BlockManager {
     pool: BlockPool,
 }

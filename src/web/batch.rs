@@ -81,10 +81,7 @@ enum Route {
 /// Starts the engine, runs the batch of `args.input_file` into `args.output_file` and
 /// prints a summary.
 pub async fn run(args: RunBatchArgs) -> Result<BatchSummary, EngineError> {
-    let mut names = args.served_model_name.clone();
-    if names.is_empty() {
-        names.push(args.engine.model.to_string_lossy().into_owned());
-    }
+    let names = super::served_names(&args.served_model_name, &args.engine);
     let input = args.input_file.clone();
     let text = actix_rt::task::spawn_blocking(move || std::fs::read_to_string(&input))
         .await

@@ -307,16 +307,19 @@ pub async fn serve_with_architectures<A: Architectures>(args: ServeArgs) -> Resu
     shutdown::serve::<A>(args).await
 }
 
+/// The names a request's `model` may use: `--served-model-name`'s, else `--model` as given
+/// (a path or a model id), as vLLM's.
+pub fn served_names(given: &[String], engine: &EngineArgs) -> Vec<String> {
+    if given.is_empty() { vec![engine.model.to_string_lossy().into_owned()] } else { given.to_vec() }
+}
+
 /// Binds the server; with `own_signals` the caller handles SIGTERM and SIGINT itself.
 fn bind(
     args: ServeArgs,
     engine: Engine,
     own_signals: bool,
 ) -> Result<(actix_web::dev::Server, SocketAddr, web::Data<AppState>), EngineError> {
-    let mut names = args.served_model_name.clone();
-    if names.is_empty() {
-        names.push(args.engine.model.to_string_lossy().into_owned());
-    }
+    let names = served_names(&args.served_model_name, &args.engine);
     let name = names.join(", ");
     let timeouts = Timeouts {
         ws_idle: Duration::from_secs_f64(args.ws_idle_timeout),

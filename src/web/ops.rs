@@ -47,7 +47,7 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
     };
     gauge(&mut out, "vllm:num_requests_running", "Sequences in the running batch.", s.num_running as f64);
     gauge(&mut out, "vllm:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting as f64);
-    let usage = 1.0 - b.num_free as f64 / b.num_total.max(1) as f64;
+    let usage = b.usage();
     gauge(&mut out, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", usage);
     gauge(&mut out, "actorllm:kv_cache_blocks_total", "KV cache blocks in the pool.", b.num_total as f64);
     gauge(&mut out, "actorllm:kv_cache_blocks_free", "KV cache blocks free.", b.num_free as f64);

@@ -77,6 +77,18 @@ pub struct EngineArgs {
     /// itself (vLLM's flag); the model's own by default.
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// Let the model call tools on its own (`tool_choice: "auto"`), read from its output by
+    /// --tool-call-parser.
+    #[arg(long, requires = "tool_call_parser")]
+    pub enable_auto_tool_choice: bool,
+    /// How tool calls are read from the model's output: hermes (Qwen2.5, Qwen3),
+    /// llama3_json (Llama 3.1/3.2), mistral.
+    #[arg(long, value_enum)]
+    pub tool_call_parser: Option<crate::structured::tools::ToolParser>,
+    /// Reasoning models: the `<think>` block goes to `reasoning_content` (deepseek_r1,
+    /// qwen3), and a request's structured output applies to the answer after it.
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<crate::structured::reasoning::ReasoningParser>,
     /// No periodic log line of throughput, queue and KV cache usage (every
     /// VLLM_LOG_STATS_INTERVAL seconds, 10 by default, while the engine is busy).
     #[arg(long)]
@@ -277,6 +289,9 @@ impl Default for EngineArgs {
             max_logprobs: MAX_LOGPROBS as i64,
             generation_config: "auto".into(),
             chat_template: None,
+            enable_auto_tool_choice: false,
+            tool_call_parser: None,
+            reasoning_parser: None,
             disable_log_stats: false,
             disable_log_requests: false,
             dtype: DTypeArg::Auto,
@@ -355,6 +370,10 @@ pub struct EngineConfig {
     pub log_requests: bool,
     /// Defaults for the sampling fields a request leaves unset (--generation-config).
     pub sampling_defaults: crate::request::SamplingDefaults,
+    /// The parser of `tool_choice: "auto"` (--enable-auto-tool-choice with
+    /// --tool-call-parser); None refuses it.
+    pub auto_tool_parser: Option<crate::structured::tools::ToolParser>,
+    pub reasoning_parser: Option<crate::structured::reasoning::ReasoningParser>,
 }
 
 /// KV heads each rank holds: a share of them, or one replicated head when there are fewer
@@ -510,6 +529,8 @@ impl EngineConfig {
             max_logprobs,
             log_requests: !args.disable_log_requests,
             sampling_defaults: Default::default(),
+            auto_tool_parser: args.tool_call_parser.filter(|_| args.enable_auto_tool_choice),
+            reasoning_parser: args.reasoning_parser,
             model_dir: args.model.clone(),
             dtype,
             max_model_len,

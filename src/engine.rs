@@ -56,6 +56,8 @@ struct Inner {
     next_id: std::sync::atomic::AtomicU64,
     /// Events each choice of a request may leave unread (see [`Engine::set_stream_backlog`]).
     stream_backlog: std::sync::atomic::AtomicUsize,
+    /// Structured output's grammar compiler, built on the first constrained request.
+    grammars: crate::structured::LazyGrammars,
 }
 
 /// Events each choice may leave unread before its request is aborted, by default.
@@ -308,6 +310,7 @@ impl Engine {
                 active_weight_bytes,
                 next_id: std::sync::atomic::AtomicU64::new(0),
                 stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
+                grammars: Default::default(),
             }),
         };
         if !args.disable_log_stats {
@@ -318,6 +321,22 @@ impl Engine {
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.inner.tokenizer
+    }
+
+    /// Compiles a structured-output grammar against the model's vocabulary; the error
+    /// names what is wrong with it. A grammar held back by reasoning waits for the end of
+    /// the `<think>` block when the model's vocabulary has it as one token.
+    pub fn compile_guide(
+        &self,
+        spec: crate::structured::GuideSpec,
+    ) -> Result<crate::structured::Guide, String> {
+        let grammars = self.inner.grammars.get(&self.inner.tokenizer, self.inner.model_config.vocab_size)?;
+        let guide = grammars.compile(spec)?;
+        let end = self.inner.config.reasoning_parser.and_then(|_| {
+            let ids = self.inner.tokenizer.encode(crate::structured::reasoning::THINK_END, false).ok()?;
+            (ids.len() == 1).then(|| ids[0])
+        });
+        Ok(guide.held_until(end))
     }
 
     pub fn config(&self) -> &EngineConfig {

@@ -18,6 +18,8 @@
 //!   present) and `cuda/` (NVRTC kernels + cuBLAS through cudarc, loaded dynamically).
 //! - `request`, `sampling`, `tokenizer`: sampling parameters and events, the sampler, the
 //!   tokenizer with chat templates and incremental detokenization.
+//! - `structured`: structured output: grammars (JSON schema, regex, choice, Lark, GBNF)
+//!   compiled by llguidance, and each sequence's matcher giving the tokens allowed next.
 //! - `config`: engine arguments with vLLM's flag names, resolved once.
 //! - `hub`: `--model` as a directory or a Hugging Face model id in the local cache.
 //! - `gguf`: GGUF reader and the `import-gguf` converter to a HF directory.
@@ -43,6 +45,7 @@ pub mod offline;
 pub mod request;
 pub mod sampling;
 pub mod scratch;
+pub mod structured;
 pub mod tokenizer;
 pub mod web;
 

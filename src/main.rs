@@ -188,9 +188,9 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         (None, Some(c)) => {
             let mut msgs = Vec::new();
             if let Some(s) = &args.system {
-                msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
+                msgs.push(ChatMessage { role: "system".into(), content: s.clone(), ..Default::default() });
             }
-            msgs.push(ChatMessage { role: "user".into(), content: c.clone() });
+            msgs.push(ChatMessage { role: "user".into(), content: c.clone(), ..Default::default() });
             tok.encode(&tok.apply_chat_template(&msgs, true)?, false)?
         }
         (None, None) => bail!("give --prompt or --chat"),

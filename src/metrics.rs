@@ -94,6 +94,9 @@ pub struct StepProfile {
     pub launch_ns: AtomicU64,
     pub device_ns: AtomicU64,
     pub sample_ns: AtomicU64,
+    /// Of `sample_ns`: computing grammar masks (structured output), while the device runs
+    /// the forward.
+    pub mask_ns: AtomicU64,
     /// The Scheduler applying the sampled tokens: detokenizing, stop checks, queueing events.
     pub output_ns: AtomicU64,
     /// Sending the queued events to the clients' streams: while the next step runs, not part
@@ -134,6 +137,8 @@ pub struct StepBreakdown {
     pub launch_ms: f64,
     pub device_ms: f64,
     pub sample_ms: f64,
+    /// Of `sample_ms`: grammar masks (structured output).
+    pub mask_ms: f64,
     pub output_ms: f64,
     /// What is left: messages between the actors and waiting on their mailboxes.
     pub messaging_ms: f64,
@@ -159,7 +164,7 @@ pub struct StepBreakdown {
 }
 
 impl StepProfile {
-    pub fn snapshot(&self) -> [u64; 18] {
+    pub fn snapshot(&self) -> [u64; 19] {
         [
             &self.steps,
             &self.step_ns,
@@ -179,12 +184,13 @@ impl StepProfile {
             &self.graph_idle_ns,
             &self.graph_host_steps,
             &self.fed_steps,
+            &self.mask_ns,
         ]
         .map(|a| a.load(Relaxed))
     }
 
     /// The per-step breakdown of what happened between snapshots `a` and `b`.
-    pub fn between(a: [u64; 18], b: [u64; 18]) -> StepBreakdown {
+    pub fn between(a: [u64; 19], b: [u64; 19]) -> StepBreakdown {
         let d: Vec<u64> = a.iter().zip(&b).map(|(x, y)| y - x).collect();
         let steps = d[0].max(1);
         let ms = |ns: u64| ns as f64 / steps as f64 / 1e6;
@@ -198,6 +204,7 @@ impl StepProfile {
             launch_ms: ms(d[5]),
             device_ms: ms(d[6]),
             sample_ms: ms(d[7]),
+            mask_ms: ms(d[18]),
             output_ms: ms(d[8]),
             messaging_ms: ms(d[1].saturating_sub(parts)),
             device_allocations: d[9],

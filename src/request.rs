@@ -36,6 +36,9 @@ pub struct SamplingParams {
     /// Number of top logprobs to return per token (None = no logprobs).
     pub logprobs: Option<usize>,
     pub skip_special_tokens: bool,
+    /// The grammar the output follows (structured output), compiled at the edge.
+    #[serde(skip)]
+    pub guide: Option<crate::structured::Guide>,
 }
 
 impl Default for SamplingParams {
@@ -58,6 +61,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             skip_special_tokens: true,
+            guide: None,
         }
     }
 }

@@ -31,6 +31,9 @@ pub struct SampleInput<'a> {
     /// The penalty rules' view of `tokens`, when the caller keeps one (else it is counted
     /// from `tokens` each time).
     pub history: Option<&'a TokenHistory>,
+    /// The tokens a grammar allows next (structured output): bit `t % 32` of word `t / 32`.
+    /// Every other token is masked before anything else, logprobs included.
+    pub allowed: Option<&'a [u32]>,
 }
 
 impl SampleInput<'_> {
@@ -184,9 +187,27 @@ fn apply_rule(l: f32, rule: TokenRule, p: &SamplingParams) -> f32 {
     if rule.masked { f32::NEG_INFINITY } else { l }
 }
 
+/// Masks every logit whose token `allowed` does not hold (bit `t % 32` of word `t / 32`).
+pub fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = allowed.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if bits >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// Samples one token from `logits` (modified in place).
 pub fn sample(logits: &mut [f32], inp: &SampleInput) -> (u32, Option<TokenLogprobs>) {
     let p = inp.params;
+    if let Some(allowed) = inp.allowed {
+        apply_mask(logits, allowed);
+    }
     let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
     for (t, rule) in token_rules(inp, logits.len()) {
         logits[t as usize] = apply_rule(logits[t as usize], rule, p);
@@ -265,7 +286,16 @@ mod tests {
     use super::*;
 
     fn input<'a>(params: &'a SamplingParams, tokens: &'a [u32], seed: u64) -> SampleInput<'a> {
-        SampleInput { params, seed, index: 0, tokens, prompt_len: 1, eos_ids: &[0], history: None }
+        SampleInput {
+            params,
+            seed,
+            index: 0,
+            tokens,
+            prompt_len: 1,
+            eos_ids: &[0],
+            history: None,
+            allowed: None,
+        }
     }
 
     #[test]
@@ -371,6 +401,7 @@ mod tests {
                 prompt_len: 2,
                 eos_ids: &[12],
                 history: h,
+                allowed: None,
             };
             let sorted = |mut v: Vec<(u32, TokenRule)>| {
                 v.sort_by_key(|r| r.0);
@@ -393,6 +424,28 @@ mod tests {
     }
 
     #[test]
+    fn a_grammar_mask_leaves_only_its_tokens_for_greedy_and_sampled_draws() {
+        // 40 tokens: the best is 0; the mask allows 5 and 33 only.
+        let mut logits: Vec<f32> = (0..40).map(|i| -(i as f32) / 10.0).collect();
+        let allowed = [1u32 << 5, 1u32 << 1];
+        let greedy = SamplingParams { temperature: 0.0, logprobs: Some(3), ..Default::default() };
+        let inp = SampleInput { allowed: Some(&allowed), ..input(&greedy, &[2], 0) };
+        let (t, lp) = sample(&mut logits.clone(), &inp);
+        assert_eq!(t, 5);
+        // Logprobs are of the masked distribution: two tokens share all of it.
+        let lp = lp.unwrap();
+        assert_eq!(lp.top.len(), 3);
+        assert_eq!((lp.top[0].0, lp.top[1].0), (5, 33));
+        assert_eq!(lp.top[2].1, f32::NEG_INFINITY);
+        let sampled = SamplingParams { temperature: 1.5, ..Default::default() };
+        for seed in 0..200 {
+            let inp = SampleInput { allowed: Some(&allowed), ..input(&sampled, &[2], seed) };
+            assert!([5, 33].contains(&sample(&mut logits, &inp).0));
+            logits = (0..40).map(|i| -(i as f32) / 10.0).collect();
+        }
+    }
+
+    #[test]
     fn penalties_follow_hf_and_openai_rules() {
         let params = SamplingParams { temperature: 0.0, repetition_penalty: 2.0, ..Default::default() };
         let mut logits = vec![4.0, 3.0, -1.0];
@@ -404,6 +457,7 @@ mod tests {
             prompt_len: 1,
             eos_ids: &[],
             history: None,
+            allowed: None,
         };
         penalize(&mut logits, &inp);
         assert_eq!(logits, vec![2.0, 3.0, -2.0]);
@@ -417,6 +471,7 @@ mod tests {
             prompt_len: 1,
             eos_ids: &[],
             history: None,
+            allowed: None,
         };
         penalize(&mut logits, &inp);
         assert_eq!(logits, vec![4.0, 0.5, -0.5]);

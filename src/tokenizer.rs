@@ -41,11 +41,19 @@ fn guard<T>(f: impl FnOnce() -> T) -> Result<T, TokenizerError> {
     })
 }
 
-/// One chat turn as OpenAI clients send it (content already flattened to text).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One chat turn as OpenAI clients send it (content already flattened to text), with the
+/// tool fields chat templates read: an assistant turn's `tool_calls` (each function's
+/// `arguments` as an object, as HF templates expect) and a tool turn's `tool_call_id`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 pub struct Tokenizer {
@@ -301,6 +309,7 @@ impl Tokenizer {
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_filter("tojson", hf_tojson);
         env.add_template("chat", template).map_err(|e| TokenizerError::Template(e.to_string()))?;
         let tmpl = env.get_template("chat").map_err(|e| TokenizerError::Template(e.to_string()))?;
         let empty = serde_json::Map::new();
@@ -308,6 +317,7 @@ impl Tokenizer {
         let rendered = tmpl
             .render(context! {
                 messages => messages,
+                tools => opts.tools,
                 add_generation_prompt => opts.add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
@@ -320,8 +330,95 @@ impl Tokenizer {
         }
     }
 
+    /// Every id's bytes as generated text holds them, for a grammar engine: special tokens
+    /// marked (`None`), ids without a token empty. Byte-level tokenizers map their
+    /// alphabet back to bytes; SentencePiece-style ones turn `▁` into a space and
+    /// `<0xNN>` into its byte.
+    pub fn all_token_bytes(&self) -> Vec<Option<Vec<u8>>> {
+        let added = self.inner.get_added_tokens_decoder();
+        let n = self.vocab_size() as u32;
+        (0..n)
+            .map(|id| {
+                if added.get(&id).is_some_and(|t| t.special) {
+                    return None;
+                }
+                if let Some(table) = &self.bytes {
+                    return Some(table.get(id, false).to_vec());
+                }
+                let token = self.inner.id_to_token(id).unwrap_or_default();
+                let hex = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'));
+                if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    return Some(vec![b]);
+                }
+                if added.contains_key(&id) {
+                    return Some(token.into_bytes());
+                }
+                Some(token.replace('\u{2581}', " ").into_bytes())
+            })
+            .collect()
+    }
+
+    /// The text of a special token (`<|im_end|>`), for a grammar engine's table.
+    pub fn special_text(&self, id: u32) -> String {
+        self.inner.id_to_token(id).unwrap_or_default()
+    }
+
     pub fn is_special(&self, id: u32) -> bool {
         self.inner.get_added_tokens_decoder().get(&id).is_some_and(|t| t.special)
+    }
+}
+
+/// HF's `tojson` filter: Python's `json.dumps` with `ensure_ascii=False`, its `", "` and
+/// `": "` separators (`","` at line ends with `indent`), keys in their given order.
+fn hf_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    py_json(&json, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                py_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::to_string(k).expect("a string serializes"));
+                out.push_str(": ");
+                py_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&serde_json::to_string(other).expect("JSON serializes")),
     }
 }
 
@@ -335,6 +432,8 @@ pub struct ChatTemplateOptions<'a> {
     /// Extra variables for the template (`enable_thinking`, ...); they never replace
     /// `messages`, `add_generation_prompt` or the special tokens.
     pub kwargs: Option<&'a serde_json::Map<String, serde_json::Value>>,
+    /// The request's tools (`[{"type": "function", "function": {...}}]`), as `tools`.
+    pub tools: Option<&'a [serde_json::Value]>,
 }
 
 /// HF's cut for `continue_final_message`: the rendered chat up to the end of the last

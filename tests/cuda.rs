@@ -178,6 +178,22 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
     let tokens9 = vec![1, 2, top9, 9, top9, top9, 17];
     let tokens7 = vec![5, 6, 7];
     let eos = [top7];
+    // Grammar masks (structured output) on rows 1 (logprobs of the masked row), 2 and every
+    // third sampled row: about one token in eleven allowed, the row's best one never.
+    let masks: Vec<Option<Vec<u32>>> = (0..rows)
+        .map(|i| {
+            (i == 1 || i == 2 || (i >= planted && i % 3 == 0)).then(|| {
+                let best = top(&logits, i);
+                let mut m = vec![0u32; cols.div_ceil(32)];
+                for t in
+                    (0..cols as u32).filter(|&t| (t as u64 * 7919 + i as u64).is_multiple_of(11) && t != best)
+                {
+                    m[t as usize / 32] |= 1 << (t % 32);
+                }
+                m
+            })
+        })
+        .collect();
     let inputs: Vec<SampleInput> = params
         .iter()
         .enumerate()
@@ -196,6 +212,7 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
                 prompt_len,
                 eos_ids: &eos,
                 history: None,
+                allowed: masks[i].as_deref(),
             }
         })
         .collect();
@@ -214,6 +231,15 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
     assert_ne!(want[7].0, top7, "min_tokens masked row 7's EOS");
     assert_ne!(want[10].0, top7, "min_tokens masked row 10's EOS");
     assert_eq!(want[13].0, 0, "a row with every token masked gives token 0");
+    for (i, m) in masks.iter().enumerate() {
+        if let Some(m) = m {
+            let t = want[i].0;
+            assert!(
+                m[t as usize / 32] >> (t % 32) & 1 == 1,
+                "row {i}: token {t} is outside its grammar mask"
+            );
+        }
+    }
     let distinct: std::collections::HashSet<u32> = want[planted..].iter().map(|w| w.0).collect();
     assert!(distinct.len() > 8, "sampled rows vary with the seed: {distinct:?}");
     for (i, ((gt, glp), (ct, clp))) in got.iter().zip(&want).enumerate() {
@@ -1048,6 +1074,48 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
     assert_eq!(allocs, vec![0; decode_steps + 1], "steps of shapes already seen allocated device memory");
     assert_eq!(tokens, first_tokens, "the same seeds sample the same tokens");
     assert!(tokens.iter().all(|t| t.len() == decode_steps + 1));
+}
+
+/// Structured output on the GPU: the masks go up with the sampling rows and the device
+/// applies them, so every output follows its schema (greedy and sampled, a random model
+/// of the default model's shapes and vocabulary), and a free request beside them gets the
+/// tokens it gets alone.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn structured_output_on_the_gpu_follows_every_schema() {
+    use serde_json::{Value, json};
+    let _turn = gpu_turn();
+    let model = smollm2_model();
+    let s = common::server::start(&model, |a| a.engine.device = DeviceArg::Cuda).await;
+    let free = json!({"prompt": [5, 6, 7, 8], "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let (_, alone) = s.post("/v1/completions", &free).await;
+    let schemas = common::structured::schemas();
+    let mut bodies = Vec::new();
+    for (i, schema) in schemas.iter().enumerate() {
+        for sampling in [json!({"temperature": 0}), json!({"temperature": 1.0, "seed": i, "n": 2})] {
+            let mut body =
+                json!({"prompt": [11, 12, 13, i as u32 + 20], "max_tokens": 300, "guided_json": schema});
+            body.as_object_mut().unwrap().extend(sampling.as_object().unwrap().clone());
+            bodies.push((i, body));
+        }
+    }
+    let frees = futures::future::join_all((0..4).map(|_| s.post("/v1/completions", &free)));
+    let guided = futures::future::join_all(bodies.iter().map(|(_, b)| s.post("/v1/completions", b)));
+    let (frees, outs) = futures::join!(frees, guided);
+    for (_, v) in frees {
+        assert_eq!(v["choices"][0]["text"], alone["choices"][0]["text"], "a free request beside guided ones");
+    }
+    for ((i, body), (status, out)) in bodies.iter().zip(outs) {
+        assert_eq!(status, 200, "{out}");
+        let check = common::structured::validator(&schemas[*i]);
+        for c in out["choices"].as_array().unwrap() {
+            let text = c["text"].as_str().unwrap();
+            assert_eq!(c["finish_reason"], "stop", "schema {i} ({body}) did not finish: {text:?}");
+            let value: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("schema {i}: {e}: {text:?}"));
+            assert!(check.is_valid(&value), "schema {i}: {text} breaks it");
+        }
+    }
 }
 
 #[actix_rt::test]

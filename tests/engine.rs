@@ -342,7 +342,11 @@ async fn sharded_checkpoints_half_precision_and_chat_template_files_load() {
     )
     .unwrap();
     let tok = actorllm::tokenizer::Tokenizer::load(&jinja, &[]).unwrap();
-    let msgs = [actorllm::tokenizer::ChatMessage { role: "user".into(), content: "hi".into() }];
+    let msgs = [actorllm::tokenizer::ChatMessage {
+        role: "user".into(),
+        content: "hi".into(),
+        ..Default::default()
+    }];
     assert_eq!(tok.apply_chat_template(&msgs, true).unwrap(), "[user]HI");
     // A template that would loop for ever runs out of steps and says so.
     std::fs::write(

@@ -388,18 +388,18 @@ async fn admission_limits_and_bounded_fields() {
                 b["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
                 b
             },
-            "tools",
+            "--enable-auto-tool-choice",
         ),
         (
             "/v1/chat/completions",
             {
                 let mut b = chat(json!([{"role": "user", "content": "x"}]));
-                b["response_format"] = json!({"type": "json_object"});
+                b["response_format"] = json!({"type": "xml"});
                 b
             },
             "response_format",
         ),
-        ("/v1/completions", json!({"prompt": "Hi", "guided_json": {"type": "object"}}), "guided_json"),
+        ("/v1/completions", json!({"prompt": "Hi", "guided_json": {"type": "nonsense"}}), "guided_json"),
     ];
     for (path, body, says) in cases {
         let (st, v) = s.post(path, &body).await;

@@ -5,6 +5,7 @@ Runs every check below, prints one line per check, then "openai client: N of M c
 passed"; exits non-zero when any failed. Checks raise on their own (no bare `assert`,
 which `python -O` removes).
 """
+import json
 import sys
 import traceback
 
@@ -122,6 +123,65 @@ def n_choices_and_a_seed_repeat():
     b = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, n=2, temperature=1, seed=7)
     expect([c.index for c in a.choices] == [0, 1], a.choices)
     expect([c.text for c in a.choices] == [c.text for c in b.choices], (a.choices, b.choices))
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": False}}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def valid_weather_arguments(arguments):
+    args = json.loads(arguments)
+    return set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+
+
+@check
+def required_tool_choice_returns_tool_calls():
+    chat = client.chat.completions.create(
+        model=model, messages=WEATHER, max_tokens=80, temperature=0, tools=TOOLS, tool_choice="required")
+    calls = chat.choices[0].message.tool_calls
+    expect(calls and calls[0].type == "function" and calls[0].function.name == "get_weather", chat)
+    expect(valid_weather_arguments(calls[0].function.arguments), calls[0].function.arguments)
+    expect(chat.choices[0].finish_reason == "tool_calls", chat.choices[0].finish_reason)
+    # The call and its result go back into the conversation.
+    follow = client.chat.completions.create(model=model, max_tokens=8, temperature=0, tools=TOOLS, tool_choice="none",
+        messages=WEATHER + [chat.choices[0].message,
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "18 degrees"}])
+    expect(follow.choices[0].message.content is not None, follow)
+
+
+@check
+def streamed_named_tool_call_arrives_as_argument_deltas():
+    stream = client.chat.completions.create(
+        model=model, messages=WEATHER, max_tokens=80, temperature=0, tools=TOOLS, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    name, arguments, deltas, ids = None, "", 0, set()
+    for chunk in stream:
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                if call.id:
+                    ids.add(call.id)
+                if call.function.name:
+                    name = call.function.name
+                if call.function.arguments:
+                    arguments += call.function.arguments
+                    deltas += 1
+    expect(name == "get_weather" and len(ids) == 1, (name, ids))
+    expect(deltas > 1, deltas)
+    expect(valid_weather_arguments(arguments), arguments)
+
+
+@check
+def json_schema_response_format_gives_valid_json():
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}},
+              "required": ["answer"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+    value = json.loads(chat.choices[0].message.content)
+    expect(set(value) == {"answer"} and isinstance(value["answer"], str), value)
 
 
 passed = 0

@@ -1,6 +1,7 @@
 //! The official `openai` Python client, unchanged, against a real server on the default
 //! model: chat and completions, plain and streaming, logprobs, n with a seed, a 404 and a
-//! 400 as the client's exceptions. scripts/test.sh puts the package in `.venv`;
+//! 400 as the client's exceptions, tool calls (forced, streamed and not, sent back with
+//! their results) and a JSON schema response format. scripts/test.sh puts the package in `.venv`;
 //! ACTORLLM_PYTHON names another interpreter.
 
 mod common;
@@ -27,6 +28,6 @@ async fn the_openai_python_client_works_unchanged() {
     );
     // Each check prints its own line; the last counts them: all of them, and all there are.
     let summary = stdout.lines().last().unwrap_or_default();
-    assert_eq!(summary, "openai client: 8 of 8 checks passed", "{stdout}");
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 8, "{stdout}");
+    assert_eq!(summary, "openai client: 11 of 11 checks passed", "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 11, "{stdout}");
 }

@@ -30,6 +30,7 @@ use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
 use crate::models::CausalLM;
 use crate::request::SamplingParams;
 use crate::sampling::{SampleInput, TokenHistory};
+use crate::structured::GuideState;
 
 mod messages;
 
@@ -47,11 +48,14 @@ struct RunnerSeq {
     index: usize,
     /// Kept for sequences whose sampling applies penalties.
     history: Option<TokenHistory>,
+    /// Where the sequence stands in its grammar (structured output).
+    guide: Option<GuideState>,
 }
 
 impl RunnerSeq {
-    fn new(n: NewSeq) -> Self {
+    fn new(n: NewSeq, eos: u32) -> Self {
         let history = n.params.uses_penalties().then(|| TokenHistory::new(&n.tokens, n.prompt_len));
+        let guide = n.params.guide.as_ref().map(|g| GuideState::new(g, g.after(), eos));
         Self {
             tokens: n.tokens,
             prompt_len: n.prompt_len,
@@ -59,7 +63,20 @@ impl RunnerSeq {
             seed: n.seed,
             index: n.index,
             history,
+            guide,
         }
+    }
+
+    /// Brings the grammar up to the sequence's output and writes the tokens it allows next
+    /// into `mask`; false when no grammar constrains this step.
+    fn guide_mask(&mut self, mask: &mut [u32]) -> bool {
+        let Some(g) = &mut self.guide else { return false };
+        g.advance(&self.tokens[self.prompt_len..]);
+        if !g.active() {
+            return false;
+        }
+        g.fill_mask(mask);
+        true
     }
 
     /// Holds the place of the token that row `row` of a step's sampling picks, until it
@@ -82,7 +99,7 @@ impl RunnerSeq {
         }
     }
 
-    fn sample_input<'a>(&'a self, eos_ids: &'a [u32]) -> SampleInput<'a> {
+    fn sample_input<'a>(&'a self, eos_ids: &'a [u32], allowed: Option<&'a [u32]>) -> SampleInput<'a> {
         SampleInput {
             params: &self.params,
             seed: self.seed,
@@ -91,6 +108,7 @@ impl RunnerSeq {
             prompt_len: self.prompt_len,
             eos_ids,
             history: self.history.as_ref(),
+            allowed,
         }
     }
 }
@@ -121,6 +139,8 @@ pub struct ModelRunner<D: Device> {
     /// once the next message has issued its own work.
     deferred: Option<Deferred>,
     reply: ReplySlot,
+    /// The step's grammar masks, one row of `mask_words` per sampled row (reused).
+    masks: Vec<u32>,
     /// Last, so that it drops after the device.
     _live: LiveRunner,
 }
@@ -177,6 +197,7 @@ impl<D: Device> ModelRunner<D> {
             last_done: None,
             deferred: None,
             reply: ReplySlot::default(),
+            masks: Vec::new(),
             _live: LiveRunner::new(),
         };
         runner.allocate_cache(cfg.num_blocks)?;
@@ -338,7 +359,8 @@ impl<D: Device> ModelRunner<D> {
         let mut sampled_seqs = Vec::new();
         for (i, s) in batch.seqs.into_iter().enumerate() {
             if let Some(n) = s.new {
-                self.seqs.insert(s.seq, RunnerSeq::new(n));
+                let eos = self.eos_ids.first().copied().unwrap_or(0);
+                self.seqs.insert(s.seq, RunnerSeq::new(n, eos));
             }
             let rs = self.seqs.get(&s.seq).ok_or(RunnerError::UnknownSeq(s.seq))?;
             let end = s.start + s.len;
@@ -408,6 +430,7 @@ impl<D: Device> ModelRunner<D> {
             launch_ns: ns(t1, t2),
             device_ns: 0,
             sample_ns: 0,
+            mask_ns: 0,
             device_allocs: 0,
             graph,
             fed: self.deferred.is_some(),
@@ -427,8 +450,20 @@ impl<D: Device> ModelRunner<D> {
         // issued right behind the forward: waiting for the forward first cost the H200 about
         // 0.05 ms a batch-1 step of the 8B model (the host's wake-up and the sampler's
         // launch, with the GPU idle).
+        // Grammar masks are computed here, while the device runs the forward just issued;
+        // the step before's tokens, which the grammars take first, are back by now.
+        let guided = self.guide_masks(&sampled_seqs, self.dev.shape(&logits).1);
+        timing.mask_ns = ns(t2, Instant::now());
         let eos = self.eos_ids.clone();
-        let inputs: Vec<SampleInput> = sampled_seqs.iter().map(|s| self.seqs[s].sample_input(&eos)).collect();
+        let words = self.dev.shape(&logits).1.div_ceil(32);
+        let inputs: Vec<SampleInput> = sampled_seqs
+            .iter()
+            .enumerate()
+            .map(|(row, s)| {
+                let allowed = guided[row].then(|| &self.masks[row * words..(row + 1) * words]);
+                self.seqs[s].sample_input(&eos, allowed)
+            })
+            .collect();
         let t3 = Instant::now();
         let ticket = self.dev.sample_rows_issue(logits, &inputs)?;
         drop(inputs);
@@ -440,6 +475,37 @@ impl<D: Device> ModelRunner<D> {
             .collect();
         timing.device_allocs = self.dev.allocations() - allocs;
         Ok(Issued::Sampling(Deferred { ticket, held, timing, issued: Instant::now() }))
+    }
+
+    /// Writes the grammar mask of each sampled row whose sequence follows a grammar into
+    /// `self.masks` (a row of `cols / 32` words each), in parallel over the rows; which
+    /// rows have one. The step before's tokens are collected first (the grammars take
+    /// them): its sampling ran ahead of this step's forward on the device.
+    fn guide_masks(&mut self, sampled: &[SeqId], cols: usize) -> Vec<bool> {
+        use rayon::prelude::*;
+        let mut guided = vec![false; sampled.len()];
+        if !sampled.iter().any(|s| self.seqs.get(s).is_some_and(|rs| rs.guide.is_some())) {
+            return guided;
+        }
+        self.answer_deferred();
+        let words = cols.div_ceil(32);
+        self.masks.resize(sampled.len() * words, 0);
+        let rows: HashMap<SeqId, usize> = sampled.iter().enumerate().map(|(r, s)| (*s, r)).collect();
+        let mut chunks: Vec<Option<&mut [u32]>> = self.masks.chunks_mut(words).map(Some).collect();
+        let jobs: Vec<(usize, &mut RunnerSeq, &mut [u32])> = self
+            .seqs
+            .iter_mut()
+            .filter(|(_, rs)| rs.guide.is_some())
+            .filter_map(|(id, rs)| {
+                let r = *rows.get(id)?;
+                Some((r, rs, chunks[r].take()?))
+            })
+            .collect();
+        for (r, on) in jobs.into_par_iter().map(|(r, rs, mask)| (r, rs.guide_mask(mask))).collect::<Vec<_>>()
+        {
+            guided[r] = on;
+        }
+        guided
     }
 
     /// Waits for an issued step's tokens and puts them in the places held for them.

@@ -604,6 +604,7 @@ impl SchedulerActor {
                     p.launch_ns.fetch_add(t.launch_ns, Relaxed);
                     p.device_ns.fetch_add(t.device_ns, Relaxed);
                     p.sample_ns.fetch_add(t.sample_ns, Relaxed);
+                    p.mask_ns.fetch_add(t.mask_ns, Relaxed);
                     p.device_allocs.fetch_add(t.device_allocs, Relaxed);
                     p.graph_steps.fetch_add(u64::from(t.graph), Relaxed);
                     p.fed_steps.fetch_add(u64::from(t.fed), Relaxed);

@@ -7,7 +7,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use serde::Serialize;
 
-use super::{decode_run, prompt};
+use super::prompt;
 use crate::config::{DeviceArg, EngineArgs};
 use crate::engine::Engine;
 use crate::kernels::cuda::CudaDevice;
@@ -80,14 +80,26 @@ pub struct LatencyRun {
     pub input_len: usize,
     pub output_len: usize,
     pub breakdown: bool,
+    /// A JSON schema (text or file) every output follows.
+    pub guided_json: Option<String>,
 }
 
 pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::Result<()> {
     let LatencyRun { batch_size, input_len, output_len, .. } = run;
     let engine = Engine::start(args.clone()).await?;
-    decode_run(&engine, batch_size, input_len, 8).await?;
+    let guide = match &run.guided_json {
+        Some(s) => {
+            let text =
+                if std::path::Path::new(s).is_file() { std::fs::read_to_string(s)? } else { s.clone() };
+            let schema: serde_json::Value = serde_json::from_str(&text)?;
+            let spec = crate::structured::GuideSpec::JsonSchema(schema);
+            Some(engine.compile_guide(spec).map_err(|e| anyhow::anyhow!("--guided-json: {e}"))?)
+        }
+        None => None,
+    };
+    super::decode_run_with(&engine, batch_size, input_len, 8, 0, guide.as_ref()).await?;
     let before = engine.metrics().profile.snapshot();
-    let f = decode_run(&engine, batch_size, input_len, output_len).await?;
+    let f = super::decode_run_with(&engine, batch_size, input_len, output_len, 0, guide.as_ref()).await?;
     let breakdown = StepProfile::between(before, engine.metrics().profile.snapshot());
     let report = LatencyReport {
         batch_size,
@@ -130,8 +142,8 @@ fn print_breakdown(b: &StepBreakdown) {
     };
     println!(
         "per step, over {} steps (prefill steps included): {:.3} ms = scheduling {:.3} + block \
-         reservation {:.3} + input preparation {:.3} + forward issued {:.3} + sampling inputs {:.3} + \
-         device wait (forward and sampling) {:.3} + output handling {:.3} + actor messaging {:.3}; \
+         reservation {:.3} + input preparation {:.3} + forward issued {:.3} + sampling inputs {:.3} \
+         (of which grammar masks {:.3}) + device wait (forward and sampling) {:.3} + output handling {:.3} + actor messaging {:.3}; \
          device allocations: {}; \
          steps replayed from CUDA graphs: {}, {host}device idle before each replayed forward: \
          {:.3} ms; then, while the next step runs, event delivery {:.3} ms; steps planned while \
@@ -143,6 +155,7 @@ fn print_breakdown(b: &StepBreakdown) {
         b.prepare_ms,
         b.launch_ms,
         b.sample_ms,
+        b.mask_ms,
         b.device_ms,
         b.output_ms,
         b.messaging_ms,

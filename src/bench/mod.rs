@@ -65,6 +65,10 @@ pub enum BenchMode {
         /// device time, sampling, output handling).
         #[arg(long)]
         breakdown: bool,
+        /// Every request's output follows this JSON schema (the schema's text, or a file
+        /// holding it): the cost of structured output's masks shows in --breakdown.
+        #[arg(long)]
+        guided_json: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -149,22 +153,25 @@ pub(crate) async fn decode_run(
     input_len: usize,
     output_len: usize,
 ) -> anyhow::Result<DecodeFigure> {
-    decode_run_lora(engine, batch, input_len, output_len, 0).await
+    decode_run_with(engine, batch, input_len, output_len, 0, None).await
 }
 
-/// As [`decode_run`], request b on adapter `lora{b % loras}` (none when `loras` is 0).
-pub(crate) async fn decode_run_lora(
+/// As [`decode_run`], request b on adapter `lora{b % loras}` (none when `loras` is 0),
+/// every request's output following `guide` when given (structured output).
+pub(crate) async fn decode_run_with(
     engine: &Engine,
     batch: usize,
     input_len: usize,
     output_len: usize,
     loras: usize,
+    guide: Option<&crate::structured::Guide>,
 ) -> anyhow::Result<DecodeFigure> {
     let vocab = engine.model_config().vocab_size;
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: Some(output_len),
         ignore_eos: true,
+        guide: guide.cloned(),
         ..Default::default()
     };
     let start = Instant::now();
@@ -243,9 +250,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(*a).await,
-        BenchMode::Latency { engine, batch_size, input_len, output_len, breakdown, json } => {
-            gpu::latency(engine, gpu::LatencyRun { batch_size, input_len, output_len, breakdown }, json)
-                .await?;
+        BenchMode::Latency { engine, batch_size, input_len, output_len, breakdown, guided_json, json } => {
+            let run = gpu::LatencyRun { batch_size, input_len, output_len, breakdown, guided_json };
+            gpu::latency(engine, run, json).await?;
             actix::System::current().stop();
             return Ok(());
         }
@@ -280,7 +287,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
         }
         if loras > 0 {
-            let l = decode_run_lora(&engine, b, input_len, output_len, loras).await?;
+            let l = decode_run_with(&engine, b, input_len, output_len, loras, None).await?;
             if !json {
                 println!(
                     "  … on {loras} adapters: {:>8.1} tok/s decode ({:.1}% of the base model)",

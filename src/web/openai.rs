@@ -209,6 +209,8 @@ pub struct TokenizeRequest {
     messages: Option<Vec<MessageIn>>,
     #[serde(flatten)]
     template: super::protocol::TemplateFields,
+    /// Tools for the chat template, as a chat request gives them.
+    tools: Option<Vec<serde_json::Value>>,
     add_special_tokens: Option<bool>,
 }
 
@@ -224,7 +226,11 @@ pub async fn tokenize(
         match (req.prompt, req.messages) {
             (Some(p), None) => Ok(tok.encode(&p, req.add_special_tokens.unwrap_or(true))?),
             (None, Some(msgs)) => {
-                let text = tok.apply_chat_template_with(&chat_messages(&msgs)?, &req.template.options())?;
+                let options = crate::tokenizer::ChatTemplateOptions {
+                    tools: req.tools.as_deref(),
+                    ..req.template.options()
+                };
+                let text = tok.apply_chat_template_with(&chat_messages(&msgs)?, &options)?;
                 Ok(tok.encode(&text, false)?)
             }
             _ => Err(ApiError::bad("give exactly one of prompt or messages", Some("prompt"))),

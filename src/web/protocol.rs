@@ -4,9 +4,14 @@
 
 use serde::Deserialize;
 
+use serde_json::Value;
+
 use super::errors::ApiError;
 use crate::engine::Engine;
 use crate::request::{MAX_LOGPROBS, SamplingDefaults, SamplingParams};
+use crate::structured::GuideSpec;
+use crate::structured::reasoning::ReasoningParser;
+use crate::structured::tools::{self, ToolMode};
 use crate::tokenizer::{ChatMessage, ChatTemplateOptions};
 
 /// Prompts in every shape `/v1/completions` accepts.
@@ -34,55 +39,187 @@ pub struct StreamOptions {
     pub continuous_usage_stats: bool,
 }
 
-/// Structured output and tool calling fields, which this server does not run: a request
-/// that sets them gets 400 rather than output that silently ignores them.
+/// Structured output and tool fields: OpenAI's `response_format`, `tools` and
+/// `tool_choice`, vLLM's `guided_*` fields and its newer `structured_outputs` object.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StructuredFields {
-    tools: Option<serde_json::Value>,
-    tool_choice: Option<serde_json::Value>,
-    response_format: Option<serde_json::Value>,
-    guided_json: Option<serde_json::Value>,
-    guided_regex: Option<serde_json::Value>,
-    guided_choice: Option<serde_json::Value>,
-    guided_grammar: Option<serde_json::Value>,
-    structured_outputs: Option<serde_json::Value>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    pub structured_outputs: Option<Value>,
+}
+
+/// What a request's structured fields ask of its output.
+#[derive(Debug, Default)]
+pub struct OutputRules {
+    /// The grammar the output follows, with the field that asked for it.
+    pub guide: Option<(GuideSpec, &'static str)>,
+    /// How the output is read for tool calls.
+    pub tools: Option<ToolMode>,
+    /// The tools the chat template is given.
+    pub template_tools: Option<Vec<Value>>,
+}
+
+/// The parser of `tool_choice: "auto"`, which needs the server's flags (vLLM's message).
+fn auto_parser(engine: &Engine) -> Result<tools::ToolParser, ApiError> {
+    engine.config().auto_tool_parser.ok_or_else(|| {
+        ApiError::bad(
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+            Some("tool_choice"),
+        )
+    })
+}
+
+/// A JSON schema given inline or as JSON text.
+fn schema_value(v: &Value, field: &'static str) -> Result<GuideSpec, ApiError> {
+    match v {
+        Value::String(text) => serde_json::from_str(text)
+            .map(GuideSpec::JsonSchema)
+            .map_err(|e| ApiError::bad(format!("{field} is not valid JSON: {e}"), Some(field))),
+        v => Ok(GuideSpec::JsonSchema(v.clone())),
+    }
 }
 
 impl StructuredFields {
-    fn check(&self) -> Result<(), ApiError> {
-        use serde_json::Value;
-        let refuse = |field: &str| {
-            Err(ApiError::bad(
-                format!(
-                    "{field} is not supported by this server: structured output and tool calls are not available"
-                ),
-                Some(field),
-            ))
-        };
-        let set = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
-        if self.tools.as_ref().and_then(Value::as_array).is_some_and(|t| !t.is_empty())
-            || self.tools.as_ref().is_some_and(|t| !t.is_null() && !t.is_array())
-        {
-            return refuse("tools");
-        }
-        if self.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c != "none" && c != "auto") {
-            return refuse("tool_choice");
-        }
-        if self.response_format.as_ref().is_some_and(|f| !f.is_null() && f["type"] != "text") {
-            return refuse("response_format");
-        }
-        for (name, v) in [
-            ("guided_json", &self.guided_json),
-            ("guided_regex", &self.guided_regex),
-            ("guided_choice", &self.guided_choice),
-            ("guided_grammar", &self.guided_grammar),
-            ("structured_outputs", &self.structured_outputs),
-        ] {
-            if set(v) {
-                return refuse(name);
+    /// The grammar of `response_format`, a `guided_*` field or `structured_outputs`; at
+    /// most one of them may be set.
+    fn guide(&self) -> Result<Option<(GuideSpec, &'static str)>, ApiError> {
+        let mut found: Vec<(GuideSpec, &'static str)> = Vec::new();
+        if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
+            let field = "response_format";
+            match f["type"].as_str() {
+                Some("text") => {}
+                Some("json_object") => found.push((GuideSpec::JsonObject, field)),
+                Some("json_schema") => {
+                    // `strict` or not, the schema is enforced.
+                    let schema = &f["json_schema"]["schema"];
+                    if schema.is_null() {
+                        return Err(ApiError::bad(
+                            "response_format.json_schema.schema is missing",
+                            Some(field),
+                        ));
+                    }
+                    found.push((schema_value(schema, field)?, field));
+                }
+                other => {
+                    return Err(ApiError::bad(
+                        format!(
+                            "response_format.type must be text, json_object or json_schema, got {other:?}"
+                        ),
+                        Some(field),
+                    ));
+                }
             }
         }
-        Ok(())
+        if let Some(v) = self.guided_json.as_ref().filter(|v| !v.is_null()) {
+            found.push((schema_value(v, "guided_json")?, "guided_json"));
+        }
+        if let Some(rx) = &self.guided_regex {
+            found.push((GuideSpec::Regex(rx.clone()), "guided_regex"));
+        }
+        if let Some(c) = &self.guided_choice {
+            found.push((GuideSpec::Choice(c.clone()), "guided_choice"));
+        }
+        if let Some(g) = &self.guided_grammar {
+            found.push((GuideSpec::Grammar(g.clone()), "guided_grammar"));
+        }
+        if let Some(so) = self.structured_outputs.as_ref().filter(|v| !v.is_null()) {
+            let field = "structured_outputs";
+            let text = |key: &str| so[key].as_str().map(str::to_string);
+            let spec = if !so["json"].is_null() {
+                schema_value(&so["json"], field)?
+            } else if let Some(rx) = text("regex") {
+                GuideSpec::Regex(rx)
+            } else if let Some(choices) = so["choice"].as_array() {
+                let c: Option<Vec<String>> = choices.iter().map(|c| c.as_str().map(str::to_string)).collect();
+                GuideSpec::Choice(
+                    c.ok_or_else(|| ApiError::bad("structured_outputs.choice must be strings", Some(field)))?,
+                )
+            } else if let Some(g) = text("grammar") {
+                GuideSpec::Grammar(g)
+            } else if so["json_object"] == true {
+                GuideSpec::JsonObject
+            } else {
+                return Err(ApiError::bad(
+                    "structured_outputs must set one of json, regex, choice, grammar or json_object",
+                    Some(field),
+                ));
+            };
+            found.push((spec, field));
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|f| f.1).collect();
+            return Err(ApiError::bad(
+                format!("only one kind of structured output may be asked for, got {}", names.join(" and ")),
+                Some(names[1]),
+            ));
+        }
+        Ok(found.pop())
+    }
+
+    /// The request's output rules; `chat` is false on the completions endpoint, which takes
+    /// no tools.
+    pub fn rules(&self, engine: &Engine, chat: bool) -> Result<OutputRules, ApiError> {
+        let mut rules = OutputRules { guide: self.guide()?, ..Default::default() };
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let choice = self.tool_choice.as_ref().filter(|c| !c.is_null());
+        if tools.is_empty() {
+            if choice.is_some_and(|c| c != "none" && c != "auto") {
+                return Err(ApiError::bad(
+                    "tool_choice names a tool but the request gives no tools",
+                    Some("tool_choice"),
+                ));
+            }
+            return Ok(rules);
+        }
+        if !chat {
+            return Err(ApiError::bad("tools are taken by /v1/chat/completions only", Some("tools")));
+        }
+        let functions = tools::functions(tools).map_err(|e| ApiError::bad(e, Some("tools")))?;
+        rules.template_tools = Some(tools.to_vec());
+        let forced = match choice {
+            None => {
+                rules.tools = Some(ToolMode::Auto(auto_parser(engine)?));
+                None
+            }
+            Some(c) if c == "auto" => {
+                rules.tools = Some(ToolMode::Auto(auto_parser(engine)?));
+                None
+            }
+            Some(c) if c == "none" => None,
+            Some(c) if c == "required" => Some((ToolMode::Required, tools::required_spec(&functions))),
+            Some(c) => {
+                let name = c["function"]["name"].as_str().filter(|_| c["type"] == "function").ok_or_else(|| {
+                    ApiError::bad(
+                        "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                        Some("tool_choice"),
+                    )
+                })?;
+                let (_, params) = functions.iter().find(|(n, _)| n == name).ok_or_else(|| {
+                    ApiError::bad(
+                        format!("tool_choice names {name:?}, which is not among the tools"),
+                        Some("tool_choice"),
+                    )
+                })?;
+                Some((ToolMode::Named(name.to_string()), GuideSpec::JsonSchema(params.clone())))
+            }
+        };
+        if let Some((mode, spec)) = forced {
+            if let Some((_, field)) = &rules.guide {
+                return Err(ApiError::bad(
+                    format!("{field} cannot be combined with a tool_choice that forces a call"),
+                    Some(field),
+                ));
+            }
+            rules.tools = Some(mode);
+            rules.guide = Some((spec, "tool_choice"));
+        }
+        Ok(rules)
     }
 }
 
@@ -224,6 +361,11 @@ pub struct ContentPart {
 pub struct MessageIn {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's calls (`arguments` as JSON text, as OpenAI sends them).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A tool turn's answer to this call.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -271,6 +413,7 @@ impl TemplateFields {
             continue_final_message: self.continue_final_message,
             template: self.chat_template.as_deref(),
             kwargs: self.chat_template_kwargs.as_ref(),
+            tools: None,
         }
     }
 }
@@ -297,6 +440,10 @@ pub struct Prepared {
     pub params: SamplingParams,
     pub stream: bool,
     pub stream_options: StreamOptions,
+    /// How a chat output is read for tool calls.
+    pub tools: Option<ToolMode>,
+    /// How a chat output's reasoning is split off (`--reasoning-parser`).
+    pub reasoning: Option<ReasoningParser>,
 }
 
 /// A count of top logprobs a request asks for, 0 to `max` (`--max-logprobs`, at most
@@ -363,6 +510,7 @@ fn sampling(
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        guide: None,
     };
     params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))?;
     Ok(params)
@@ -451,14 +599,15 @@ pub fn prepare_completion(
     req: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
-    req.structured.check()?;
+    let rules = req.structured.rules(engine, false)?;
     req.unimplemented.check()?;
     if req.suffix.is_some() {
         return Err(ApiError::bad("suffix is not supported", Some("suffix")));
     }
     let logprobs =
         req.logprobs.map(|l| logprob_count(l, "logprobs", engine.config().max_logprobs)).transpose()?;
-    let params = sampling(&req.sampling, &engine.config().sampling_defaults, Some(16), logprobs)?;
+    let mut params = sampling(&req.sampling, &engine.config().sampling_defaults, Some(16), logprobs)?;
+    params.guide = compile(engine, rules.guide)?;
     let tok = engine.tokenizer();
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
         PromptInput::Text(t) => (vec![tok.encode(&t, true)?], vec![Some(t)]),
@@ -508,7 +657,23 @@ pub fn prepare_completion(
         params,
         stream: req.stream,
         stream_options: req.stream_options.unwrap_or_default(),
+        tools: None,
+        reasoning: None,
     })
+}
+
+/// The request's grammar compiled against the model's vocabulary: 400 naming the field
+/// and the problem when it does not compile.
+fn compile(
+    engine: &Engine,
+    guide: Option<(GuideSpec, &'static str)>,
+) -> Result<Option<crate::structured::Guide>, ApiError> {
+    let Some((spec, field)) = guide else { return Ok(None) };
+    let kind = spec.kind();
+    engine
+        .compile_guide(spec)
+        .map(Some)
+        .map_err(|e| ApiError::bad(format!("{field}: the {kind} cannot be used: {e}"), Some(field)))
 }
 
 fn message_text(m: &MessageIn, i: usize) -> Result<String, ApiError> {
@@ -544,14 +709,35 @@ pub fn chat_messages(msgs: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
                     Some("messages"),
                 ));
             }
-            Ok(ChatMessage { role: m.role.clone(), content: message_text(m, i)? })
+            // Templates read a call's arguments as an object (vLLM parses them likewise).
+            let tool_calls = m.tool_calls.clone().map(|calls| {
+                calls
+                    .into_iter()
+                    .map(|mut c| {
+                        let parsed = c["function"]["arguments"]
+                            .as_str()
+                            .and_then(|a| serde_json::from_str::<Value>(a).ok());
+                        if let Some(args) = parsed {
+                            c["function"]["arguments"] = args;
+                        }
+                        c
+                    })
+                    .collect()
+            });
+            Ok(ChatMessage {
+                role: m.role.clone(),
+                content: message_text(m, i)?,
+                tool_calls,
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
+            })
         })
         .collect()
 }
 
 pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Result<Prepared, ApiError> {
     let (model, lora) = resolve_target(engine, served, &req.model, &req.lora_request)?;
-    req.structured.check()?;
+    let rules = req.structured.rules(engine, true)?;
     req.unimplemented.check()?;
     if req.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty", Some("messages")));
@@ -568,9 +754,11 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         (true, t) => Some(t.unwrap_or(0)),
         (false, _) => None,
     };
-    let params = sampling(&req.sampling, &engine.config().sampling_defaults, None, top)?;
+    let mut params = sampling(&req.sampling, &engine.config().sampling_defaults, None, top)?;
+    params.guide = compile(engine, rules.guide)?;
     let tok = engine.tokenizer();
-    let text = tok.apply_chat_template_with(&messages, &req.template.options())?;
+    let options = ChatTemplateOptions { tools: rules.template_tools.as_deref(), ..req.template.options() };
+    let text = tok.apply_chat_template_with(&messages, &options)?;
     let ids = tok.encode(&text, false)?;
     let prompts = vec![ids];
     check_context(&prompts, &params, engine)?;
@@ -584,5 +772,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         params,
         stream: req.stream,
         stream_options: req.stream_options.unwrap_or_default(),
+        tools: rules.tools,
+        reasoning: engine.config().reasoning_parser,
     })
 }

@@ -11,6 +11,8 @@ use serde_json::{Value, json};
 use super::protocol::{Endpoint, Prepared};
 use crate::engine::RequestStream;
 use crate::request::{FinishReason, StopReason, TokenEvent, TokenLogprobs, Usage};
+use crate::structured::reasoning::ReasoningStream;
+use crate::structured::tools::{StreamDelta, ToolCall, ToolMode, ToolStream};
 use crate::tokenizer::Tokenizer;
 
 /// One event of a whole (possibly multi-prompt) request.
@@ -86,6 +88,11 @@ pub fn merge(streams: Vec<RequestStream>, n: usize) -> impl Stream<Item = GenEve
     )
 }
 
+/// The ids of a choice's tool calls begin with this (`call-<response id>-<choice>`).
+fn call_id_prefix(id: &str, choice: usize) -> String {
+    format!("call-{id}-{choice}")
+}
+
 fn stop_reason_json(s: &Option<StopReason>) -> Value {
     match s {
         Some(StopReason::Token(t)) => json!(t),
@@ -108,6 +115,99 @@ struct ChoiceAcc {
     logprobs: Vec<TokenLogprobs>,
 }
 
+/// One chat choice's output read while it streams: the reasoning split off, then tool
+/// calls found in the answer.
+struct ChoiceReader {
+    reasoning: Option<ReasoningStream>,
+    tools: Option<ToolStream>,
+}
+
+/// What a piece of a chat choice's output adds to each part of the message.
+#[derive(Default)]
+struct MessageDelta {
+    reasoning: String,
+    tools: StreamDelta,
+}
+
+impl MessageDelta {
+    fn is_empty(&self) -> bool {
+        self.reasoning.is_empty() && self.tools.content.is_empty() && self.tools.calls.is_empty()
+    }
+}
+
+impl ChoiceReader {
+    fn push(&mut self, text: &str) -> MessageDelta {
+        let (reasoning, answer) = match &mut self.reasoning {
+            Some(r) => r.push(text),
+            None => (String::new(), text.to_string()),
+        };
+        MessageDelta { reasoning, tools: self.read_answer(&answer) }
+    }
+
+    fn read_answer(&mut self, answer: &str) -> StreamDelta {
+        match &mut self.tools {
+            Some(t) => t.push(answer),
+            None => StreamDelta { content: answer.to_string(), calls: Vec::new() },
+        }
+    }
+
+    fn finish(&mut self) -> MessageDelta {
+        let (reasoning, answer) = match &mut self.reasoning {
+            Some(r) => r.finish(),
+            None => (String::new(), String::new()),
+        };
+        let mut tools = self.read_answer(&answer);
+        if let Some(t) = &mut self.tools {
+            let rest = t.finish();
+            tools.content.push_str(&rest.content);
+            tools.calls.extend(rest.calls);
+        }
+        MessageDelta { reasoning, tools }
+    }
+
+    /// The finish reason a client sees: `tool_calls` when the choice called tools.
+    fn finish_reason(&self, reason: FinishReason) -> &'static str {
+        match &self.tools {
+            Some(t) if reason == FinishReason::Stop && t.called() && t.mode().finishes_with_tool_calls() => {
+                "tool_calls"
+            }
+            _ => reason.as_str(),
+        }
+    }
+}
+
+fn delta_json(d: &MessageDelta) -> Value {
+    let mut delta = serde_json::Map::new();
+    if !d.reasoning.is_empty() {
+        delta.insert("reasoning_content".into(), json!(d.reasoning));
+    }
+    if !d.tools.content.is_empty() {
+        delta.insert("content".into(), json!(d.tools.content));
+    }
+    if !d.tools.calls.is_empty() {
+        let calls: Vec<Value> = d
+            .tools
+            .calls
+            .iter()
+            .map(|c| match &c.header {
+                Some((id, name)) => json!({"index": c.index, "id": id, "type": "function",
+                    "function": {"name": name, "arguments": c.arguments}}),
+                None => json!({"index": c.index, "function": {"arguments": c.arguments}}),
+            })
+            .collect();
+        delta.insert("tool_calls".into(), json!(calls));
+    }
+    Value::Object(delta)
+}
+
+fn tool_calls_json(calls: &[ToolCall], id: impl Fn(usize) -> String) -> Value {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, c)| json!({"id": id(k), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+        .collect()
+}
+
 /// Shapes events into one endpoint's response objects.
 pub struct Shaper {
     pub id: String,
@@ -118,6 +218,8 @@ pub struct Shaper {
     text_offsets: Vec<usize>,
     started: Vec<bool>,
     choices: Vec<ChoiceAcc>,
+    /// Per chat choice, when its output is read for reasoning or tool calls.
+    readers: Vec<Option<ChoiceReader>>,
 }
 
 impl Shaper {
@@ -129,6 +231,16 @@ impl Shaper {
             prompt_tokens: prepared.prompts.iter().map(Vec::len).sum::<usize>(),
             ..Default::default()
         };
+        let reads =
+            prepared.endpoint == Endpoint::Chat && (prepared.tools.is_some() || prepared.reasoning.is_some());
+        let readers = (0..total)
+            .map(|i| {
+                reads.then(|| ChoiceReader {
+                    reasoning: prepared.reasoning.map(ReasoningStream::new),
+                    tools: prepared.tools.clone().map(|m| ToolStream::new(m, call_id_prefix(&id, i))),
+                })
+            })
+            .collect();
         Self {
             id,
             created,
@@ -138,6 +250,7 @@ impl Shaper {
             text_offsets: vec![0; total],
             started: vec![false; total],
             choices: vec![ChoiceAcc::default(); total],
+            readers,
         }
     }
 
@@ -232,25 +345,34 @@ impl Shaper {
             GenEvent::Token { index, text, logprobs, .. } => {
                 self.usage.completion_tokens += 1;
                 let i = *index;
-                let mut text = text.clone();
+                let mut echo = String::new();
                 if !self.started[i] {
                     self.started[i] = true;
                     if let Some(e) = self.echo_for(i) {
-                        text = format!("{e}{text}");
+                        echo = e.to_string();
                     }
                 }
-                if text.is_empty() && logprobs.is_none() {
+                let read = self.readers[i].as_mut().map(|r| {
+                    let mut d = r.push(text);
+                    d.tools.content.insert_str(0, &echo);
+                    d
+                });
+                let text = format!("{echo}{text}");
+                if read.as_ref().map_or(text.is_empty(), MessageDelta::is_empty) && logprobs.is_none() {
                     return Vec::new();
                 }
                 let lp = logprobs
                     .as_ref()
                     .map(|l| self.logprobs_json(std::slice::from_ref(l), self.text_offsets[i]));
                 self.text_offsets[i] += text.len();
-                let choice = match self.prepared.endpoint {
-                    Endpoint::Completions => {
+                let choice = match (self.prepared.endpoint, read) {
+                    (Endpoint::Completions, _) => {
                         json!({"index": i, "text": text, "logprobs": lp, "finish_reason": null, "stop_reason": null})
                     }
-                    Endpoint::Chat => {
+                    (Endpoint::Chat, Some(d)) => {
+                        json!({"index": i, "delta": delta_json(&d), "logprobs": lp, "finish_reason": null})
+                    }
+                    (Endpoint::Chat, None) => {
                         json!({"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": null})
                     }
                 };
@@ -258,14 +380,25 @@ impl Shaper {
                 vec![self.envelope(vec![choice], usage.as_ref())]
             }
             GenEvent::Finished { index, reason, stop_reason } => {
+                let mut out = Vec::new();
+                let mut finish = reason.as_str();
+                if let Some(r) = self.readers[*index].as_mut() {
+                    let rest = r.finish();
+                    finish = r.finish_reason(*reason);
+                    if !rest.is_empty() {
+                        let choice = json!({"index": index, "delta": delta_json(&rest), "logprobs": null, "finish_reason": null});
+                        out.push(self.envelope(vec![choice], None));
+                    }
+                }
                 let choice = match self.prepared.endpoint {
                     Endpoint::Completions => json!({"index": index, "text": "", "logprobs": null,
-                        "finish_reason": reason.as_str(), "stop_reason": stop_reason_json(stop_reason)}),
+                        "finish_reason": finish, "stop_reason": stop_reason_json(stop_reason)}),
                     Endpoint::Chat => json!({"index": index, "delta": {}, "logprobs": null,
-                        "finish_reason": reason.as_str(), "stop_reason": stop_reason_json(stop_reason)}),
+                        "finish_reason": finish, "stop_reason": stop_reason_json(stop_reason)}),
                 };
                 let usage = self.continuous_usage();
-                vec![self.envelope(vec![choice], usage.as_ref())]
+                out.push(self.envelope(vec![choice], usage.as_ref()));
+                out
             }
             GenEvent::Done { usage } => {
                 self.usage = *usage;
@@ -296,6 +429,43 @@ impl Shaper {
         }
     }
 
+    /// A whole chat choice's message, its reasoning and tool calls read out where the
+    /// request asks, and its finish reason.
+    fn message(&self, i: usize, echo: &str, c: &ChoiceAcc) -> (Value, Option<&'static str>) {
+        let p = &self.prepared;
+        let finish = c.finish.map(FinishReason::as_str);
+        if self.readers[i].is_none() {
+            return (json!({"role": "assistant", "content": format!("{echo}{}", c.text)}), finish);
+        }
+        let (reasoning, answer) = match p.reasoning {
+            Some(r) => r.split(&c.text),
+            None => (None, c.text.clone()),
+        };
+        let (content, calls) = match &p.tools {
+            Some(mode) => mode.parse(&answer),
+            None => (answer, Vec::new()),
+        };
+        let content = format!("{echo}{content}");
+        let mut m = json!({"role": "assistant", "content": content});
+        if p.reasoning.is_some() {
+            m["reasoning_content"] = json!(reasoning);
+        }
+        let mut finish = finish;
+        if !calls.is_empty() {
+            let prefix = call_id_prefix(&self.id, i);
+            m["tool_calls"] = tool_calls_json(&calls, |k| format!("{prefix}-{k}"));
+            if content.trim().is_empty() {
+                m["content"] = Value::Null;
+            }
+            if c.finish == Some(FinishReason::Stop)
+                && p.tools.as_ref().is_some_and(ToolMode::finishes_with_tool_calls)
+            {
+                finish = Some("tool_calls");
+            }
+        }
+        (m, finish)
+    }
+
     /// The whole non-streaming response.
     pub fn response(&self) -> Value {
         let choices: Vec<Value> = self
@@ -310,8 +480,10 @@ impl Shaper {
                 match self.prepared.endpoint {
                     Endpoint::Completions => json!({"index": i, "text": format!("{echo}{}", c.text), "logprobs": lp,
                         "finish_reason": finish, "stop_reason": stop}),
-                    Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": format!("{echo}{}", c.text)},
-                        "logprobs": lp, "finish_reason": finish, "stop_reason": stop}),
+                    Endpoint::Chat => {
+                        let (message, finish) = self.message(i, echo, c);
+                        json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish, "stop_reason": stop})
+                    }
                 }
             })
             .collect();

@@ -6,7 +6,9 @@
 //! `{"type":"cancel","id":"a"}`.
 //! Server → client: `{"type":"started","id","request_id","model"}`, then
 //! `{"type":"delta","id","index","text","token_ids":[…],"logprobs"?}` per token, then
-//! `{"type":"done","id","finish_reason","choices":[{"index","finish_reason"}],"usage"}`;
+//! `{"type":"done","id","finish_reason","choices":[{"index","finish_reason"}],"usage"}`
+//! (a chat request read for tool calls or reasoning also gets each choice's `message`, as
+//! the HTTP response has it: `content`, `reasoning_content`, `tool_calls`);
 //! errors as `{"type":"error","id","error":{…OpenAI error…}}` without closing the socket.
 //! Heartbeat: the server pings every 5 s and closes a socket silent for `--ws-idle-timeout`
 //! (30 s; shorter timeouts ping six times within it). A closed socket aborts all of its
@@ -26,7 +28,7 @@ use super::AppState;
 use super::errors::ApiError;
 use super::openai::start;
 use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, prepare_completion};
-use super::responses::GenEvent;
+use super::responses::{GenEvent, Shaper};
 use super::shutdown::{Phase, watch_phase};
 use super::ws_frames::{FrameGuard, Ledger};
 use crate::request::{AbortReason, FinishReason};
@@ -58,6 +60,8 @@ struct Generation {
     /// The server's request id once started (for the engine abort).
     request_id: Option<String>,
     finish: Vec<Option<FinishReason>>,
+    /// A chat read for tool calls or reasoning: its whole message goes in the done frame.
+    reader: Option<Shaper>,
 }
 
 pub struct WsSession {
@@ -134,7 +138,7 @@ impl WsSession {
             ctx.text(error_frame(Some(&id), &e));
             return;
         }
-        self.running.insert(id.clone(), Generation { request_id: None, finish: Vec::new() });
+        self.running.insert(id.clone(), Generation { request_id: None, finish: Vec::new(), reader: None });
         let state = self.state.clone();
         let gid = id.clone();
         let fut = async move {
@@ -157,6 +161,11 @@ impl WsSession {
             let Some(g) = act.running.get_mut(&gid) else { return };
             g.request_id = Some(started.id.clone());
             g.finish = vec![None; started.prepared.prompts.len() * started.prepared.params.n];
+            let p = &started.prepared;
+            if p.tools.is_some() || p.reasoning.is_some() {
+                let tok = act.state.engine.tokenizer().clone();
+                g.reader = Some(Shaper::new(started.id.clone(), started.prepared.clone(), tok));
+            }
             let model = started.prepared.model.clone();
             ctx.text(
                 json!({"type": "started", "id": gid, "request_id": started.id, "model": model}).to_string(),
@@ -170,6 +179,11 @@ impl WsSession {
     }
 
     fn forward(&mut self, id: &str, ev: GenEvent, ctx: &mut ws::WebsocketContext<Self>) {
+        if let Some(r) = self.running.get_mut(id).and_then(|g| g.reader.as_mut())
+            && matches!(ev, GenEvent::Token { .. } | GenEvent::Finished { .. })
+        {
+            r.absorb(ev.clone());
+        }
         match ev {
             GenEvent::Token { index, token_id, text, logprobs } => {
                 let mut v =
@@ -190,13 +204,23 @@ impl WsSession {
                 }
             }
             GenEvent::Done { usage } => {
-                let finish = self.running.remove(id).map(|g| g.finish).unwrap_or_default();
-                let choices: Vec<Value> = finish
+                let (finish, reader) =
+                    self.running.remove(id).map(|g| (g.finish, g.reader)).unwrap_or_default();
+                let mut choices: Vec<Value> = finish
                     .iter()
                     .enumerate()
                     .map(|(i, f)| json!({"index": i, "finish_reason": f.map(FinishReason::as_str)}))
                     .collect();
-                let first = finish.first().copied().flatten().map(FinishReason::as_str);
+                // Read for tool calls or reasoning: each choice's message as the HTTP
+                // response has it (its finish reason `tool_calls` when it called).
+                if let Some(r) = reader {
+                    let whole = r.response();
+                    for (c, w) in choices.iter_mut().zip(whole["choices"].as_array().into_iter().flatten()) {
+                        c["message"] = w["message"].clone();
+                        c["finish_reason"] = w["finish_reason"].clone();
+                    }
+                }
+                let first = choices.first().map(|c| c["finish_reason"].clone()).unwrap_or(Value::Null);
                 ctx.text(
                     json!({"type": "done", "id": id, "finish_reason": first, "choices": choices, "usage": usage})
                         .to_string(),

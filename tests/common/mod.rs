@@ -5,6 +5,7 @@
 pub mod golden;
 pub mod lora;
 pub mod server;
+pub mod structured;
 
 use std::path::{Path, PathBuf};
 

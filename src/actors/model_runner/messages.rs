@@ -91,6 +91,8 @@ pub struct RunnerTiming {
     pub device_ns: u64,
     /// Building the rows' sampling inputs, while the device runs the forward.
     pub sample_ns: u64,
+    /// Of `sample_ns`: the grammar masks of the rows that follow one (structured output).
+    pub mask_ns: u64,
     /// Device memory allocations the step made (none in steady state).
     pub device_allocs: u64,
     /// Whether the forward was a graph replay.

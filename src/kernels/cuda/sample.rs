@@ -60,6 +60,7 @@ impl CudaDevice {
         }
         let (n, c) = (rows as i32, cols as i32);
         let t = self.span("sample", (0, 0), rows);
+        self.apply_masks(&mut logits, inputs)?;
         if enc.full {
             let cfg =
                 LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
@@ -136,6 +137,44 @@ impl CudaDevice {
         let logprobs = DeviceRows::logprob_counts(inputs);
         self.sampled.borrow_mut().issued.push(IssuedSample { id, rows, cols, words, logprobs });
         Ok(SampleTicket::Issued(id))
+    }
+
+    /// Masks the logits of the rows that follow a grammar (structured output): their masks
+    /// go up behind the rows' indexes, and one launch covers them all.
+    fn apply_masks(&self, logits: &mut CudaTensor, inputs: &[SampleInput]) -> DevResult<()> {
+        let words = logits.cols.div_ceil(32);
+        let masked: Vec<(usize, &[u32])> =
+            inputs.iter().enumerate().filter_map(|(r, inp)| inp.allowed.map(|a| (r, a))).collect();
+        if masked.is_empty() {
+            return Ok(());
+        }
+        let mut data = Vec::with_capacity(masked.len() * (words + 1));
+        data.extend(masked.iter().map(|(r, _)| *r as u32));
+        for (_, a) in &masked {
+            data.extend((0..words).map(|w| a.get(w).copied().unwrap_or(0)));
+        }
+        let buf = self.stage("sample masks", &data)?;
+        let (n, w, c) = (masked.len() as i32, words as i32, logits.cols as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (words.div_ceil(256) as u32, masked.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: logits is [rows, cols]; buf holds n row indexes below rows, then n masks
+        // of `words` words, which cover the cols.
+        unsafe {
+            self.stream
+                .launch_builder(self.f("apply_token_mask"))
+                .arg(&mut *logits.buf)
+                .arg(&buf)
+                .arg(&n)
+                .arg(&w)
+                .arg(&c)
+                .launch(cfg)
+        }
+        .map_err(cuda("apply_token_mask launch"))?;
+        self.restage("sample masks", buf);
+        Ok(())
     }
 
     /// Queues the copy of the first `words` of `out` into the next page-locked buffer and

@@ -165,6 +165,23 @@ __device__ void penalize(float* row, const unsigned int* p, unsigned int* ent, u
     }
 }
 
+// Structured output: sets to -inf the logits of the tokens a grammar forbids, before any
+// other rule reads the row. `masks` holds the n masked rows' indexes, then n masks of
+// `words` words (bit t % 32 of word t / 32 set: token t allowed). Grid (words / 256, n).
+extern "C" __global__ void apply_token_mask(float* logits, const unsigned int* masks, int n, int words,
+                                            int cols) {
+    grid_dep_sync();
+    int m = blockIdx.y, w = blockIdx.x * blockDim.x + threadIdx.x;
+    if (w >= words) return;
+    unsigned int bits = masks[n + (size_t)m * words + w];
+    if (bits == 0xffffffffu) return;
+    float* row = logits + (size_t)masks[m] * cols;
+    for (int b = 0; b < 32; b++) {
+        int c = w * 32 + b;
+        if (c < cols && !((bits >> b) & 1u)) row[c] = NEG_INF;
+    }
+}
+
 extern "C" __global__ void sample_f32(float* logits, const unsigned int* params, unsigned int* entries,
                                       unsigned int* out, int rows, int cols) {
     grid_dep_sync();

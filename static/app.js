@@ -21,6 +21,9 @@ const els = {
   temperature: $("temperature"),
   top_p: $("top_p"),
   max_tokens: $("max_tokens"),
+  jsonMode: $("json_mode"),
+  tools: $("tools"),
+  toolChoice: $("tool_choice"),
   apiKey: $("api_key"),
   settings: $("settings"),
 };
@@ -79,7 +82,50 @@ function fill(el, turn) {
   const body = el.querySelector(".body");
   if (turn.role === "assistant" && !turn.error) renderMarkdown(body, turn.content);
   else body.textContent = turn.content;
+  fillExtras(el, turn);
   el.querySelector(".stats").textContent = turn.unanswered || turn.stats || "";
+}
+
+/** An answer's reasoning (folded, before the answer) and its tool calls (after it), each
+ * shown as what it is; model output goes in as text only. */
+function fillExtras(el, turn) {
+  const body = el.querySelector(".body");
+  let thinking = el.querySelector(".reasoning");
+  if (turn.reasoning) {
+    if (!thinking) {
+      thinking = document.createElement("details");
+      thinking.className = "reasoning";
+      const summary = document.createElement("summary");
+      summary.textContent = "Thinking";
+      thinking.append(summary, document.createElement("div"));
+      el.insertBefore(thinking, body);
+    }
+    thinking.lastChild.textContent = turn.reasoning;
+  } else if (thinking) thinking.remove();
+  el.querySelector(".tool-calls")?.remove();
+  if (turn.toolCalls?.length) {
+    const box = document.createElement("div");
+    box.className = "tool-calls";
+    for (const call of turn.toolCalls) {
+      const item = document.createElement("div");
+      item.className = "tool-call";
+      const name = document.createElement("div");
+      name.className = "tool-name";
+      name.textContent = `Calls ${call.name}`;
+      const args = document.createElement("pre");
+      args.className = "tool-arguments";
+      let text = call.arguments;
+      try {
+        text = JSON.stringify(JSON.parse(call.arguments), null, 2);
+      } catch {
+        /* still streaming, or not JSON: shown as it is */
+      }
+      args.textContent = text;
+      item.append(name, args);
+      box.appendChild(item);
+    }
+    body.after(box);
+  }
 }
 
 /** Re-renders a streaming answer at most once a frame, keeping the view at the bottom
@@ -188,10 +234,17 @@ function requestBody() {
   const system = els.system.value.trim();
   if (system) messages.push({ role: "system", content: system });
   for (const t of turns) {
-    if (t.error || t.unanswered || !t.content) continue;
-    if (t.role === "user" || t.role === "assistant") messages.push({ role: t.role, content: t.content });
+    if (t.error || t.unanswered || !(t.content || t.toolCalls?.length)) continue;
+    if (t.role === "user") messages.push({ role: "user", content: t.content });
+    if (t.role === "assistant") {
+      const m = { role: "assistant", content: t.content || null };
+      if (t.toolCalls?.length) {
+        m.tool_calls = t.toolCalls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
+      }
+      messages.push(m);
+    }
   }
-  return {
+  const body = {
     model: els.model.value || undefined,
     messages,
     temperature: Number(els.temperature.value),
@@ -200,6 +253,26 @@ function requestBody() {
     stream: true,
     stream_options: { include_usage: true },
   };
+  if (els.jsonMode.checked) body.response_format = { type: "json_object" };
+  const tools = els.tools.value.trim();
+  if (tools) {
+    try {
+      body.tools = JSON.parse(tools);
+    } catch (e) {
+      throw new Error(`The tools are not valid JSON: ${e.message}`);
+    }
+    body.tool_choice = els.toolChoice.value;
+  }
+  return body;
+}
+
+/** Adds a streamed tool-call delta to the turn's calls (by index, as OpenAI streams them). */
+function addToolCallDelta(turn, d) {
+  turn.toolCalls = turn.toolCalls || [];
+  const call = (turn.toolCalls[d.index] = turn.toolCalls[d.index] || { id: "", name: "", arguments: "" });
+  if (d.id) call.id = d.id;
+  if (d.function?.name) call.name = d.function.name;
+  if (d.function?.arguments) call.arguments += d.function.arguments;
 }
 
 /** Tracks time to first token, tokens/s and the finish reason of one answer. */
@@ -262,9 +335,12 @@ async function streamSse(body, turn, el, meter, signal) {
           el.querySelector(".who").textContent = chunk.model;
         }
         for (const c of chunk.choices || []) {
-          if (c.delta && c.delta.content) {
+          const d = c.delta || {};
+          if (d.content || d.reasoning_content || d.tool_calls) {
             meter.token();
-            turn.content += c.delta.content;
+            turn.content += d.content || "";
+            if (d.reasoning_content) turn.reasoning = (turn.reasoning || "") + d.reasoning_content;
+            for (const call of d.tool_calls || []) addToolCallDelta(turn, call);
             fillSoon(el, turn);
           }
           if (c.finish_reason) finish = c.finish_reason;
@@ -335,6 +411,14 @@ async function streamWs(body, turn, el, meter, stopSignal) {
         turn.content += msg.text;
         fillSoon(el, turn);
       } else if (msg.type === "done") {
+        // A request read for tool calls or reasoning gets its message whole at the end.
+        const message = msg.choices?.[0]?.message;
+        if (message) {
+          turn.content = message.content || "";
+          turn.reasoning = message.reasoning_content || "";
+          turn.toolCalls = (message.tool_calls || []).map((c) => ({ id: c.id, name: c.function.name, arguments: c.function.arguments }));
+          fillNow(el, turn);
+        }
         wsHandlers.delete(id);
         stopSignal.removeEventListener("abort", onStop);
         resolve(stopSignal.aborted && msg.finish_reason === "abort" ? "stopped" : msg.finish_reason || "unknown");
@@ -350,10 +434,17 @@ async function streamWs(body, turn, el, meter, stopSignal) {
 
 async function send(text = els.input.value.trim()) {
   if (!text || current) return;
+  let body;
+  try {
+    body = requestBody();
+    body.messages.push({ role: "user", content: text });
+  } catch (e) {
+    showError(e.message);
+    return;
+  }
   els.input.value = "";
   const question = { role: "user", content: text };
   const questionEl = addTurn(question);
-  const body = requestBody();
   const model = body.model || els.model.options[0]?.value || "";
   // The label shows the picker's choice until the server names the model that answers.
   const turn = { role: "assistant", content: "", model, stats: "" };
@@ -372,14 +463,14 @@ async function send(text = els.input.value.trim()) {
   try {
     const run = transport() === "ws" ? streamWs : streamSse;
     const finish = await run(body, turn, el, meter, controller.signal);
-    if (!turn.content && finish === "stopped") {
+    if (!turn.content && !turn.toolCalls?.length && finish === "stopped") {
       dropAnswer("Stopped before an answer; left out of the conversation.");
     } else {
       turn.stats = meter.line(finish);
       fillNow(el, turn);
     }
   } catch (e) {
-    if (!turn.content) {
+    if (!turn.content && !turn.toolCalls?.length) {
       dropAnswer("No answer; left out of the conversation.");
     } else {
       turn.stats = meter.line("error");

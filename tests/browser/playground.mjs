@@ -234,11 +234,53 @@ try {
   assert.equal(await assistant().locator(".who").innerText(), models[0]);
   await page.screenshot({ path: `${outDir}/playground.png`, fullPage: true });
 
+  // 4b. JSON mode and tools: the answer is JSON; a forced tool call shows as a call (name
+  //     and arguments), over both transports, and goes back with the next message.
+  await page.fill("#max_tokens", "60");
+  await page.fill("#temperature", "0");
+  await page.check("#json_mode");
+  net.sent = [];
+  await sendAndWatch("Describe a cat as JSON.");
+  assert.deepEqual(net.sent[0].response_format, { type: "json_object" }, "JSON mode asks for a JSON object");
+  assert.match(await assistant().locator(".body").innerText(), /^\s*\{/, "the answer is JSON");
+  await page.uncheck("#json_mode");
+  const weather = [{ type: "function", function: { name: "get_weather", description: "The weather in a city",
+    parameters: { type: "object", properties: { city: { type: "string", maxLength: 20 } }, required: ["city"],
+      additionalProperties: false } } }];
+  await page.fill("#tools", JSON.stringify(weather));
+  await page.selectOption("#tool_choice", "required");
+  for (const t of ["sse", "ws"]) {
+    await setTransport(t);
+    await sendAndWatch("What is the weather in Paris?");
+    const call = assistant().locator(".tool-call");
+    assert.equal(await call.count(), 1, `${t}: one tool call shown`);
+    assert.equal(await call.locator(".tool-name").innerText(), "Calls get_weather", `${t}: the call names its tool`);
+    const args = JSON.parse(await call.locator(".tool-arguments").innerText());
+    assert.equal(typeof args.city, "string", `${t}: the arguments are the function's`);
+    assert.ok(!(await assistant().locator(".body").innerText()).includes("get_weather"), `${t}: no raw call text`);
+  }
+  net.sent = [];
+  await page.fill("#tools", "");
+  await sendAndWatch("Thanks!");
+  const back = net.sent[0].messages.filter((m) => m.tool_calls);
+  assert.equal(back.length, 2, "the calls go back with the conversation");
+  assert.equal(back[0].tool_calls[0].function.name, "get_weather");
+  await page.fill("#tools", "[not json");
+  await page.fill("#input", "hello");
+  await page.press("#input", "Enter");
+  await page.waitForFunction(() => /not valid JSON/.test(document.body.innerText));
+  assert.equal(await page.inputValue("#input"), "hello", "a bad tools list keeps the message");
+  await page.fill("#tools", "");
+  await page.fill("#input", "");
+  await setTransport("sse");
+  consoleErrors = [];
+
   // 5. Errors in plain words: a context overflow, then a server that does not answer.
   await page.fill("#max_tokens", "99999");
   await page.fill("#input", "hello");
+  const errorsBefore = await page.locator(".turn.error").count();
   await page.press("#input", "Enter");
-  await page.waitForSelector(".turn.error");
+  await page.waitForFunction((n) => document.querySelectorAll(".turn.error").length > n, errorsBefore);
   const err = await page.locator(".turn.error").last().innerText();
   log("error shown:", err);
   assert.match(err, /maximum context length/);
@@ -246,7 +288,7 @@ try {
   await page.fill("#max_tokens", "8");
   await page.fill("#input", "are you there?");
   await page.press("#input", "Enter");
-  await page.waitForFunction(() => document.querySelectorAll(".turn.error").length >= 2);
+  await page.waitForFunction((n) => document.querySelectorAll(".turn.error").length > n + 1, errorsBefore);
   assert.match(await page.locator(".turn.error").last().innerText(), /not reachable/);
   net.refuse = false;
   assert.match(await userTurn().locator(".stats").innerText(), /No answer/, "a refused question is marked too");

@@ -267,6 +267,12 @@ async fn required_and_named_tool_choices_always_call_with_valid_arguments() {
         let (_, p) = params.iter().find(|(n, _)| n == name).unwrap_or_else(|| panic!("unknown tool {name}"));
         assert!(p.is_valid(&v), "{name} arguments {args} break its parameters");
     };
+    // parallel_tool_calls: false allows one call only.
+    let body = json!({"messages": [{"role": "user", "content": "Weather and time in Paris?"}], "max_tokens": 150,
+        "temperature": 1.0, "seed": 3, "n": 4, "tools": tools, "tool_choice": "required", "parallel_tool_calls": false});
+    for c in chat(&s, body).await["choices"].as_array().unwrap() {
+        assert_eq!(c["message"]["tool_calls"].as_array().map(Vec::len), Some(1), "{c}");
+    }
     let questions = ["What is the weather in Paris?", "What time is it in Tokyo?", "Tell me a joke."];
     for choice in [json!("required"), json!({"type": "function", "function": {"name": "get_time"}})] {
         for (q, t) in questions.iter().zip([0.0, 1.0, 0.7]) {

@@ -69,8 +69,9 @@ pub fn functions(tools: &[Value]) -> Result<Vec<(String, Value)>, String> {
 }
 
 /// The grammar of `tool_choice: "required"`: a non-empty list of calls, each naming one of
-/// the functions with arguments that follow its parameters (vLLM's shape).
-pub fn required_spec(functions: &[(String, Value)]) -> GuideSpec {
+/// the functions with arguments that follow its parameters (vLLM's shape); one call only
+/// unless `parallel` (`parallel_tool_calls`).
+pub fn required_spec(functions: &[(String, Value)], parallel: bool) -> GuideSpec {
     let calls: Vec<Value> = functions
         .iter()
         .map(|(name, params)| {
@@ -78,7 +79,11 @@ pub fn required_spec(functions: &[(String, Value)]) -> GuideSpec {
                 "required": ["name", "parameters"], "additionalProperties": false})
         })
         .collect();
-    GuideSpec::JsonSchema(json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+    let mut list = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+    if !parallel {
+        list["maxItems"] = json!(1);
+    }
+    GuideSpec::JsonSchema(list)
 }
 
 /// A call as far as the output goes: its name once complete, its arguments' text so far.

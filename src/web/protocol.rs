@@ -192,7 +192,10 @@ impl StructuredFields {
                 None
             }
             Some(c) if c == "none" => None,
-            Some(c) if c == "required" => Some((ToolMode::Required, tools::required_spec(&functions))),
+            Some(c) if c == "required" => {
+                let parallel = self.parallel_tool_calls.unwrap_or(true);
+                Some((ToolMode::Required, tools::required_spec(&functions, parallel)))
+            }
             Some(c) => {
                 let name = c["function"]["name"].as_str().filter(|_| c["type"] == "function").ok_or_else(|| {
                     ApiError::bad(

@@ -39,6 +39,14 @@ pub struct SamplingParams {
     /// The grammar the output follows (structured output), compiled at the edge.
     #[serde(skip)]
     pub guide: Option<crate::structured::Guide>,
+    /// Added to these tokens' logits before anything else reads them (OpenAI's
+    /// `logit_bias`, -100 to 100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be generated (vLLM's `allowed_token_ids`).
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Token sequences never generated whole: the last token of each is masked whenever
+    /// the output ends with the ones before it (vLLM's `bad_words`, tokenized).
+    pub bad_words_ids: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -62,6 +70,9 @@ impl Default for SamplingParams {
             logprobs: None,
             skip_special_tokens: true,
             guide: None,
+            logit_bias: Vec::new(),
+            allowed_token_ids: None,
+            bad_words_ids: Vec::new(),
         }
     }
 }
@@ -173,7 +184,32 @@ impl SamplingParams {
         if let Some(l) = self.logprobs {
             check(l <= MAX_LOGPROBS, "logprobs", &format!("must be between 0 and {MAX_LOGPROBS}"), l)?;
         }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(ValidationError {
+                param: "logit_bias",
+                rule: "values must be between -100 and 100".into(),
+                value: format!("{b} for token {t}"),
+            });
+        }
+        check(
+            self.allowed_token_ids.as_ref().is_none_or(|a| !a.is_empty()),
+            "allowed_token_ids",
+            "must not be empty",
+            "[]",
+        )?;
+        check(
+            self.bad_words_ids.iter().all(|w| !w.is_empty()),
+            "bad_words",
+            "must not contain empty words",
+            "\"\"",
+        )?;
         Ok(())
+    }
+
+    /// Whether the tokens a row may take are limited each step beyond the penalty rules
+    /// (a grammar, `allowed_token_ids` or `bad_words`): the sampler then gets a mask.
+    pub fn masks_tokens(&self) -> bool {
+        self.guide.is_some() || self.allowed_token_ids.is_some() || !self.bad_words_ids.is_empty()
     }
 
     pub fn greedy(&self) -> bool {

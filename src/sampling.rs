@@ -31,8 +31,9 @@ pub struct SampleInput<'a> {
     /// The penalty rules' view of `tokens`, when the caller keeps one (else it is counted
     /// from `tokens` each time).
     pub history: Option<&'a TokenHistory>,
-    /// The tokens a grammar allows next (structured output): bit `t % 32` of word `t / 32`.
-    /// Every other token is masked before anything else, logprobs included.
+    /// The tokens a row may take next (a grammar, `allowed_token_ids`, `bad_words`): bit
+    /// `t % 32` of word `t / 32`. Every other token is masked, and `logit_bias` added,
+    /// before anything else reads the row, logprobs included.
     pub allowed: Option<&'a [u32]>,
 }
 
@@ -207,6 +208,11 @@ pub fn sample(logits: &mut [f32], inp: &SampleInput) -> (u32, Option<TokenLogpro
     let p = inp.params;
     if let Some(allowed) = inp.allowed {
         apply_mask(logits, allowed);
+    }
+    for &(t, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += bias;
+        }
     }
     let raw_logprobs = p.logprobs.map(|_| log_softmax(logits));
     for (t, rule) in token_rules(inp, logits.len()) {
@@ -443,6 +449,20 @@ mod tests {
             assert!([5, 33].contains(&sample(&mut logits, &inp).0));
             logits = (0..40).map(|i| -(i as f32) / 10.0).collect();
         }
+    }
+
+    #[test]
+    fn logit_bias_adds_before_the_draw_and_the_logprobs() {
+        let params = SamplingParams {
+            temperature: 0.0,
+            logprobs: Some(1),
+            logit_bias: vec![(2, 5.0), (0, -100.0), (99, 1.0)],
+            ..Default::default()
+        };
+        let mut logits = vec![3.0, 1.0, 0.0];
+        let (t, lp) = sample(&mut logits, &input(&params, &[2], 0));
+        assert_eq!((t, logits.clone()), (2, vec![-97.0, 1.0, 5.0]));
+        assert_eq!(lp.unwrap().top[0].0, 2);
     }
 
     #[test]

@@ -163,6 +163,13 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
         2 => base(0.9),
         _ => SamplingParams { min_p: 0.02, ..base(1.3) },
     }));
+    // logit_bias: row 4 gets a token raised past every other, and every fifth sampled row
+    // a few raised and lowered (the split sampler's rows among them).
+    params[4].logit_bias = vec![(11, 60.0), (12, -100.0)];
+    for (i, p) in params.iter_mut().enumerate().skip(planted).filter(|(i, _)| i % 5 == 1) {
+        let t = (i * 7919 % cols) as u32;
+        p.logit_bias = vec![(t, 8.0), (t + 1, -50.0), (cols as u32 + 5, 1.0)];
+    }
     let rows = params.len();
     let mut logits: Vec<f32> = rand(rows * cols, 20).iter().map(|x| x * 24.0).collect();
     logits[40_000] = 30.0; // row 0: a tie, the lowest index wins
@@ -231,6 +238,7 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
     assert_ne!(want[7].0, top7, "min_tokens masked row 7's EOS");
     assert_ne!(want[10].0, top7, "min_tokens masked row 10's EOS");
     assert_eq!(want[13].0, 0, "a row with every token masked gives token 0");
+    assert_eq!(want[4].0, 11, "logit_bias raised row 4's token 11 above all");
     for (i, m) in masks.iter().enumerate() {
         if let Some(m) = m {
             let t = want[i].0;

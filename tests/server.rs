@@ -690,8 +690,6 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         ("length_penalty", json!(0.8)),
         ("early_stopping", json!(true)),
         ("prompt_logprobs", json!(1)),
-        ("bad_words", json!(["no"])),
-        ("allowed_token_ids", json!([5, 6])),
         ("truncate_prompt_tokens", json!(2)),
         ("priority", json!(3)),
     ] {
@@ -704,4 +702,68 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 2});
     let (st, v) = s.post("/v1/chat/completions", &chat).await;
     assert_eq!((st, &v["error"]["param"]), (400, &json!("prompt_logprobs")), "{v}");
+}
+
+/// `logit_bias`, `allowed_token_ids` and `bad_words` on the default model: each changes
+/// the output as it says, greedy and sampled; bad values are 400s naming the field.
+#[actix_rt::test]
+async fn logit_bias_allowed_token_ids_and_bad_words_shape_the_output() {
+    let s = common::server::start(common::default_model(), |_| {}).await;
+    let tokens = |text: &'static str| {
+        let s = &s;
+        async move {
+            let (_, v) = s.post("/tokenize", &json!({"prompt": text, "add_special_tokens": false})).await;
+            v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<u32>>()
+        }
+    };
+    let prompt = "The capital of France is";
+    let base = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0});
+    let (_, plain) = s.post("/v1/completions", &base).await;
+    let text = plain["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.contains("Paris"), "{text}");
+    let first: Vec<u32> = tokens(" Paris").await;
+    // A bias of -100 on the greedy first token moves it; +100 on another makes it every token.
+    let mut b = base.clone();
+    b["logit_bias"] = json!({ first[0].to_string(): -100 });
+    let (_, v) = s.post("/v1/completions", &b).await;
+    assert!(!v["choices"][0]["text"].as_str().unwrap().starts_with(" Paris"), "{v}");
+    let banana = tokens(" banana").await;
+    assert_eq!(banana.len(), 1);
+    b["logit_bias"] = json!({ banana[0].to_string(): 100, first[0].to_string(): 5 });
+    b["temperature"] = json!(1.0);
+    b["max_tokens"] = json!(4);
+    let (_, v) = s.post("/v1/completions", &b).await;
+    assert_eq!(v["choices"][0]["text"], " banana banana banana banana", "{v}");
+    // Only the allowed tokens, sampled.
+    let (yes, no) = (tokens(" yes").await, tokens(" no").await);
+    let allowed = json!({"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 4,
+        "allowed_token_ids": [yes[0], no[0]]});
+    let (_, v) = s.post("/v1/completions", &allowed).await;
+    for c in v["choices"].as_array().unwrap() {
+        let t = c["text"].as_str().unwrap();
+        assert!(!t.is_empty() && t.replace(" yes", "").replace(" no", "").is_empty(), "{t}");
+    }
+    // A bad word is never generated, as a whole or after a space; the rest of the greedy
+    // text is what it would be up to it.
+    let mut b = base.clone();
+    b["bad_words"] = json!(["Paris"]);
+    let (_, v) = s.post("/v1/completions", &b).await;
+    let banned = v["choices"][0]["text"].as_str().unwrap();
+    assert!(!banned.contains("Paris"), "{banned}");
+    let before = &text[..text.find(" Paris").unwrap()];
+    assert!(banned.starts_with(before), "{banned:?} vs {text:?}");
+    // Bad values.
+    for (extra, field) in [
+        (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"999999": 1}}), "logit_bias"),
+        (json!({"allowed_token_ids": []}), "allowed_token_ids"),
+        (json!({"allowed_token_ids": [999999]}), "allowed_token_ids"),
+        (json!({"bad_words": [" "]}), "bad_words"),
+    ] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (st, v) = s.post("/v1/completions", &body).await;
+        assert_eq!((st, v["error"]["param"].as_str()), (400, Some(field)), "{body}: {v}");
+    }
 }

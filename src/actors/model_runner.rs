@@ -67,16 +67,48 @@ impl RunnerSeq {
         }
     }
 
-    /// Brings the grammar up to the sequence's output and writes the tokens it allows next
-    /// into `mask`; false when no grammar constrains this step.
-    fn guide_mask(&mut self, mask: &mut [u32]) -> bool {
-        let Some(g) = &mut self.guide else { return false };
-        g.advance(&self.tokens[self.prompt_len..]);
-        if !g.active() {
-            return false;
+    /// Writes the tokens the sequence may take next into `mask`: its grammar's (brought up
+    /// to its output), within `allowed_token_ids`, less the last token of each bad word
+    /// whose other tokens end the output. False when nothing limits this step.
+    fn token_mask(&mut self, mask: &mut [u32]) -> bool {
+        let mut on = false;
+        if let Some(g) = &mut self.guide {
+            g.advance(&self.tokens[self.prompt_len..]);
+            if g.active() {
+                g.fill_mask(mask);
+                on = true;
+            }
         }
-        g.fill_mask(mask);
-        true
+        if let Some(allowed) = &self.params.allowed_token_ids {
+            let mut bits = vec![0u32; mask.len()];
+            for &t in allowed {
+                if let Some(w) = bits.get_mut(t as usize / 32) {
+                    *w |= 1 << (t % 32);
+                }
+            }
+            if on {
+                mask.iter_mut().zip(&bits).for_each(|(m, b)| *m &= b);
+            } else {
+                mask.copy_from_slice(&bits);
+                on = true;
+            }
+        }
+        if !self.params.bad_words_ids.is_empty() {
+            if !on {
+                mask.fill(u32::MAX);
+                on = true;
+            }
+            let output = &self.tokens[self.prompt_len..];
+            for word in &self.params.bad_words_ids {
+                let (last, before) = word.split_last().expect("bad words are not empty");
+                if output.ends_with(before)
+                    && let Some(w) = mask.get_mut(*last as usize / 32)
+                {
+                    *w &= !(1 << (last % 32));
+                }
+            }
+        }
+        on
     }
 
     /// Holds the place of the token that row `row` of a step's sampling picks, until it
@@ -452,7 +484,7 @@ impl<D: Device> ModelRunner<D> {
         // launch, with the GPU idle).
         // Grammar masks are computed here, while the device runs the forward just issued;
         // the step before's tokens, which the grammars take first, are back by now.
-        let guided = self.guide_masks(&sampled_seqs, self.dev.shape(&logits).1);
+        let guided = self.token_masks(&sampled_seqs, self.dev.shape(&logits).1);
         timing.mask_ns = ns(t2, Instant::now());
         let eos = self.eos_ids.clone();
         let words = self.dev.shape(&logits).1.div_ceil(32);
@@ -477,14 +509,15 @@ impl<D: Device> ModelRunner<D> {
         Ok(Issued::Sampling(Deferred { ticket, held, timing, issued: Instant::now() }))
     }
 
-    /// Writes the grammar mask of each sampled row whose sequence follows a grammar into
-    /// `self.masks` (a row of `cols / 32` words each), in parallel over the rows; which
-    /// rows have one. The step before's tokens are collected first (the grammars take
-    /// them): its sampling ran ahead of this step's forward on the device.
-    fn guide_masks(&mut self, sampled: &[SeqId], cols: usize) -> Vec<bool> {
+    /// Writes the token mask of each sampled row whose sequence limits its tokens (a
+    /// grammar, `allowed_token_ids`, `bad_words`) into `self.masks` (a row of `cols / 32`
+    /// words each), in parallel over the rows; which rows have one. The step before's
+    /// tokens are collected first (the masks depend on them): its sampling ran ahead of
+    /// this step's forward on the device.
+    fn token_masks(&mut self, sampled: &[SeqId], cols: usize) -> Vec<bool> {
         use rayon::prelude::*;
         let mut guided = vec![false; sampled.len()];
-        if !sampled.iter().any(|s| self.seqs.get(s).is_some_and(|rs| rs.guide.is_some())) {
+        if !sampled.iter().any(|s| self.seqs.get(s).is_some_and(|rs| rs.params.masks_tokens())) {
             return guided;
         }
         self.answer_deferred();
@@ -495,13 +528,13 @@ impl<D: Device> ModelRunner<D> {
         let jobs: Vec<(usize, &mut RunnerSeq, &mut [u32])> = self
             .seqs
             .iter_mut()
-            .filter(|(_, rs)| rs.guide.is_some())
+            .filter(|(_, rs)| rs.params.masks_tokens())
             .filter_map(|(id, rs)| {
                 let r = *rows.get(id)?;
                 Some((r, rs, chunks[r].take()?))
             })
             .collect();
-        for (r, on) in jobs.into_par_iter().map(|(r, rs, mask)| (r, rs.guide_mask(mask))).collect::<Vec<_>>()
+        for (r, on) in jobs.into_par_iter().map(|(r, rs, mask)| (r, rs.token_mask(mask))).collect::<Vec<_>>()
         {
             guided[r] = on;
         }

@@ -236,8 +236,6 @@ pub struct UnimplementedFields {
     length_penalty: Option<serde_json::Value>,
     early_stopping: Option<serde_json::Value>,
     prompt_logprobs: Option<serde_json::Value>,
-    bad_words: Option<serde_json::Value>,
-    allowed_token_ids: Option<serde_json::Value>,
     truncate_prompt_tokens: Option<serde_json::Value>,
     logits_processors: Option<serde_json::Value>,
     return_tokens_as_token_ids: Option<serde_json::Value>,
@@ -259,7 +257,7 @@ impl UnimplementedFields {
             })
         };
         let (f, zero, one) = (Value::Bool(false), Value::from(0), Value::from(1.0));
-        let fields: [(&'static str, bool); 11] = [
+        let fields: [(&'static str, bool); 9] = [
             ("use_beam_search", default_is(&self.use_beam_search, &f)),
             (
                 "length_penalty",
@@ -267,8 +265,6 @@ impl UnimplementedFields {
             ),
             ("early_stopping", default_is(&self.early_stopping, &f)),
             ("prompt_logprobs", empty(&self.prompt_logprobs)),
-            ("bad_words", empty(&self.bad_words)),
-            ("allowed_token_ids", empty(&self.allowed_token_ids)),
             ("truncate_prompt_tokens", empty(&self.truncate_prompt_tokens)),
             ("logits_processors", empty(&self.logits_processors)),
             ("return_tokens_as_token_ids", default_is(&self.return_tokens_as_token_ids, &f)),
@@ -312,6 +308,8 @@ pub struct SamplingFields {
     pub include_stop_str_in_output: Option<bool>,
     pub skip_special_tokens: Option<bool>,
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    pub allowed_token_ids: Option<Vec<u32>>,
+    pub bad_words: Option<Vec<String>>,
 }
 
 /// LLaMA-Factory's / vLLM's LoRARequest(lora_name, lora_int_id, lora_path): the adapter is
@@ -476,10 +474,58 @@ fn check_n(f: &SamplingFields) -> Result<usize, ApiError> {
             Some("best_of"),
         ));
     }
-    if f.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::bad("logit_bias is not supported", Some("logit_bias")));
-    }
     Ok(n)
+}
+
+/// OpenAI's `logit_bias` (`{"<token id>": bias}`) as (token, bias) pairs.
+fn logit_bias(f: &SamplingFields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("logit_bias"));
+    let Some(map) = &f.logit_bias else { return Ok(Vec::new()) };
+    map.iter()
+        .map(|(k, v)| {
+            let t = k.parse::<u32>().map_err(|_| bad(format!("logit_bias keys are token ids, got {k:?}")))?;
+            let b =
+                v.as_f64().ok_or_else(|| bad(format!("logit_bias values are numbers, got {v} for {k}")))?;
+            Ok((t, b as f32))
+        })
+        .collect()
+}
+
+/// The sampling fields that name tokens, checked against the model's vocabulary, and
+/// `bad_words` tokenized as vLLM does it: each word alone and after a space (when that
+/// gives another sequence of the same length).
+fn token_fields(params: &mut SamplingParams, f: &SamplingFields, engine: &Engine) -> Result<(), ApiError> {
+    let vocab = engine.model_config().vocab_size;
+    let check = |t: u32, field: &'static str| {
+        if (t as usize) < vocab {
+            Ok(())
+        } else {
+            Err(ApiError::bad(
+                format!("{field}: token id {t} is out of vocabulary (size {vocab})"),
+                Some(field),
+            ))
+        }
+    };
+    for &(t, _) in &params.logit_bias {
+        check(t, "logit_bias")?;
+    }
+    for &t in params.allowed_token_ids.iter().flatten() {
+        check(t, "allowed_token_ids")?;
+    }
+    let tok = engine.tokenizer();
+    for word in f.bad_words.iter().flatten() {
+        let word = word.trim_start();
+        if word.is_empty() {
+            return Err(ApiError::bad("bad_words must not contain empty words", Some("bad_words")));
+        }
+        let alone = tok.encode(word, false)?;
+        let spaced = tok.encode(&format!(" {word}"), false)?;
+        if spaced.len() == alone.len() && spaced.first() != alone.first() {
+            params.bad_words_ids.push(spaced);
+        }
+        params.bad_words_ids.push(alone);
+    }
+    params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))
 }
 
 /// SamplingParams from the request's fields, unset ones from `model` (the model's
@@ -514,6 +560,9 @@ fn sampling(
         logprobs,
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
         guide: None,
+        logit_bias: logit_bias(f)?,
+        allowed_token_ids: f.allowed_token_ids.clone(),
+        bad_words_ids: Vec::new(),
     };
     params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))?;
     Ok(params)
@@ -610,6 +659,7 @@ pub fn prepare_completion(
     let logprobs =
         req.logprobs.map(|l| logprob_count(l, "logprobs", engine.config().max_logprobs)).transpose()?;
     let mut params = sampling(&req.sampling, &engine.config().sampling_defaults, Some(16), logprobs)?;
+    token_fields(&mut params, &req.sampling, engine)?;
     params.guide = compile(engine, rules.guide)?;
     let tok = engine.tokenizer();
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match req.prompt {
@@ -758,6 +808,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
         (false, _) => None,
     };
     let mut params = sampling(&req.sampling, &engine.config().sampling_defaults, None, top)?;
+    token_fields(&mut params, &req.sampling, engine)?;
     params.guide = compile(engine, rules.guide)?;
     let tok = engine.tokenizer();
     let options = ChatTemplateOptions { tools: rules.template_tools.as_deref(), ..req.template.options() };

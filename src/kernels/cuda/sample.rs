@@ -139,18 +139,58 @@ impl CudaDevice {
         Ok(SampleTicket::Issued(id))
     }
 
-    /// Masks the logits of the rows that follow a grammar (structured output): their masks
-    /// go up behind the rows' indexes, and one launch covers them all.
+    /// Masks the logits of the rows that limit their tokens (a grammar, `allowed_token_ids`,
+    /// `bad_words`): their masks go up behind the rows' indexes, and one launch covers them
+    /// all; then adds the rows' `logit_bias`.
     fn apply_masks(&self, logits: &mut CudaTensor, inputs: &[SampleInput]) -> DevResult<()> {
         let words = logits.cols.div_ceil(32);
         let masked: Vec<(usize, &[u32])> =
             inputs.iter().enumerate().filter_map(|(r, inp)| inp.allowed.map(|a| (r, a))).collect();
-        if masked.is_empty() {
+        if !masked.is_empty() {
+            self.apply_token_masks(logits, &masked, words)?;
+        }
+        let bias: Vec<u32> = inputs
+            .iter()
+            .enumerate()
+            .flat_map(|(r, inp)| inp.params.logit_bias.iter().map(move |&(t, b)| [r as u32, t, b.to_bits()]))
+            .flatten()
+            .collect();
+        if bias.is_empty() {
             return Ok(());
         }
+        let buf = self.stage("sample bias", &bias)?;
+        let (n, c) = ((bias.len() / 3) as i32, logits.cols as i32);
+        let cfg = LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(256), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: logits is [rows, cols]; buf holds n (row, token, bias) triples, each row
+        // below rows (tokens past cols are skipped).
+        unsafe {
+            self.stream
+                .launch_builder(self.f("apply_logit_bias"))
+                .arg(&mut *logits.buf)
+                .arg(&buf)
+                .arg(&n)
+                .arg(&c)
+                .launch(cfg)
+        }
+        .map_err(cuda("apply_logit_bias launch"))?;
+        self.restage("sample bias", buf);
+        Ok(())
+    }
+
+    /// One launch masking the rows of `masked` (row, mask of `words` words).
+    fn apply_token_masks(
+        &self,
+        logits: &mut CudaTensor,
+        masked: &[(usize, &[u32])],
+        words: usize,
+    ) -> DevResult<()> {
         let mut data = Vec::with_capacity(masked.len() * (words + 1));
         data.extend(masked.iter().map(|(r, _)| *r as u32));
-        for (_, a) in &masked {
+        for (_, a) in masked {
             data.extend((0..words).map(|w| a.get(w).copied().unwrap_or(0)));
         }
         let buf = self.stage("sample masks", &data)?;

@@ -182,6 +182,16 @@ extern "C" __global__ void apply_token_mask(float* logits, const unsigned int* m
     }
 }
 
+// logit_bias: adds each (row, token, bias) entry's bias to its logit, after the masks and
+// before the sampler. `entries` holds n triples (the bias as float bits).
+extern "C" __global__ void apply_logit_bias(float* logits, const unsigned int* entries, int n, int cols) {
+    grid_dep_sync();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int row = entries[3 * i], tok = entries[3 * i + 1];
+    if ((int)tok < cols) logits[(size_t)row * cols + tok] += __uint_as_float(entries[3 * i + 2]);
+}
+
 extern "C" __global__ void sample_f32(float* logits, const unsigned int* params, unsigned int* entries,
                                       unsigned int* out, int rows, int cols) {
     grid_dep_sync();

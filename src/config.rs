@@ -130,6 +130,10 @@ pub struct EngineArgs {
     /// `auto`/`safetensors` read the checkpoint; `dummy` makes weights of its shapes instead.
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
+    /// `fcfs` (first come first served) or `priority`: requests by their `priority` (lower
+    /// first), then arrival, a waiting request preempting running ones it ranks above.
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
     /// Turns automatic prefix caching off; it is on by default, as in vLLM.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
@@ -306,6 +310,7 @@ impl Default for EngineArgs {
             load_format: LoadFormat::Auto,
             no_enable_prefix_caching: false,
             enable_prefix_caching: false,
+            scheduling_policy: SchedulingPolicy::Fcfs,
             async_scheduling: true,
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
@@ -352,6 +357,13 @@ const GPU_KV_FIX: &str = "raise --gpu-memory-utilization or lower --max-model-le
      --max-num-batched-tokens, whose profiling step takes memory too)";
 
 /// Resolved engine settings: no Options, validated against the model.
+/// vLLM's `--scheduling-policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulingPolicy {
+    Fcfs,
+    Priority,
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     pub model_dir: PathBuf,
@@ -374,6 +386,7 @@ pub struct EngineConfig {
     /// --tool-call-parser); None refuses it.
     pub auto_tool_parser: Option<crate::structured::tools::ToolParser>,
     pub reasoning_parser: Option<crate::structured::reasoning::ReasoningParser>,
+    pub scheduling_policy: SchedulingPolicy,
 }
 
 /// KV heads each rank holds: a share of them, or one replicated head when there are fewer
@@ -531,6 +544,7 @@ impl EngineConfig {
             sampling_defaults: Default::default(),
             auto_tool_parser: args.tool_call_parser.filter(|_| args.enable_auto_tool_choice),
             reasoning_parser: args.reasoning_parser,
+            scheduling_policy: args.scheduling_policy,
             model_dir: args.model.clone(),
             dtype,
             max_model_len,

@@ -254,6 +254,7 @@ impl Engine {
             num_blocks: config.num_blocks,
             max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
             prefix_caching,
+            priority: config.scheduling_policy == crate::config::SchedulingPolicy::Priority,
         };
         let limits = AdmissionLimits {
             max_model_len: config.max_model_len,

@@ -47,6 +47,9 @@ pub struct SamplingParams {
     /// Token sequences never generated whole: the last token of each is masked whenever
     /// the output ends with the ones before it (vLLM's `bad_words`, tokenized).
     pub bad_words_ids: Vec<Vec<u32>>,
+    /// The request's priority under `--scheduling-policy priority` (lower goes first;
+    /// vLLM's request `priority`, carried with the sampling fields).
+    pub priority: i64,
 }
 
 impl Default for SamplingParams {
@@ -73,6 +76,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             allowed_token_ids: None,
             bad_words_ids: Vec::new(),
+            priority: 0,
         }
     }
 }

@@ -691,6 +691,7 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         ("early_stopping", json!(true)),
         ("prompt_logprobs", json!(1)),
         ("truncate_prompt_tokens", json!(2)),
+        // A priority needs --scheduling-policy priority.
         ("priority", json!(3)),
     ] {
         let (st, v) = s.post("/v1/completions", &with(json!({ field: value }))).await;
@@ -766,4 +767,48 @@ async fn logit_bias_allowed_token_ids_and_bad_words_shape_the_output() {
         let (st, v) = s.post("/v1/completions", &body).await;
         assert_eq!((st, v["error"]["param"].as_str()), (400, Some(field)), "{body}: {v}");
     }
+}
+
+/// `--scheduling-policy priority`: with one batch place, a request of higher priority
+/// (lower number) that arrives while another runs preempts it, finishes first, and the
+/// preempted one then goes on.
+#[actix_rt::test]
+async fn a_higher_priority_request_preempts_a_running_one() {
+    let s = default_server(|a| {
+        a.engine.scheduling_policy = actorllm::config::SchedulingPolicy::Priority;
+        a.engine.max_num_seqs = Some(1);
+    })
+    .await;
+    let mut low = long_request();
+    low["priority"] = json!(10);
+    low["stream"] = json!(true);
+    let mut running = s.client.post(s.url("/v1/completions")).send_json(&low).await.expect("sent");
+    assert_eq!(running.status().as_u16(), 200);
+    // Reads the stream until a token event comes.
+    async fn next_event<S>(stream: &mut S)
+    where
+        S: futures::Stream<Item = Result<actix_web::web::Bytes, awc::error::PayloadError>> + Unpin,
+    {
+        loop {
+            let bytes = stream.next().await.expect("the stream goes on").expect("bytes");
+            if String::from_utf8_lossy(&bytes).contains("\"text\"") {
+                return;
+            }
+        }
+    }
+    // Its first token came: it runs.
+    next_event(&mut running).await;
+    let urgent =
+        json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": true, "priority": -1});
+    let (status, v) = s.post("/v1/completions", &urgent).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert!(s.metric("vllm:num_preemptions_total").await >= 1.0, "the running request gave way");
+    // The low one still runs (it has thousands of tokens to go) and goes on streaming.
+    assert_eq!(s.metric("vllm:num_requests_running").await, 1.0);
+    for _ in 0..3 {
+        next_event(&mut running).await;
+    }
+    drop(running);
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
 }

@@ -246,6 +246,7 @@ impl SchedulerActor {
         let seqs = self.core.add(group, &msg.prompt_ids, n, lora);
         let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
         self.core.set_max_len(group, prompt_len + max_tokens);
+        self.core.set_priority(group, msg.params.priority);
         let choices = seqs
             .iter()
             .enumerate()

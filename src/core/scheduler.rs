@@ -1,5 +1,6 @@
 //! Continuous batching, as a plain struct: waiting and running queues, a token budget per
-//! step, first come first served, chunked prefill, preemption by recompute when the KV
+//! step, first come first served (or, with the priority policy, by each request's priority
+//! and then arrival, a waiting request preempting worse running ones), chunked prefill, preemption by recompute when the KV
 //! cache runs out, and automatic prefix caching: a sequence admitted with a prompt whose
 //! leading full blocks are cached adopts them and computes only the rest, and every full
 //! block a sequence computes is offered to the cache. It plans block operations against a
@@ -21,6 +22,8 @@ pub struct SchedulerConfig {
     pub max_loras: usize,
     /// Automatic prefix caching (`--enable-prefix-caching`).
     pub prefix_caching: bool,
+    /// `--scheduling-policy priority`: queues ordered by (priority, arrival), lower first.
+    pub priority: bool,
 }
 
 /// A request's sequences (n > 1 gives several), which share its full prompt blocks when
@@ -61,6 +64,8 @@ pub struct Sequence {
     /// Tokens (prompt included) at which it ends whatever it samples (`max_tokens`, the
     /// context length): once that many are known or pending, it needs no further step.
     max_len: usize,
+    /// The request's priority (lower goes first) under the priority policy.
+    priority: i64,
 }
 
 impl Sequence {
@@ -178,6 +183,7 @@ impl Scheduler {
                     last_hash: 0,
                     fresh: true,
                     max_len: usize::MAX,
+                    priority: 0,
                 },
             );
             self.waiting.push_back(id);
@@ -193,6 +199,56 @@ impl Scheduler {
             if let Some(s) = self.seqs.get_mut(id) {
                 s.max_len = max_len;
             }
+        }
+    }
+
+    /// Sets the group's priority (lower goes first); under the priority policy the waiting
+    /// queue takes it into account at once.
+    pub fn set_priority(&mut self, group: u64, priority: i64) {
+        let Some(g) = self.groups.get(&group) else { return };
+        for id in &g.seqs {
+            if let Some(s) = self.seqs.get_mut(id) {
+                s.priority = priority;
+            }
+        }
+        if self.cfg.priority {
+            let seqs = &self.seqs;
+            self.waiting.make_contiguous().sort_by_key(|id| (seqs[id].priority, *id));
+        }
+    }
+
+    /// Where a sequence stands in the priority policy's order: lower goes first (ids rise
+    /// with arrival).
+    fn rank(&self, id: SeqId) -> (i64, SeqId) {
+        (self.seqs[&id].priority, id)
+    }
+
+    /// Puts `id` back in the waiting queue: at its head (first come first served: it came
+    /// before every waiting one), or at its place in the priority order.
+    fn requeue(&mut self, id: SeqId) {
+        if !self.cfg.priority {
+            self.waiting.push_front(id);
+            return;
+        }
+        let at =
+            self.waiting.iter().position(|&w| self.rank(w) > self.rank(id)).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, id);
+    }
+
+    /// Under the priority policy, preempts the worst running sequences while the best
+    /// waiting one ranks above them and cannot start for want of a batch place or blocks.
+    fn preempt_for_priority(&mut self, plan: &mut StepPlan) {
+        while let (Some(&w), Some(&r)) = (self.waiting.front(), self.running.last()) {
+            if self.rank(w) >= self.rank(r) {
+                break;
+            }
+            let chunk = self.seqs[&w].tokens.len().min(self.cfg.max_num_batched_tokens);
+            let no_place = self.running.len() >= self.cfg.max_num_seqs;
+            if !no_place && self.blocks_for(chunk) <= self.pool.num_free() {
+                break;
+            }
+            self.preempt(r);
+            plan.num_preempted += 1;
         }
     }
 
@@ -310,7 +366,7 @@ impl Scheduler {
             seq.status = SeqStatus::Waiting;
             seq.fresh = false;
         }
-        self.waiting.push_front(id);
+        self.requeue(id);
         self.total_preemptions += 1;
     }
 
@@ -382,9 +438,14 @@ impl Scheduler {
                 self.offer_blocks(id, self.seqs[&id].num_computed);
             }
         }
+        if self.cfg.priority {
+            self.preempt_for_priority(&mut plan);
+        }
         let mut budget = self.cfg.max_num_batched_tokens;
+        let before = plan.num_preempted;
         self.schedule_running(&mut plan, &mut budget);
-        if plan.num_preempted == 0 {
+        // Out of blocks for the running ones: nothing new starts this step.
+        if plan.num_preempted == before {
             self.schedule_waiting(&mut plan, &mut budget);
         }
         plan.ops = std::mem::take(&mut self.pending_ops);
@@ -413,7 +474,8 @@ impl Scheduler {
                     scheduled = true;
                     break;
                 }
-                // Out of blocks: preempt the lowest-priority (last) running sequence.
+                // Out of blocks: preempt the lowest-priority (last) running sequence (the
+                // latest admitted, or the worst ranked under the priority policy).
                 let victim = *self.running.last().expect("running holds at least `id`");
                 self.preempt(victim);
                 plan.num_preempted += 1;
@@ -488,6 +550,10 @@ impl Scheduler {
     fn admit(&mut self, id: SeqId) {
         self.waiting.retain(|&s| s != id);
         self.running.push(id);
+        if self.cfg.priority {
+            let seqs = &self.seqs;
+            self.running.sort_by_key(|id| (seqs[id].priority, *id));
+        }
         if let Some(s) = self.seqs.get_mut(&id) {
             s.status = SeqStatus::Running;
         }

@@ -239,7 +239,6 @@ pub struct UnimplementedFields {
     truncate_prompt_tokens: Option<serde_json::Value>,
     logits_processors: Option<serde_json::Value>,
     return_tokens_as_token_ids: Option<serde_json::Value>,
-    priority: Option<serde_json::Value>,
     documents: Option<serde_json::Value>,
 }
 
@@ -256,8 +255,8 @@ impl UnimplementedFields {
                     || v.as_object().is_some_and(|o| o.is_empty())
             })
         };
-        let (f, zero, one) = (Value::Bool(false), Value::from(0), Value::from(1.0));
-        let fields: [(&'static str, bool); 9] = [
+        let (f, one) = (Value::Bool(false), Value::from(1.0));
+        let fields: [(&'static str, bool); 8] = [
             ("use_beam_search", default_is(&self.use_beam_search, &f)),
             (
                 "length_penalty",
@@ -268,7 +267,6 @@ impl UnimplementedFields {
             ("truncate_prompt_tokens", empty(&self.truncate_prompt_tokens)),
             ("logits_processors", empty(&self.logits_processors)),
             ("return_tokens_as_token_ids", default_is(&self.return_tokens_as_token_ids, &f)),
-            ("priority", default_is(&self.priority, &zero)),
             ("documents", empty(&self.documents)),
         ];
         match fields.iter().find(|(_, default)| !default) {
@@ -310,6 +308,8 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub allowed_token_ids: Option<Vec<u32>>,
     pub bad_words: Option<Vec<String>>,
+    /// vLLM's request priority (`--scheduling-policy priority`; lower goes first).
+    pub priority: Option<i64>,
 }
 
 /// LLaMA-Factory's / vLLM's LoRARequest(lora_name, lora_int_id, lora_path): the adapter is
@@ -495,6 +495,13 @@ fn logit_bias(f: &SamplingFields) -> Result<Vec<(u32, f32)>, ApiError> {
 /// `bad_words` tokenized as vLLM does it: each word alone and after a space (when that
 /// gives another sequence of the same length).
 fn token_fields(params: &mut SamplingParams, f: &SamplingFields, engine: &Engine) -> Result<(), ApiError> {
+    if params.priority != 0 && engine.config().scheduling_policy != crate::config::SchedulingPolicy::Priority
+    {
+        return Err(ApiError::bad(
+            format!("priority {} needs a server started with --scheduling-policy priority", params.priority),
+            Some("priority"),
+        ));
+    }
     let vocab = engine.model_config().vocab_size;
     let check = |t: u32, field: &'static str| {
         if (t as usize) < vocab {
@@ -563,6 +570,7 @@ fn sampling(
         logit_bias: logit_bias(f)?,
         allowed_token_ids: f.allowed_token_ids.clone(),
         bad_words_ids: Vec::new(),
+        priority: f.priority.unwrap_or(0),
     };
     params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))?;
     Ok(params)

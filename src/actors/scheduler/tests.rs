@@ -63,6 +63,7 @@ fn start_scheduler(
         num_blocks: 32,
         max_loras: 0,
         prefix_caching: true,
+        priority: false,
     };
     let limits = AdmissionLimits { max_model_len: 64, vocab_size: 320, max_waiting: None };
     SchedulerActor::new(cfg, blocks, runner, tokenizer, limits, Arc::default())

@@ -28,6 +28,7 @@ impl Harness {
             num_blocks,
             max_loras: 2,
             prefix_caching: on,
+            priority: false,
         };
         Self { s: Scheduler::new(cfg), pool: BlockPool::new(num_blocks, block_size) }
     }
@@ -270,4 +271,45 @@ fn requests_admitted_together_compute_a_shared_prompt_once() {
     assert_eq!(lens(&h.step(5)), vec![(c, 0, 12)]);
     // d takes the 12 computed and the 4 c computes in this step: it keeps its last 4.
     assert_eq!(lens(&h.step(5)), vec![(c, 12, 8), (d, 16, 4)]);
+}
+
+#[test]
+fn the_priority_policy_orders_the_queue_and_preempts_worse_running_requests() {
+    let cfg = |priority| SchedulerConfig {
+        max_num_seqs: 2,
+        max_num_batched_tokens: 64,
+        block_size: 4,
+        num_blocks: 32,
+        max_loras: 0,
+        prefix_caching: false,
+        priority,
+    };
+    for policy in [false, true] {
+        let mut h = Harness { s: Scheduler::new(cfg(policy)), pool: BlockPool::new(32, 4) };
+        // Two requests run (priority 5 and 1); then 0, 3 and -2 arrive.
+        for (group, p) in [(0, 5), (1, 1)] {
+            h.s.add(group, &[1, 2, 3], 1, None);
+            h.s.set_priority(group, p);
+        }
+        h.step(7);
+        for (group, p) in [(2, 0), (3, 3), (4, -2)] {
+            h.s.add(group, &[4, 5, 6], 1, None);
+            h.s.set_priority(group, p);
+        }
+        let groups = |h: &Harness, plan: &StepPlan| -> (Vec<u64>, Vec<u64>) {
+            let ran = plan.seqs.iter().map(|s| h.s.seq(s.seq).unwrap().group).collect();
+            (ran, h.s.waiting.iter().map(|&id| h.s.seq(id).unwrap().group).collect())
+        };
+        let plan = h.step(7);
+        if policy {
+            // -2 ranks above 5: the worst running one gives way, and -2 starts beside 1.
+            assert_eq!((plan.num_preempted, groups(&h, &plan)), (1, (vec![1, 4], vec![2, 3, 0])));
+            // Then 0 ranks above 1, which gives way and waits before 3 and 5.
+            let plan = h.step(7);
+            assert_eq!((plan.num_preempted, groups(&h, &plan)), (1, (vec![4, 2], vec![1, 3, 0])));
+        } else {
+            // First come first served: the running ones go on, the newcomers wait in order.
+            assert_eq!((plan.num_preempted, groups(&h, &plan)), (0, (vec![0, 1], vec![2, 3, 4])));
+        }
+    }
 }

@@ -40,8 +40,8 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             let _ = t.decode(&ids, false);
         }
         let msgs = [
-            ChatMessage { role: "system".into(), content: "Be brief.".into() },
-            ChatMessage { role: "user".into(), content: "Hi".into() },
+            ChatMessage { role: "system".into(), content: "Be brief.".into(), ..Default::default() },
+            ChatMessage { role: "user".into(), content: "Hi".into(), ..Default::default() },
         ];
         let _ = t.apply_chat_template(&msgs, true);
     }

@@ -50,6 +50,8 @@ struct RunnerSeq {
     history: Option<TokenHistory>,
     /// Where the sequence stands in its grammar (structured output).
     guide: Option<GuideState>,
+    /// `allowed_token_ids` as a mask, made on the first step that samples it.
+    allowed: Option<Vec<u32>>,
 }
 
 impl RunnerSeq {
@@ -64,6 +66,7 @@ impl RunnerSeq {
             index: n.index,
             history,
             guide,
+            allowed: None,
         }
     }
 
@@ -79,17 +82,20 @@ impl RunnerSeq {
                 on = true;
             }
         }
-        if let Some(allowed) = &self.params.allowed_token_ids {
-            let mut bits = vec![0u32; mask.len()];
-            for &t in allowed {
-                if let Some(w) = bits.get_mut(t as usize / 32) {
-                    *w |= 1 << (t % 32);
+        if let Some(ids) = &self.params.allowed_token_ids {
+            let bits = self.allowed.get_or_insert_with(|| {
+                let mut bits = vec![0u32; mask.len()];
+                for &t in ids {
+                    if let Some(w) = bits.get_mut(t as usize / 32) {
+                        *w |= 1 << (t % 32);
+                    }
                 }
-            }
+                bits
+            });
             if on {
-                mask.iter_mut().zip(&bits).for_each(|(m, b)| *m &= b);
+                mask.iter_mut().zip(bits.iter()).for_each(|(m, b)| *m &= b);
             } else {
-                mask.copy_from_slice(&bits);
+                mask.copy_from_slice(bits);
                 on = true;
             }
         }

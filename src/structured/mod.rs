@@ -206,6 +206,15 @@ impl Grammars {
     }
 }
 
+/// Bytes at the end of `text` that begin `marker` (held back while streaming: the next
+/// piece tells whether the marker comes).
+pub(crate) fn marker_prefix_len(text: &str, marker: &str) -> usize {
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&k| text.is_char_boundary(text.len() - k) && marker.starts_with(&text[text.len() - k..]))
+        .unwrap_or(0)
+}
+
 /// An error's first line (llguidance appends the grammar and parser state after it).
 fn first_line(e: &str) -> String {
     e.lines().next().unwrap_or(e).trim().to_string()

@@ -90,7 +90,7 @@ impl ReasoningStream {
                         self.phase = Phase::Answering;
                         continue;
                     }
-                    let keep = partial_suffix(&self.held, THINK_END);
+                    let keep = super::marker_prefix_len(&self.held, THINK_END);
                     let cut = self.held.len() - keep;
                     reasoning.push_str(&self.held[..cut]);
                     self.held = self.held[cut..].to_string();
@@ -117,14 +117,6 @@ impl ReasoningStream {
             _ => (String::new(), held),
         }
     }
-}
-
-/// Bytes at the end of `text` that begin `marker`.
-fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&k| text.is_char_boundary(text.len() - k) && marker.starts_with(&text[text.len() - k..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

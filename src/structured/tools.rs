@@ -178,10 +178,7 @@ fn marker_start(text: &str, marker: &str) -> Start {
         return Start::At(at, at + marker.len());
     }
     // The longest end of the text that begins the marker is held back.
-    let hold = (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&k| text.is_char_boundary(text.len() - k) && marker.starts_with(&text[text.len() - k..]));
-    Start::Not(text.len() - hold.unwrap_or(0))
+    Start::Not(text.len() - super::marker_prefix_len(text, marker))
 }
 
 /// The end of the JSON value starting at `i` (None when the text ends inside it).
@@ -331,6 +328,12 @@ pub struct CallDelta {
     pub arguments: String,
 }
 
+/// The id of call `index` of a choice whose calls' ids begin with `prefix`, streamed or
+/// not.
+pub fn call_id(prefix: &str, index: usize) -> String {
+    format!("{prefix}-{index}")
+}
+
 /// One choice's output read for tool calls while it streams.
 pub struct ToolStream {
     mode: ToolMode,
@@ -349,7 +352,7 @@ impl ToolStream {
     }
 
     pub fn call_id(&self, index: usize) -> String {
-        format!("{}-{index}", self.id_prefix)
+        call_id(&self.id_prefix, index)
     }
 
     /// Whether any call was sent.

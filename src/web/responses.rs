@@ -12,7 +12,7 @@ use super::protocol::{Endpoint, Prepared};
 use crate::engine::RequestStream;
 use crate::request::{FinishReason, StopReason, TokenEvent, TokenLogprobs, Usage};
 use crate::structured::reasoning::ReasoningStream;
-use crate::structured::tools::{StreamDelta, ToolCall, ToolMode, ToolStream};
+use crate::structured::tools::{self, StreamDelta, ToolCall, ToolMode, ToolStream};
 use crate::tokenizer::Tokenizer;
 
 /// One event of a whole (possibly multi-prompt) request.
@@ -453,7 +453,7 @@ impl Shaper {
         let mut finish = finish;
         if !calls.is_empty() {
             let prefix = call_id_prefix(&self.id, i);
-            m["tool_calls"] = tool_calls_json(&calls, |k| format!("{prefix}-{k}"));
+            m["tool_calls"] = tool_calls_json(&calls, |k| tools::call_id(&prefix, k));
             if content.trim().is_empty() {
                 m["content"] = Value::Null;
             }

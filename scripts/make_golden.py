@@ -61,11 +61,42 @@ def greedy(ids, n=32):
     return out[0, len(ids):].tolist()
 
 
+# Beam search: (prompt or chat, num_beams, num_return_sequences, length_penalty, early_stopping,
+# max_new_tokens). transformers' results in float32 equal its results in float64 for every
+# case, and the returned scores of neighbours differ by at least 2e-4.
+BEAMS = [
+    ("The capital of France is", 4, 4, 1.0, False, 16),
+    ("def fibonacci(n):\n    ", 4, 4, 0.5, True, 16),
+    ("Once upon a time, in a small village,", 4, 2, 2.0, "never", 16),
+    ("The three primary colors are", 4, 4, -1.0, False, 16),
+    ("List of planets:\n1.", 3, 3, 1.0, True, 12),
+    ([{"role": "user", "content": "What is 2 + 2? Answer with one number."}], 4, 4, 1.0, True, 24),
+    ([{"role": "user", "content": "Name one color."}], 4, 2, 1.0, False, 24),
+]
+
+
+def beam(ids, num_beams, n, length_penalty, early_stopping, max_new):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, num_beams=num_beams,
+            num_return_sequences=n, length_penalty=length_penalty, early_stopping=early_stopping,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+            return_dict_in_generate=True, output_scores=True,
+        )
+    seqs = []
+    for row in out.sequences[:, len(ids):].tolist():
+        # Shorter hypotheses are padded with the EOS id: keep up to the first one.
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        seqs.append(row)
+    return seqs, out.sequences_scores.tolist()
+
+
 def decoded(ids):
     return tok.decode(ids, skip_special_tokens=True)
 
 
-golden = {"model": f, "prompts": [], "chats": [], "tokenizer": []}
+golden = {"model": f, "prompts": [], "chats": [], "tokenizer": [], "beams": []}
 for p in PROMPTS:
     ids = tok(p, add_special_tokens=True)["input_ids"]
     cont = greedy(ids)
@@ -80,6 +111,17 @@ for msgs in CHATS:
 for t in TOKENIZER_TEXTS:
     ids = tok(t, add_special_tokens=False)["input_ids"]
     golden["tokenizer"].append({"text": t, "ids": ids, "decoded": tok.decode(ids)})
+for prompt, num_beams, n, lp, es, max_new in BEAMS:
+    if isinstance(prompt, str):
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    seqs, scores = beam(ids, num_beams, n, lp, es, max_new)
+    golden["beams"].append({
+        "prompt_ids": ids, "num_beams": num_beams, "n": n, "length_penalty": lp,
+        "early_stopping": es, "max_tokens": max_new, "output_ids": seqs, "scores": scores,
+    })
 with open(out, "w") as fh:
     json.dump(golden, fh, ensure_ascii=False, indent=1)
 print("wrote", out)

@@ -50,7 +50,37 @@ pub struct SamplingParams {
     /// The request's priority under `--scheduling-policy priority` (lower goes first;
     /// vLLM's request `priority`, carried with the sampling fields).
     pub priority: i64,
+    /// Beam search (vLLM's `use_beam_search`): `n` results of this many beams.
+    pub beam: Option<BeamParams>,
 }
+
+/// Beam search as transformers' `generate(num_beams=…)` runs it: scores are the raw
+/// log-probabilities (no temperature or cuts), hypotheses end at a stop token or the length
+/// limit.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BeamParams {
+    /// Beams kept each step (`best_of`, else `n`).
+    pub width: usize,
+    /// A finished hypothesis scores its log-probability over its length to this power.
+    pub length_penalty: f32,
+    pub early_stopping: EarlyStopping,
+}
+
+/// When beam search ends (transformers' and vLLM's `early_stopping`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EarlyStopping {
+    /// `false`: when no running beam can, by a heuristic on its current length, beat the
+    /// worst finished hypothesis.
+    Heuristic,
+    /// `true`: as soon as `width` hypotheses have finished.
+    Done,
+    /// `"never"`: only when no running beam can beat them at any length.
+    Never,
+}
+
+/// Most beams a request may ask for: each step every beam reports its top
+/// `2 × width` tokens, which the samplers return at most [`MAX_LOGPROBS`] of.
+pub const MAX_BEAM_WIDTH: usize = MAX_LOGPROBS / 2;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -77,6 +107,7 @@ impl Default for SamplingParams {
             allowed_token_ids: None,
             bad_words_ids: Vec::new(),
             priority: 0,
+            beam: None,
         }
     }
 }
@@ -207,7 +238,48 @@ impl SamplingParams {
             "must not contain empty words",
             "\"\"",
         )?;
+        if let Some(b) = &self.beam {
+            self.validate_beam(b)?;
+        }
         Ok(())
+    }
+
+    /// Beam search scores beams by the raw log-probabilities and ends them at stop tokens and
+    /// the length limit: fields that would change that are refused, naming the field.
+    fn validate_beam(&self, b: &BeamParams) -> Result<(), ValidationError> {
+        let width = format!("must be between 1 and {MAX_BEAM_WIDTH} with use_beam_search");
+        check((1..=MAX_BEAM_WIDTH).contains(&b.width), "best_of", &width, b.width)?;
+        check(self.n <= b.width, "n", &format!("must be at most best_of={} (the beams)", b.width), self.n)?;
+        check(b.length_penalty.is_finite(), "length_penalty", "must be finite", b.length_penalty)?;
+        let raw = "with use_beam_search: beams are scored by the model's raw log-probabilities";
+        check(
+            self.temperature == 0.0 || self.temperature == 1.0,
+            "temperature",
+            &format!("must be 0 or 1 {raw}"),
+            self.temperature,
+        )?;
+        let unsupported: [(&'static str, bool); 12] = [
+            ("top_p", self.top_p != 1.0),
+            ("top_k", self.top_k > 0),
+            ("min_p", self.min_p != 0.0),
+            ("repetition_penalty", self.repetition_penalty != 1.0),
+            ("presence_penalty", self.presence_penalty != 0.0),
+            ("frequency_penalty", self.frequency_penalty != 0.0),
+            ("min_tokens", self.min_tokens != 0),
+            ("stop", !self.stop.is_empty()),
+            ("logprobs", self.logprobs.is_some()),
+            ("logit_bias", !self.logit_bias.is_empty()),
+            ("allowed_token_ids", self.allowed_token_ids.is_some()),
+            ("bad_words", !self.bad_words_ids.is_empty()),
+        ];
+        if let Some((param, _)) = unsupported.iter().find(|(_, set)| *set) {
+            return Err(ValidationError {
+                param,
+                rule: "is not supported with use_beam_search".into(),
+                value: "a non-default value".into(),
+            });
+        }
+        check(self.guide.is_none(), "use_beam_search", "cannot be combined with structured output", "true")
     }
 
     /// Whether the tokens a row may take are limited each step beyond the penalty rules

@@ -1202,6 +1202,59 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
     }
 }
 
+/// Beam search on the GPU gives the CPU's hypotheses in the CPU's order: a forked beam's
+/// copy of its parent's partly filled block is made on the device before the step that
+/// reads it, with decode steps replayed from graphs, and in a pool so small that beams are
+/// preempted and computed again.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn beam_search_on_the_gpu_gives_the_cpu_hypotheses() {
+    use actorllm::request::{BeamParams, EarlyStopping};
+    let _turn = gpu_turn();
+    let model = tiny_model(31);
+    let prompts: Vec<Vec<u32>> =
+        (0..4u32).map(|i| (0..(5 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
+    let beam = BeamParams { width: 4, length_penalty: 1.0, early_stopping: EarlyStopping::Heuristic };
+    let params = actorllm::SamplingParams {
+        n: 3,
+        max_tokens: Some(24),
+        ignore_eos: true,
+        beam: Some(beam),
+        ..actorllm::SamplingParams::default()
+    };
+    let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
+    let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
+    drop(cpu);
+    for (label, args) in [
+        ("gpu, CUDA graphs", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        (
+            "gpu, small pool",
+            EngineArgs {
+                device: DeviceArg::Cuda,
+                num_gpu_blocks_override: Some(10),
+                max_model_len: Some(128),
+                ..common::args(&model)
+            },
+        ),
+    ] {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let gpu = Engine::start(args).await.unwrap();
+        let got =
+            futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
+        for (w, g) in want.iter().zip(&got) {
+            assert_eq!(g.tokens.len(), 3, "{label}");
+            assert_eq!(g.tokens, w.tokens, "{label}");
+        }
+        let (free, total) = common::wait_all_blocks_free(&gpu).await;
+        assert_eq!(free, total, "{label}");
+        let preempted = gpu.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(preempted > 0, label.ends_with("small pool"), "{label}: {preempted} preemptions");
+    }
+}
+
 /// LoRA on the GPU gives the CPU's greedy tokens (the CPU's adapters match PEFT, see
 /// tests/lora.rs): one batch mixes two adapters of ranks 8 and 4 with the base model, with
 /// decode steps replayed from graphs (the graph set that applies adapters) and eager.

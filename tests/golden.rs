@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
+use actorllm::request::{FinishReason, SamplingParams};
 
 use common::golden::load as golden;
 
@@ -88,6 +89,72 @@ async fn greedy_matches(args: EngineArgs) {
     for ((text, _, want, want_text), got) in cases.iter().zip(outcomes) {
         assert_eq!(got.tokens[0], **want, "greedy continuation of {text:?}");
         assert_eq!(got.text[0], **want_text, "streamed text of {text:?} against transformers' decode");
+    }
+}
+
+/// Beam search gives transformers' hypotheses, token for token and in its order, for
+/// every golden case (widths 3 and 4, 2 to 4 results, length penalties -1 to 2, each
+/// early_stopping rule, hypotheses ending at EOS and at the length limit), all at once
+/// beside greedy requests; then again without the prefix cache and with a KV cache so
+/// small that beams are preempted and computed again.
+#[actix_rt::test]
+async fn beam_search_gives_transformers_hypotheses_in_order() {
+    use actorllm::request::{BeamParams, EarlyStopping};
+    let g = golden();
+    assert!(g.beams.len() >= 4);
+    let params = |b: &common::golden::Beam| SamplingParams {
+        n: b.n,
+        max_tokens: Some(b.max_tokens),
+        beam: Some(BeamParams {
+            width: b.num_beams,
+            length_penalty: b.length_penalty,
+            early_stopping: match &b.early_stopping {
+                serde_json::Value::Bool(true) => EarlyStopping::Done,
+                serde_json::Value::Bool(false) => EarlyStopping::Heuristic,
+                _ => EarlyStopping::Never,
+            },
+        }),
+        ..SamplingParams::default()
+    };
+    let configs = [
+        ("default", common::args(common::default_model())),
+        (
+            "no prefix caching, 24 blocks of 4 tokens",
+            EngineArgs {
+                no_enable_prefix_caching: true,
+                block_size: 4,
+                num_gpu_blocks_override: Some(24),
+                max_model_len: Some(72),
+                ..common::args(common::default_model())
+            },
+        ),
+    ];
+    for (name, args) in configs {
+        let engine = Engine::start(args).await.unwrap();
+        let beams = g.beams.iter().map(|b| common::run(&engine, b.prompt_ids.clone(), params(b)));
+        let greedy = g.prompts.iter().map(|p| common::run(&engine, p.prompt_ids.clone(), common::greedy(32)));
+        let (beams, greedy) =
+            futures::future::join(futures::future::join_all(beams), futures::future::join_all(greedy)).await;
+        for (b, got) in g.beams.iter().zip(beams) {
+            assert_eq!(
+                got.tokens, b.output_ids,
+                "{name}: beams of {:?} (scores {:?})",
+                b.prompt_ids, b.scores
+            );
+            for (toks, finish) in got.tokens.iter().zip(&got.finish) {
+                let stopped = toks.last() == Some(&2);
+                assert_eq!(*finish, Some(if stopped { FinishReason::Stop } else { FinishReason::Length }));
+            }
+            let generated: usize = b.output_ids.iter().map(Vec::len).sum();
+            assert_eq!(got.usage.unwrap().completion_tokens, generated);
+        }
+        for (p, got) in g.prompts.iter().zip(greedy) {
+            assert_eq!(got.tokens[0], p.output_ids, "{name}: greedy beside the beams");
+        }
+        let (free, total) = common::wait_all_blocks_free(&engine).await;
+        assert_eq!(free, total, "{name}: every block is back");
+        let preempted = engine.metrics().preemptions.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(preempted > 0, name != "default", "{name}: {preempted} preemptions");
     }
 }
 

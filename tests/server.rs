@@ -686,7 +686,7 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
     let (st, v) = s.post("/v1/completions", &with(routine)).await;
     assert_eq!(st, 200, "{v}");
     for (field, value) in [
-        ("use_beam_search", json!(true)),
+        // These two need use_beam_search.
         ("length_penalty", json!(0.8)),
         ("early_stopping", json!(true)),
         ("prompt_logprobs", json!(1)),
@@ -703,6 +703,107 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 2});
     let (st, v) = s.post("/v1/chat/completions", &chat).await;
     assert_eq!((st, &v["error"]["param"]), (400, &json!("prompt_logprobs")), "{v}");
+}
+
+/// `use_beam_search` over HTTP on the default model: completions give transformers'
+/// hypotheses best first (text, finish reason, usage); chat gives what completions gives
+/// for its rendered prompt; a streamed beam search, and what beam search cannot honour, are
+/// 400s naming the field.
+#[actix_rt::test]
+async fn beam_search_over_http_gives_transformers_hypotheses() {
+    let s = common::server::start(common::default_model(), |_| {}).await;
+    let g = common::golden::load();
+    // A search whose hypotheses all run to the length limit, and one where most end at EOS.
+    for b in [&g.beams[0], &g.beams[5]] {
+        let body = json!({"prompt": b.prompt_ids, "use_beam_search": true, "n": b.n, "best_of": b.num_beams,
+            "length_penalty": b.length_penalty, "early_stopping": b.early_stopping, "max_tokens": b.max_tokens});
+        let (st, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(st, 200, "{v}");
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), b.n, "{v}");
+        for (i, (c, want)) in choices.iter().zip(&b.output_ids).enumerate() {
+            let stopped = want.last() == Some(&2);
+            let ids = &want[..want.len() - usize::from(stopped)];
+            let (_, d) = s.post("/detokenize", &json!({ "tokens": ids })).await;
+            assert_eq!(
+                (&c["index"], &c["text"]),
+                (&json!(i), &d["prompt"]),
+                "hypothesis {i} of {:?}",
+                b.prompt_ids
+            );
+            assert_eq!(c["finish_reason"], if stopped { "stop" } else { "length" });
+        }
+        let generated: usize = b.output_ids.iter().map(Vec::len).sum();
+        assert_eq!(v["usage"]["completion_tokens"], generated);
+    }
+    // The WebSocket, which always streams, gets the search's hypotheses whole when it ends.
+    let b = &g.beams[0];
+    let body = json!({"prompt": b.prompt_ids, "use_beam_search": true, "n": b.n, "best_of": b.num_beams,
+        "length_penalty": b.length_penalty, "early_stopping": b.early_stopping, "max_tokens": b.max_tokens});
+    let (_, http) = s.post("/v1/completions", &body).await;
+    let (_resp, mut ws) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
+    ws.send(ws_text(json!({"type": "generate", "id": "b", "endpoint": "completions", "request": body})))
+        .await
+        .unwrap();
+    let mut texts = vec![String::new(); b.n];
+    let done = loop {
+        let v = next_json(&mut ws).await;
+        match v["type"].as_str().unwrap() {
+            "delta" => texts[v["index"].as_u64().unwrap() as usize] += v["text"].as_str().unwrap(),
+            "done" => break v,
+            "started" => {}
+            other => panic!("unexpected frame {other}: {v}"),
+        }
+    };
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(http["choices"][i]["text"], json!(t), "WebSocket choice {i}");
+        assert_eq!(done["choices"][i]["finish_reason"], http["choices"][i]["finish_reason"]);
+    }
+    // Chat: the same search as on the rendered prompt.
+    let messages = json!([{"role": "user", "content": "Name three colours of the rainbow."}]);
+    let (_, t) = s.post("/tokenize", &json!({"messages": messages, "add_generation_prompt": true})).await;
+    let (_, chat) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": messages, "use_beam_search": true, "n": 2, "best_of": 3, "max_tokens": 10}),
+        )
+        .await;
+    let (_, plain) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": t["tokens"], "use_beam_search": true, "n": 2, "best_of": 3, "max_tokens": 10}),
+        )
+        .await;
+    assert_eq!(chat["choices"].as_array().map(Vec::len), Some(2), "{chat}");
+    for i in 0..2 {
+        let (c, p) = (&chat["choices"][i], &plain["choices"][i]);
+        assert_eq!(
+            (&c["message"]["content"], &c["finish_reason"]),
+            (&p["text"], &p["finish_reason"]),
+            "choice {i}"
+        );
+    }
+    assert_ne!(chat["choices"][0]["message"]["content"], chat["choices"][1]["message"]["content"]);
+    let streamed = json!({"messages": messages, "use_beam_search": true, "max_tokens": 4, "stream": true});
+    let (st, v) = s.post("/v1/chat/completions", &streamed).await;
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("stream")), "{v}");
+    for (extra, field) in [
+        (json!({"temperature": 0.7}), "temperature"),
+        (json!({"top_p": 0.9}), "top_p"),
+        (json!({"n": 4, "best_of": 3}), "n"),
+        (json!({"best_of": 11}), "best_of"),
+        (json!({"logprobs": 1}), "logprobs"),
+        (json!({"stop": ["."]}), "stop"),
+        (json!({"guided_choice": ["yes", "no"]}), "use_beam_search"),
+        (json!({"early_stopping": "sometimes"}), "early_stopping"),
+        (json!({"stream": true}), "stream"),
+    ] {
+        let mut body = json!({"prompt": "Hello", "use_beam_search": true, "max_tokens": 4});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (st, v) = s.post("/v1/completions", &body).await;
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(field)), "{extra}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+    }
 }
 
 /// `logit_bias`, `allowed_token_ids` and `bad_words` on the default model: each changes

@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, Handler, SyncContext};
 
-use crate::core::block_pool::SeqId;
+use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
 use crate::models::CausalLM;
@@ -390,6 +390,12 @@ impl<D: Device> ModelRunner<D> {
             self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
         }
         let batch_lora_loads = batch.lora_loads;
+        let copies: Arc<[(BlockId, BlockId)]> = batch.copies.into();
+        if !copies.is_empty() {
+            for cache in &mut self.caches {
+                self.dev.copy_blocks(cache, &copies)?;
+            }
+        }
         let any_lora = batch.seqs.iter().any(|s| s.lora_slot >= 0);
         let recompute_past = self.model.recompute_past();
         let mut ids = Vec::new();
@@ -429,7 +435,7 @@ impl<D: Device> ModelRunner<D> {
                 sampled_seqs.push(s.seq);
             }
         }
-        if ids.is_empty() && batch_lora_loads.is_empty() {
+        if ids.is_empty() && batch_lora_loads.is_empty() && copies.is_empty() {
             return Ok(Issued::Done(StepOutput::default()));
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
@@ -440,11 +446,12 @@ impl<D: Device> ModelRunner<D> {
                     ids: shared_ids.clone(),
                     meta: shared_meta.clone(),
                     lora_loads: batch_lora_loads.clone(),
+                    copies: copies.clone(),
                 }));
             }
         }
         if ids.is_empty() {
-            // A batch of adapter loads only (start-up preloading): every rank placed them.
+            // A batch of adapter loads or block copies only: every rank has done them.
             join_peers(peer_steps)?;
             return Ok(Issued::Done(StepOutput::default()));
         }
@@ -602,6 +609,9 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
     fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) -> Self::Result {
         for (slot, adapter) in &msg.lora_loads {
             self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
+        }
+        for cache in &mut self.caches {
+            self.dev.copy_blocks(cache, &msg.copies)?;
         }
         if !msg.ids.is_empty() {
             self.forward(&msg.ids, &msg.meta)?;

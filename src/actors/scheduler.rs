@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::block_manager::{Reserve, Reserved};
 use super::model_runner::{BatchSeq, ExecuteBatch, NewSeq, StepOutput};
-use crate::core::block_pool::{AllocStatus, BlockError, SeqId};
+use crate::core::block_pool::{AllocStatus, BlockError, BlockId, SeqId};
 use crate::core::output::{SeqOutput, StopLimits};
 use crate::core::scheduler::{PENDING, ScheduledSeq, Scheduler, SchedulerConfig};
 use crate::error::EngineError;
@@ -121,6 +121,8 @@ struct LiveRequest {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     completion_tokens: usize,
+    /// A beam search's state (`use_beam_search`): its choices are its results.
+    beam: Option<Box<BeamRun>>,
 }
 
 pub struct SchedulerActor {
@@ -243,18 +245,30 @@ impl SchedulerActor {
         if let Some(a) = msg.lora {
             self.adapters.entry(a.id).or_insert((a, 0)).1 += 1;
         }
-        let seqs = self.core.add(group, &msg.prompt_ids, n, lora);
+        let beam = match msg.params.beam {
+            Some(b) => Some(Box::new(self.beam_run(&msg.params, b, &msg.prompt_ids)?)),
+            None => None,
+        };
+        // A beam search starts from one sequence, the prompt; its choices are filled at the end.
+        let seqs = self.core.add(group, &msg.prompt_ids, if beam.is_some() { 1 } else { n }, lora);
         let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
         self.core.set_max_len(group, prompt_len + max_tokens);
         self.core.set_priority(group, msg.params.priority);
-        let choices = seqs
-            .iter()
-            .enumerate()
-            .map(|(i, &seq)| {
-                self.seq_owner.insert(seq, (group, i));
-                Choice { seq, out: SeqOutput::new(prompt_len, &msg.params), finish: None }
+        for (i, &seq) in seqs.iter().enumerate() {
+            self.seq_owner.insert(seq, (group, i));
+        }
+        let choices = (0..n)
+            .map(|i| Choice {
+                seq: seqs[i.min(seqs.len() - 1)],
+                out: SeqOutput::new(prompt_len, &msg.params),
+                finish: None,
             })
             .collect();
+        let beam = beam.map(|mut b| {
+            self.core.set_beam(group);
+            b.live = seqs.clone();
+            b
+        });
         let seed = msg.params.seed.unwrap_or_else(|| self.metrics.random_seed());
         self.metrics.on_request_added(prompt_len);
         self.by_id.insert(msg.id.clone(), group);
@@ -273,6 +287,7 @@ impl SchedulerActor {
                 first_token: None,
                 last_token: None,
                 completion_tokens: 0,
+                beam,
             },
         );
         Ok(())
@@ -281,13 +296,9 @@ impl SchedulerActor {
     fn abort(&mut self, id: &str, reason: AbortReason) -> bool {
         let Some(&group) = self.by_id.get(id) else { return false };
         if let Some(req) = self.requests.get_mut(&group) {
-            for c in req.choices.iter_mut().filter(|c| !c.done()) {
+            for (index, c) in req.choices.iter_mut().enumerate().filter(|(_, c)| !c.done()) {
                 c.finish = Some(FinishReason::Abort);
-                let ev = TokenEvent::Finished {
-                    index: self.seq_owner[&c.seq].1,
-                    reason: FinishReason::Abort,
-                    stop_reason: None,
-                };
+                let ev = TokenEvent::Finished { index, reason: FinishReason::Abort, stop_reason: None };
                 self.outbox.push((group, req.events.clone(), ev));
             }
         }
@@ -314,8 +325,13 @@ impl SchedulerActor {
         for c in &req.choices {
             self.seq_owner.remove(&c.seq);
         }
-        let cached_tokens =
-            req.choices.first().and_then(|c| self.core.seq(c.seq)).map_or(0, |s| s.cached_tokens);
+        for s in req.beam.iter().flat_map(|b| &b.live) {
+            self.seq_owner.remove(s);
+        }
+        let cached_tokens = match &req.beam {
+            Some(b) => b.cached_tokens,
+            None => req.choices.first().and_then(|c| self.core.seq(c.seq)).map_or(0, |s| s.cached_tokens),
+        };
         self.core.remove_group(group);
         let usage = Usage {
             prompt_tokens: req.prompt_len,
@@ -401,20 +417,12 @@ impl SchedulerActor {
         self.flush_events();
     }
 
-    /// The runner's message for a planned step; `fresh[i]`: the runner does not hold
-    /// sequence i yet (as planned: the plan already counts as launched).
-    fn build_batch(
-        &self,
-        seqs: &[ScheduledSeq],
-        fresh: &[bool],
-        dropped: Vec<SeqId>,
-        lora_loads: &[(usize, u64)],
-        reserved: Reserved,
-        follows: bool,
-    ) -> ExecuteBatch {
+    /// The runner's message for a planned step.
+    fn build_batch(&self, plan: PlannedStep, reserved: Reserved, follows: bool) -> ExecuteBatch {
+        let PlannedStep { seqs, fresh, dropped, lora_loads, copies } = plan;
         let seqs = seqs
             .iter()
-            .zip(fresh)
+            .zip(&fresh)
             .zip(reserved.tables)
             // A request aborted while its blocks were being reserved drops out here; its
             // blocks are freed at the next step.
@@ -422,11 +430,13 @@ impl SchedulerActor {
                 let seq = self.core.seq(s.seq)?;
                 let &(group, index) = self.seq_owner.get(&s.seq)?;
                 let req = self.requests.get(&group)?;
+                // A beam's runner samples by the beam search's rules.
+                let params = req.beam.as_ref().map_or(&req.params, |b| &b.params);
                 // Its known tokens: pending ones (a suffix) come from the runner itself.
                 let new = fresh.then(|| NewSeq {
                     tokens: seq.tokens.iter().copied().take_while(|&t| t != PENDING).collect(),
                     prompt_len: seq.prompt_len,
-                    params: req.params.clone(),
+                    params: params.clone(),
                     seed: req.seed,
                     index,
                 });
@@ -447,7 +457,7 @@ impl SchedulerActor {
             .filter_map(|(slot, id)| self.adapters.get(id).map(|(a, _)| (*slot, a.clone())))
             .collect();
         // Every step is followed by another message (`maybe_step`).
-        ExecuteBatch { seqs, dropped, lora_loads, follows, followed: true }
+        ExecuteBatch { seqs, dropped, lora_loads, copies, follows, followed: true }
     }
 
     fn apply(&mut self, scheduled: &[ScheduledSeq], out: StepOutput) {
@@ -455,12 +465,23 @@ impl SchedulerActor {
         let mut applied = 0;
         let metrics = self.metrics.clone();
         let dropped = &metrics.profile.dropped_tokens;
+        let mut beams_ready = Vec::new();
         for sm in out.sampled {
             // Aborted while the step ran: its result is dropped.
             let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else {
                 dropped.fetch_add(1, Relaxed);
                 continue;
             };
+            if self.requests.get(&group).is_some_and(|r| r.beam.is_some()) {
+                match self.beam_result(group, scheduled, sm) {
+                    Some(true) => beams_ready.push(group),
+                    Some(false) => {}
+                    None => {
+                        dropped.fetch_add(1, Relaxed);
+                    }
+                }
+                continue;
+            }
             let at = self.core.resolve_token(sm.seq, sm.token);
             // Stopped at the step before (planned before that was known): dropped too.
             let Some(req) = self.requests.get_mut(&group).filter(|r| !r.choices[index].done()) else {
@@ -514,6 +535,9 @@ impl SchedulerActor {
                 }
             }
         }
+        for group in beams_ready {
+            self.beam_step(group, now);
+        }
         self.metrics.on_step(scheduled.iter().map(|s| s.len).sum(), applied);
     }
 
@@ -551,10 +575,14 @@ impl SchedulerActor {
         }
         self.metrics.on_preemptions(plan.num_preempted);
         self.metrics.on_prefix_cache(self.core.prefix_queries, self.core.prefix_hits);
-        let scheduled = plan.seqs;
-        let dropped = plan.dropped;
-        let lora_loads = plan.lora_loads;
-        let reserve = Reserve { ops: plan.ops, tables_for: scheduled.iter().map(|s| s.seq).collect() };
+        let reserve = Reserve { ops: plan.ops, tables_for: plan.seqs.iter().map(|s| s.seq).collect() };
+        let planned = PlannedStep {
+            seqs: plan.seqs,
+            fresh,
+            dropped: plan.dropped,
+            lora_loads: plan.lora_loads,
+            copies: plan.copies,
+        };
         let scheduled_at = Instant::now();
         let failures = self.failures;
         let step = self.block_manager.send(reserve).into_actor(self).then(move |res, act, ctx| {
@@ -565,7 +593,8 @@ impl SchedulerActor {
                 Ok(Err(e)) => return fut::ready(Err(StepError::Blocks(e))).boxed_local(),
                 Err(e) => return fut::ready(Err(StepError::Mailbox(e.to_string()))).boxed_local(),
             };
-            let batch = act.build_batch(&scheduled, &fresh, dropped, &lora_loads, reserved, follows);
+            let scheduled = planned.seqs.clone();
+            let batch = act.build_batch(planned, reserved, follows);
             let p = &act.metrics.profile;
             p.blocks_ns.fetch_add(nanos(scheduled_at, reserved_at), Relaxed);
             p.schedule_ns.fetch_add(nanos(start, scheduled_at) + nanos(reserved_at, Instant::now()), Relaxed);
@@ -645,6 +674,17 @@ fn nanos(a: Instant, b: Instant) -> u64 {
     (b - a).as_nanos() as u64
 }
 
+/// A planned step on its way to the runner, once its blocks are reserved.
+struct PlannedStep {
+    seqs: Vec<ScheduledSeq>,
+    /// `fresh[i]`: the runner does not hold sequence i yet (as planned: the plan already
+    /// counts as launched).
+    fresh: Vec<bool>,
+    dropped: Vec<SeqId>,
+    lora_loads: Vec<(usize, u64)>,
+    copies: Vec<(BlockId, BlockId)>,
+}
+
 #[derive(Debug, thiserror::Error)]
 enum StepError {
     #[error("block manager: {0}")]
@@ -655,7 +695,10 @@ enum StepError {
     Mailbox(String),
 }
 
+mod beam;
 mod handlers;
+
+use beam::BeamRun;
 
 #[cfg(test)]
 mod tests;

@@ -65,10 +65,19 @@ struct LatencyReport {
     batch_size: usize,
     input_len: usize,
     output_len: usize,
-    ms_per_step: f64,
-    tokens_per_s: f64,
+    /// Sequences per prompt, and whether they are a beam search's beams.
+    n: usize,
+    use_beam_search: bool,
+    /// Of decode steps, once every sequence had its first token (not for a beam search,
+    /// whose tokens all come at its end).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ms_per_step: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokens_per_s: Option<f64>,
     /// Until every sequence had its first token (batch 1: time to first token).
     first_token_ms: f64,
+    /// Submission to the end of the last sequence.
+    latency_ms: f64,
     bound: Bound,
     #[serde(skip_serializing_if = "Option::is_none")]
     breakdown: Option<StepBreakdown>,
@@ -82,6 +91,9 @@ pub struct LatencyRun {
     pub breakdown: bool,
     /// A JSON schema (text or file) every output follows.
     pub guided_json: Option<String>,
+    /// Sequences per prompt, sampled or (`use_beam_search`) the beams of a beam search.
+    pub n: usize,
+    pub use_beam_search: bool,
 }
 
 pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::Result<()> {
@@ -97,32 +109,45 @@ pub async fn latency(args: EngineArgs, run: LatencyRun, json: bool) -> anyhow::R
         }
         None => None,
     };
-    super::decode_run_with(&engine, batch_size, input_len, 8, 0, guide.as_ref()).await?;
+    let opts = super::DecodeOpts { guide: guide.as_ref(), n: run.n, beam: run.use_beam_search, loras: 0 };
+    super::decode_run_with(&engine, batch_size, input_len, 8, &opts).await?;
     let before = engine.metrics().profile.snapshot();
-    let f = super::decode_run_with(&engine, batch_size, input_len, output_len, 0, guide.as_ref()).await?;
+    let f = super::decode_run_with(&engine, batch_size, input_len, output_len, &opts).await?;
     let breakdown = StepProfile::between(before, engine.metrics().profile.snapshot());
     let report = LatencyReport {
         batch_size,
         input_len,
         output_len,
-        ms_per_step: f.ms_per_step,
-        tokens_per_s: f.decode_tokens_per_s,
+        n: run.n.max(1),
+        use_beam_search: run.use_beam_search,
+        ms_per_step: (!run.use_beam_search).then_some(f.ms_per_step),
+        tokens_per_s: (!run.use_beam_search).then_some(f.decode_tokens_per_s),
         first_token_ms: f.first_token_ms,
+        latency_ms: f.latency_ms,
         bound: bound(&engine, &args),
         breakdown: run.breakdown.then_some(breakdown),
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
+    } else if run.use_beam_search {
         println!(
-            "latency: batch {batch_size}, input {input_len}, output {output_len}: {:.2} ms/step, {:.1} tok/s \
-             (bandwidth bound {:.1} tok/s: {:.2} GB of weights at {:.0} GB/s); first token after {:.1} ms",
-            report.ms_per_step,
-            report.tokens_per_s,
+            "latency: batch {batch_size}, input {input_len}, output {output_len}, beam search of {} beams: \
+             {:.1} ms end to end",
+            report.n, report.latency_ms
+        );
+    } else {
+        let per = if report.n > 1 { format!(", n {} sampled", report.n) } else { String::new() };
+        println!(
+            "latency: batch {batch_size}{per}, input {input_len}, output {output_len}: {:.2} ms/step, {:.1} tok/s \
+             (bandwidth bound {:.1} tok/s: {:.2} GB of weights at {:.0} GB/s); first token after {:.1} ms; \
+             {:.1} ms end to end",
+            f.ms_per_step,
+            f.decode_tokens_per_s,
             report.bound.bound_tokens_per_s,
             report.bound.weight_bytes as f64 / 1e9,
             report.bound.copy_bandwidth_gb_s,
-            report.first_token_ms
+            report.first_token_ms,
+            report.latency_ms
         );
         if let Some(b) = report.breakdown {
             print_breakdown(&b);

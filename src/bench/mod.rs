@@ -69,6 +69,13 @@ pub enum BenchMode {
         /// holding it): the cost of structured output's masks shows in --breakdown.
         #[arg(long)]
         guided_json: Option<String>,
+        /// Sequences per prompt: sampled at temperature 1, or the beams of a beam search.
+        #[arg(long, default_value_t = 1)]
+        n: usize,
+        /// A beam search of `n` beams per prompt (its `n` best hypotheses returned), timed
+        /// end to end as the same `n` sampled sequences are.
+        #[arg(long)]
+        use_beam_search: bool,
         #[arg(long)]
         json: bool,
     },
@@ -111,6 +118,8 @@ pub(crate) struct DecodeFigure {
     /// From submission until every sequence of the batch had its first token (at batch 1,
     /// the time to first token).
     first_token_ms: f64,
+    /// From submission until the last sequence ended (vLLM's benchmark_latency figure).
+    latency_ms: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -153,32 +162,51 @@ pub(crate) async fn decode_run(
     input_len: usize,
     output_len: usize,
 ) -> anyhow::Result<DecodeFigure> {
-    decode_run_with(engine, batch, input_len, output_len, 0, None).await
+    decode_run_with(engine, batch, input_len, output_len, &DecodeOpts::default()).await
 }
 
-/// As [`decode_run`], request b on adapter `lora{b % loras}` (none when `loras` is 0),
-/// every request's output following `guide` when given (structured output).
+/// What a decode run's requests ask for beyond one greedy sequence each.
+#[derive(Default)]
+pub(crate) struct DecodeOpts<'a> {
+    /// Request b runs on adapter `lora{b % loras}` (none when 0).
+    pub loras: usize,
+    /// Every output follows this grammar (structured output).
+    pub guide: Option<&'a crate::structured::Guide>,
+    /// Sequences per request (0 or 1: one, greedy); more are sampled at temperature 1.
+    pub n: usize,
+    /// The `n` sequences are a beam search's beams.
+    pub beam: bool,
+}
+
+/// As [`decode_run`], with `opts`.
 pub(crate) async fn decode_run_with(
     engine: &Engine,
     batch: usize,
     input_len: usize,
     output_len: usize,
-    loras: usize,
-    guide: Option<&crate::structured::Guide>,
+    opts: &DecodeOpts<'_>,
 ) -> anyhow::Result<DecodeFigure> {
     let vocab = engine.model_config().vocab_size;
+    let n = opts.n.max(1);
+    let beam = opts.beam.then_some(crate::request::BeamParams {
+        width: n,
+        length_penalty: 1.0,
+        early_stopping: crate::request::EarlyStopping::Heuristic,
+    });
     let params = SamplingParams {
-        temperature: 0.0,
+        n,
+        temperature: if n > 1 && beam.is_none() { 1.0 } else { 0.0 },
         max_tokens: Some(output_len),
         ignore_eos: true,
-        guide: guide.cloned(),
+        guide: opts.guide.cloned(),
+        beam,
         ..Default::default()
     };
     let start = Instant::now();
     let mut streams = Vec::new();
     for b in 0..batch {
         let id = engine.next_request_id("bench");
-        let lora = (loras > 0).then(|| format!("lora{}", b % loras));
+        let lora = (opts.loras > 0).then(|| format!("lora{}", b % opts.loras));
         streams.push(
             engine
                 .add_request_with_lora(id, prompt(input_len, b, vocab), params.clone(), lora.as_deref())
@@ -190,7 +218,7 @@ pub(crate) async fn decode_run_with(
     let tokens: usize = results.iter().map(|r| r.1).sum();
     let last_first = results.iter().filter_map(|r| r.0).max().unwrap_or(start);
     let decode_time = (end - last_first).max(Duration::from_micros(1)).as_secs_f64();
-    let decode_tokens = tokens - batch;
+    let decode_tokens = tokens.saturating_sub(batch * n);
     Ok(DecodeFigure {
         batch_size: batch,
         tokens,
@@ -198,6 +226,7 @@ pub(crate) async fn decode_run_with(
         total_tokens_per_s: tokens as f64 / (end - start).as_secs_f64(),
         ms_per_step: decode_time * 1e3 / (output_len - 1).max(1) as f64,
         first_token_ms: (last_first - start).as_secs_f64() * 1e3,
+        latency_ms: (end - start).as_secs_f64() * 1e3,
     })
 }
 
@@ -250,8 +279,26 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
         }
         BenchMode::Serve(a) => return serve::run(*a).await,
-        BenchMode::Latency { engine, batch_size, input_len, output_len, breakdown, guided_json, json } => {
-            let run = gpu::LatencyRun { batch_size, input_len, output_len, breakdown, guided_json };
+        BenchMode::Latency {
+            engine,
+            batch_size,
+            input_len,
+            output_len,
+            breakdown,
+            guided_json,
+            n,
+            use_beam_search,
+            json,
+        } => {
+            let run = gpu::LatencyRun {
+                batch_size,
+                input_len,
+                output_len,
+                breakdown,
+                guided_json,
+                n,
+                use_beam_search,
+            };
             gpu::latency(engine, run, json).await?;
             actix::System::current().stop();
             return Ok(());
@@ -287,7 +334,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
         }
         if loras > 0 {
-            let l = decode_run_with(&engine, b, input_len, output_len, loras, None).await?;
+            let opts = DecodeOpts { loras, ..DecodeOpts::default() };
+            let l = decode_run_with(&engine, b, input_len, output_len, &opts).await?;
             if !json {
                 println!(
                     "  … on {loras} adapters: {:>8.1} tok/s decode ({:.1}% of the base model)",

@@ -308,6 +308,33 @@ mod tests {
         assert_eq!(p.num_free(), 8);
     }
 
+    /// Beams fork from beams that were forked themselves: a prompt block then has three
+    /// holders, and comes back only when the last beam lets it go, whatever the order.
+    #[test]
+    fn beams_forked_from_forks_share_blocks_until_the_last_beam_goes() {
+        let mut p = BlockPool::new(8, 4);
+        p.apply(&[
+            BlockOp::Grow { seq: 1, num_tokens: 6 },
+            BlockOp::Fork { parent: 1, child: 2, num_blocks: 1 },
+            BlockOp::Grow { seq: 2, num_tokens: 6 },
+            BlockOp::Grow { seq: 2, num_tokens: 9 },
+            BlockOp::Fork { parent: 2, child: 3, num_blocks: 2 },
+            BlockOp::Grow { seq: 3, num_tokens: 9 },
+        ])
+        .unwrap();
+        let (t1, t2, t3) = (p.table(1).unwrap(), p.table(2).unwrap(), p.table(3).unwrap());
+        assert!(t1[0] == t2[0] && t2[0] == t3[0], "the prompt block is everyone's");
+        assert_eq!(t2[1], t3[1], "the grandchild shares its parent's second block");
+        assert!(t1[1] != t2[1] && t2[2] != t3[2]);
+        assert_eq!(p.num_free(), 8 - 5);
+        p.apply(&[BlockOp::Free(2)]).unwrap();
+        assert_eq!(p.num_free(), 4, "only beam 2's last block was its alone");
+        p.apply(&[BlockOp::Free(1)]).unwrap();
+        assert_eq!(p.num_free(), 5, "beam 3 still holds the prompt block");
+        p.apply(&[BlockOp::Free(3)]).unwrap();
+        assert_eq!(p.num_free(), 8);
+    }
+
     fn key(parent: u64, tokens: &[u32]) -> BlockKey {
         BlockKey::chain(parent, tokens, None)
     }

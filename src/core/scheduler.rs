@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::block_pool::{AllocStatus, BlockKey, BlockOp, BlockPool, SeqId};
+use super::block_pool::{AllocStatus, BlockId, BlockKey, BlockOp, BlockPool, SeqId};
 use super::lora_slots::LoraSlots;
 
 #[derive(Debug, Clone, Copy)]
@@ -66,6 +66,14 @@ pub struct Sequence {
     max_len: usize,
     /// The request's priority (lower goes first) under the priority policy.
     priority: i64,
+    /// A beam of a beam search: its next token is chosen by the host from its step's
+    /// log-probabilities, so it takes no step while one is out (`awaiting`: the tokens that
+    /// step computed), and none is planned ahead with a pending token. Once it has
+    /// `answered` it takes no step until the search extends it: it holds its blocks, but a
+    /// sibling that cannot otherwise be admitted may preempt it.
+    beam: bool,
+    awaiting: Option<usize>,
+    answered: bool,
 }
 
 impl Sequence {
@@ -96,6 +104,9 @@ pub struct StepPlan {
     pub num_preempted: usize,
     /// (slot, adapter) pairs whose weights must be loaded before this step runs.
     pub lora_loads: Vec<(usize, u64)>,
+    /// (source, destination) blocks whose keys and values are copied before this step runs:
+    /// a forked beam's copy of its parent's last, partly filled block.
+    pub copies: Vec<(BlockId, BlockId)>,
 }
 
 pub struct Scheduler {
@@ -108,6 +119,7 @@ pub struct Scheduler {
     pool: BlockPool,
     pending_ops: Vec<BlockOp>,
     pending_dropped: Vec<SeqId>,
+    pending_copies: Vec<(BlockId, BlockId)>,
     next_seq: SeqId,
     lora_slots: LoraSlots,
     /// Preemptions since start.
@@ -129,6 +141,7 @@ impl Scheduler {
             pool: BlockPool::new(cfg.num_blocks, cfg.block_size),
             pending_ops: Vec::new(),
             pending_dropped: Vec::new(),
+            pending_copies: Vec::new(),
             next_seq: 0,
             lora_slots: LoraSlots::new(cfg.max_loras),
             total_preemptions: 0,
@@ -184,6 +197,9 @@ impl Scheduler {
                     fresh: true,
                     max_len: usize::MAX,
                     priority: 0,
+                    beam: false,
+                    awaiting: None,
+                    answered: false,
                 },
             );
             self.waiting.push_back(id);
@@ -313,7 +329,7 @@ impl Scheduler {
 
     /// Pending block operations or runner drops that a step must deliver even with no work.
     pub fn has_pending(&self) -> bool {
-        !self.pending_ops.is_empty() || !self.pending_dropped.is_empty()
+        !self.pending_ops.is_empty() || !self.pending_dropped.is_empty() || !self.pending_copies.is_empty()
     }
 
     /// Frees a sequence's blocks (cached ones stay cached until evicted).
@@ -365,6 +381,8 @@ impl Scheduler {
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
             seq.fresh = false;
+            // A beam samples again once readmitted; the step out now may still answer.
+            seq.awaiting = None;
         }
         self.requeue(id);
         self.total_preemptions += 1;
@@ -450,7 +468,8 @@ impl Scheduler {
         }
         plan.ops = std::mem::take(&mut self.pending_ops);
         plan.dropped = std::mem::take(&mut self.pending_dropped);
-        if plan.seqs.is_empty() && plan.ops.is_empty() && plan.dropped.is_empty() {
+        plan.copies = std::mem::take(&mut self.pending_copies);
+        if plan.seqs.is_empty() && plan.ops.is_empty() && plan.dropped.is_empty() && plan.copies.is_empty() {
             return None;
         }
         Some(plan)
@@ -460,6 +479,10 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() && *budget > 0 {
             let id = self.running[i];
+            if self.seqs[&id].awaiting.is_some() || self.seqs[&id].answered {
+                i += 1;
+                continue;
+            }
             let (start, total) = (self.seqs[&id].num_computed, self.seqs[&id].tokens.len());
             // Its last token is pending (a step planned before the last one's tokens came
             // back): it ends there, so it is given no step more.
@@ -497,7 +520,19 @@ impl Scheduler {
     fn schedule_waiting(&mut self, plan: &mut StepPlan, budget: &mut usize) {
         let mut i = 0;
         while let Some(&id) = self.waiting.get(i) {
-            if self.running.len() >= self.cfg.max_num_seqs || *budget == 0 {
+            // A beam that has answered waits for the search to extend it.
+            if self.seqs[&id].answered {
+                i += 1;
+                continue;
+            }
+            if *budget == 0 {
+                break;
+            }
+            if self.running.len() >= self.cfg.max_num_seqs {
+                if self.preempt_answered_beam(plan) {
+                    i = 0;
+                    continue;
+                }
                 break;
             }
             // Every adapter slot is pinned by other adapters: this one waits, later ones
@@ -520,6 +555,10 @@ impl Scheduler {
                 .count();
             // A prompt whose first chunk cannot fit now waits (FCFS: nobody overtakes it).
             if self.blocks_for(start + len) - hits.len() + idle > self.pool.num_free() {
+                if self.preempt_answered_beam(plan) {
+                    i = 0;
+                    continue;
+                }
                 break;
             }
             if self.cfg.prefix_caching {
@@ -545,6 +584,17 @@ impl Scheduler {
             self.offer_blocks(id, start + len);
             *budget -= len;
         }
+    }
+
+    /// When every running sequence is a beam that has answered (none can take a step
+    /// until a sibling, waiting here, answers too), preempts the last of them to make room:
+    /// beam searches that together outgrow the cache go on by computing beams again.
+    fn preempt_answered_beam(&mut self, plan: &mut StepPlan) -> bool {
+        let stuck = self.running.iter().all(|s| self.seqs[s].answered);
+        let Some(&victim) = self.running.last().filter(|_| stuck) else { return false };
+        self.preempt(victim);
+        plan.num_preempted += 1;
+        true
     }
 
     fn admit(&mut self, id: SeqId) {
@@ -628,8 +678,12 @@ impl Scheduler {
     /// [`Self::resolve_token`] puts each token in its place, in step order.
     pub fn on_launched(&mut self, s: &ScheduledSeq) {
         self.on_computed(s);
-        if s.sample {
-            self.append_token(s.seq, PENDING);
+        if !s.sample {
+            return;
+        }
+        match self.seqs.get_mut(&s.seq) {
+            Some(seq) if seq.beam => seq.awaiting = Some(s.start + s.len),
+            _ => self.append_token(s.seq, PENDING),
         }
     }
 
@@ -641,6 +695,111 @@ impl Scheduler {
         let at = first_pending.max(seq.prompt_len);
         *seq.tokens.get_mut(at)? = token;
         Some(at)
+    }
+}
+
+/// Beam search: the host chooses each beam's next token from the beams' step results, then
+/// continues, forks and drops beams. A beam's runner state is taken afresh every step (the
+/// runner's copy holds the token it sampled itself, not the one chosen).
+impl Scheduler {
+    /// Marks the group's sequences as beams.
+    pub fn set_beam(&mut self, group: u64) {
+        let Some(g) = self.groups.get(&group) else { return };
+        for id in &g.seqs {
+            if let Some(s) = self.seqs.get_mut(id) {
+                s.beam = true;
+            }
+        }
+    }
+
+    /// Takes the result of a beam's step that computed its first `at` tokens: true when it
+    /// is the beam's current one (the beam has `at` tokens), false for a step planned before
+    /// the beam was preempted or extended (which, once answered, no longer holds it back).
+    pub fn take_beam_result(&mut self, id: SeqId, at: usize) -> bool {
+        let Some(s) = self.seqs.get_mut(&id) else { return false };
+        if s.awaiting != Some(at) {
+            return false;
+        }
+        s.awaiting = None;
+        s.answered = s.tokens.len() == at;
+        s.answered
+    }
+
+    /// Continues beam `id` with `token`.
+    pub fn extend_beam(&mut self, id: SeqId, token: u32) {
+        self.forget_on_runner(id);
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.tokens.push(token);
+            seq.answered = false;
+        }
+    }
+
+    /// A new beam of `parent`'s tokens and `token`, to be made before `parent` is extended.
+    /// It shares the parent's full blocks and gets a copy of its last, partly filled one
+    /// (copy-on-write); with no block free it computes that block's tokens again instead.
+    pub fn fork_beam(&mut self, parent: SeqId, token: u32) -> SeqId {
+        let child = self.next_seq;
+        self.next_seq += 1;
+        let bs = self.cfg.block_size;
+        let p = &self.seqs[&parent];
+        let (group, computed) = (p.group, p.num_computed);
+        let full = computed / bs;
+        let mut tokens = p.tokens.clone();
+        tokens.push(token);
+        let seq = Sequence {
+            id: child,
+            group,
+            tokens,
+            prompt_len: p.prompt_len,
+            num_computed: full * bs,
+            status: SeqStatus::Waiting,
+            lora: p.lora,
+            registered: false,
+            cached_tokens: 0,
+            hashed: p.hashed,
+            last_hash: p.last_hash,
+            fresh: false,
+            max_len: p.max_len,
+            priority: p.priority,
+            beam: true,
+            awaiting: None,
+            answered: false,
+        };
+        self.seqs.insert(child, seq);
+        if let Some(g) = self.groups.get_mut(&group) {
+            g.seqs.push(child);
+        }
+        if self.pool.table(parent).is_none() {
+            // The parent was preempted: the new beam computes its tokens from the start.
+            if let Some(c) = self.seqs.get_mut(&child) {
+                c.num_computed = 0;
+            }
+            self.requeue(child);
+            return child;
+        }
+        self.op(BlockOp::Fork { parent, child, num_blocks: full });
+        if computed % bs != 0 && self.pool.num_free() > 0 {
+            self.op(BlockOp::Grow { seq: child, num_tokens: computed });
+            let src = self.pool.table(parent).map(|t| t[full]);
+            let dst = self.pool.table(child).map(|t| t[full]);
+            if let (Some(src), Some(dst)) = (src, dst) {
+                self.pending_copies.push((src, dst));
+            }
+            if let Some(c) = self.seqs.get_mut(&child) {
+                c.num_computed = computed;
+            }
+        }
+        self.admit(child);
+        child
+    }
+
+    /// Ends a beam the search let go, and forgets it.
+    pub fn drop_beam(&mut self, id: SeqId) {
+        self.finish(id);
+        let Some(seq) = self.seqs.remove(&id) else { return };
+        if let Some(g) = self.groups.get_mut(&seq.group) {
+            g.seqs.retain(|&s| s != id);
+        }
     }
 }
 

@@ -253,6 +253,10 @@ pub trait Device: Send + Unpin + 'static {
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
     fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
+    /// Copies whole blocks of one layer's cache, keys and values, for each (source,
+    /// destination) pair in order (a forked beam's copy of its parent's last block). Issued
+    /// before the step's forward, on its stream.
+    fn copy_blocks(&self, cache: &mut Self::Cache, pairs: &[(u32, u32)]) -> DevResult<()>;
     /// Bytes per K or V element of the caches `alloc_cache` makes (f32 unless the device
     /// keeps a 16-bit model's cache in its type).
     fn kv_cache_elem_bytes(&self) -> usize {

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::errors::ApiError;
 use crate::engine::Engine;
-use crate::request::{MAX_LOGPROBS, SamplingDefaults, SamplingParams};
+use crate::request::{BeamParams, EarlyStopping, MAX_LOGPROBS, SamplingDefaults, SamplingParams};
 use crate::structured::GuideSpec;
 use crate::structured::reasoning::ReasoningParser;
 use crate::structured::tools::{self, ToolMode};
@@ -232,9 +232,6 @@ impl StructuredFields {
 /// `metadata`, `store`, `service_tier`, ...) are accepted and ignored.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct UnimplementedFields {
-    use_beam_search: Option<serde_json::Value>,
-    length_penalty: Option<serde_json::Value>,
-    early_stopping: Option<serde_json::Value>,
     prompt_logprobs: Option<serde_json::Value>,
     truncate_prompt_tokens: Option<serde_json::Value>,
     logits_processors: Option<serde_json::Value>,
@@ -255,14 +252,8 @@ impl UnimplementedFields {
                     || v.as_object().is_some_and(|o| o.is_empty())
             })
         };
-        let (f, one) = (Value::Bool(false), Value::from(1.0));
-        let fields: [(&'static str, bool); 8] = [
-            ("use_beam_search", default_is(&self.use_beam_search, &f)),
-            (
-                "length_penalty",
-                default_is(&self.length_penalty, &one) || default_is(&self.length_penalty, &Value::from(1)),
-            ),
-            ("early_stopping", default_is(&self.early_stopping, &f)),
+        let f = Value::Bool(false);
+        let fields: [(&'static str, bool); 5] = [
             ("prompt_logprobs", empty(&self.prompt_logprobs)),
             ("truncate_prompt_tokens", empty(&self.truncate_prompt_tokens)),
             ("logits_processors", empty(&self.logits_processors)),
@@ -310,6 +301,11 @@ pub struct SamplingFields {
     pub bad_words: Option<Vec<String>>,
     /// vLLM's request priority (`--scheduling-policy priority`; lower goes first).
     pub priority: Option<i64>,
+    /// vLLM's beam search fields: `n` results of `best_of` (else `n`) beams.
+    pub use_beam_search: Option<bool>,
+    pub length_penalty: Option<f32>,
+    /// `true`, `false` or `"never"`, as transformers and vLLM take it.
+    pub early_stopping: Option<serde_json::Value>,
 }
 
 /// LLaMA-Factory's / vLLM's LoRARequest(lora_name, lora_int_id, lora_path): the adapter is
@@ -468,13 +464,53 @@ fn check_n(f: &SamplingFields) -> Result<usize, ApiError> {
     let n = f.n.unwrap_or(1);
     if let Some(b) = f.best_of
         && b != n
+        && f.use_beam_search != Some(true)
     {
         return Err(ApiError::bad(
-            format!("best_of must equal n ({n}), got {b}: beam search is not supported"),
+            format!("best_of must equal n ({n}), got {b}, unless use_beam_search is true"),
             Some("best_of"),
         ));
     }
     Ok(n)
+}
+
+/// The beam search a request asks for (`use_beam_search`), if any.
+fn beam(f: &SamplingFields, n: usize) -> Result<Option<BeamParams>, ApiError> {
+    let early_stopping = match &f.early_stopping {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => EarlyStopping::Heuristic,
+        Some(Value::Bool(true)) => EarlyStopping::Done,
+        Some(Value::String(s)) if s == "never" => EarlyStopping::Never,
+        Some(v) => {
+            return Err(ApiError::bad(
+                format!("early_stopping must be true, false or \"never\", got {v}"),
+                Some("early_stopping"),
+            ));
+        }
+    };
+    if f.use_beam_search != Some(true) {
+        let set = [
+            ("length_penalty", f.length_penalty.is_some_and(|l| l != 1.0)),
+            ("early_stopping", early_stopping != EarlyStopping::Heuristic),
+        ];
+        if let Some((name, _)) = set.iter().find(|(_, s)| *s) {
+            return Err(ApiError::bad(format!("{name} needs use_beam_search"), Some(name)));
+        }
+        return Ok(None);
+    }
+    Ok(Some(BeamParams {
+        width: f.best_of.unwrap_or(n),
+        length_penalty: f.length_penalty.unwrap_or(1.0),
+        early_stopping,
+    }))
+}
+
+/// Beam search answers whole, once the search ends: a streamed one is refused, as vLLM
+/// refuses it (the WebSocket, which always streams, gets the whole answer at the end).
+fn check_beam(params: &SamplingParams, stream: bool) -> Result<(), ApiError> {
+    if params.beam.is_some() && stream {
+        return Err(ApiError::bad("use_beam_search does not stream: set stream to false", Some("stream")));
+    }
+    Ok(())
 }
 
 /// OpenAI's `logit_bias` (`{"<token id>": bias}`) as (token, bias) pairs.
@@ -544,8 +580,9 @@ fn sampling(
     logprobs: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
     let d = SamplingParams::default();
+    let n = check_n(f)?;
     let params = SamplingParams {
-        n: check_n(f)?,
+        n,
         temperature: f.temperature.or(model.temperature).unwrap_or(d.temperature),
         top_p: f.top_p.or(model.top_p).unwrap_or(d.top_p),
         top_k: f.top_k.or(model.top_k).unwrap_or(d.top_k),
@@ -571,6 +608,7 @@ fn sampling(
         allowed_token_ids: f.allowed_token_ids.clone(),
         bad_words_ids: Vec::new(),
         priority: f.priority.unwrap_or(0),
+        beam: beam(f, n)?,
     };
     params.validate().map_err(|e| ApiError::bad(e.to_string(), Some(e.param)))?;
     Ok(params)
@@ -696,6 +734,7 @@ pub fn prepare_completion(
         ));
     }
     check_context(&prompts, &params, engine)?;
+    check_beam(&params, req.stream)?;
     let echo = match req.echo {
         true => prompts
             .iter()
@@ -824,6 +863,7 @@ pub fn prepare_chat(engine: &Engine, served: &[String], req: ChatRequest) -> Res
     let ids = tok.encode(&text, false)?;
     let prompts = vec![ids];
     check_context(&prompts, &params, engine)?;
+    check_beam(&params, req.stream)?;
     let echo = vec![req.echo.then(|| messages.last().map(|m| m.content.clone()).unwrap_or_default())];
     Ok(Prepared {
         endpoint: Endpoint::Chat,

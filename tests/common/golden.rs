@@ -1,6 +1,6 @@
 //! The default model's references from transformers (tests/fixtures/golden_smollm2.json,
 //! made by scripts/make_golden.py): greedy continuations as ids and as the text
-//! transformers decodes them to, chat renderings and tokenizer cases.
+//! transformers decodes them to, chat renderings, tokenizer cases and beam searches.
 #![allow(dead_code)]
 
 use actorllm::tokenizer::ChatMessage;
@@ -31,11 +31,28 @@ pub struct TokCase {
     pub decoded: String,
 }
 
+/// transformers' `generate(num_beams, num_return_sequences=n, length_penalty,
+/// early_stopping, max_new_tokens=max_tokens)`: its hypotheses best first (ending with the
+/// EOS id where they stopped) and their scores.
+#[derive(Deserialize)]
+pub struct Beam {
+    pub prompt_ids: Vec<u32>,
+    pub num_beams: usize,
+    pub n: usize,
+    pub length_penalty: f32,
+    /// true, false or "never".
+    pub early_stopping: serde_json::Value,
+    pub max_tokens: usize,
+    pub output_ids: Vec<Vec<u32>>,
+    pub scores: Vec<f32>,
+}
+
 #[derive(Deserialize)]
 pub struct Golden {
     pub prompts: Vec<Prompt>,
     pub chats: Vec<Chat>,
     pub tokenizer: Vec<TokCase>,
+    pub beams: Vec<Beam>,
 }
 
 pub fn load() -> Golden {

@@ -51,6 +51,8 @@ pub struct ExecuteBatch {
     pub dropped: Vec<SeqId>,
     /// Adapters to place in slots before this step runs.
     pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
+    /// (source, destination) cache blocks copied before this step runs (forked beams).
+    pub copies: Vec<(BlockId, BlockId)>,
     /// Whether the step was planned while the one before it ran or as soon as it ended
     /// (the scheduler had work throughout): the device's wait for it is then host overhead.
     pub follows: bool,
@@ -114,6 +116,8 @@ pub struct ShardStep {
     pub meta: Arc<AttnMetadata>,
     /// Adapters to place in slots first (each rank keeps its share of them).
     pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
+    /// Cache blocks copied first, as [`ExecuteBatch::copies`].
+    pub copies: Arc<[(BlockId, BlockId)]>,
 }
 
 /// Drops the KV cache and the sequences (after the profiling step) and answers the

@@ -313,3 +313,84 @@ fn the_priority_policy_orders_the_queue_and_preempts_worse_running_requests() {
         }
     }
 }
+
+impl Harness {
+    /// Plans a step, applies its block ops and launches it (beams then await their answer).
+    fn launch(&mut self) -> StepPlan {
+        let plan = self.s.schedule().expect("work to do");
+        self.pool.apply(&plan.ops).expect("the plan fits the pool");
+        assert_eq!(self.pool.num_free(), self.s.free_blocks(), "mirror of the free count");
+        for sq in &plan.seqs {
+            self.s.on_launched(sq);
+        }
+        plan
+    }
+
+    fn table(&self, seq: SeqId) -> Vec<BlockId> {
+        self.pool.table(seq).expect("the sequence holds blocks").to_vec()
+    }
+}
+
+/// A beam takes no step while its answer is out or once it has answered; a fork shares
+/// its parent's full blocks and gets a copy of the partly filled one, made before the step.
+#[test]
+fn a_forked_beam_shares_full_blocks_and_copies_the_partial_one() {
+    let mut h = Harness::new(8, 4, 8, 64);
+    let a = h.s.add(0, &[1, 2, 3, 4, 5, 6], 1, None)[0];
+    h.s.set_beam(0);
+    assert_eq!(lens(&h.launch()), vec![(a, 0, 6)]);
+    assert!(h.s.schedule().is_none(), "no step while the answer is out");
+    assert!(h.s.take_beam_result(a, 6));
+    assert!(h.s.schedule().is_none(), "an answered beam waits for the search");
+    let b = h.s.fork_beam(a, 8);
+    h.s.extend_beam(a, 7);
+    let plan = h.launch();
+    assert_eq!(lens(&plan), vec![(a, 6, 1), (b, 6, 1)]);
+    let (ta, tb) = (h.table(a), h.table(b));
+    assert_eq!((ta.len(), tb.len()), (2, 2));
+    assert_eq!(ta[0], tb[0], "the full block is shared");
+    assert_ne!(ta[1], tb[1]);
+    assert_eq!(plan.copies, vec![(ta[1], tb[1])], "the partial block is copied");
+    assert_eq!(h.s.seq(b).unwrap().tokens, vec![1, 2, 3, 4, 5, 6, 8]);
+    // A dropped beam gives back its own blocks only.
+    assert!(h.s.take_beam_result(a, 7) && h.s.take_beam_result(b, 7));
+    h.s.drop_beam(b);
+    let plan = h.s.schedule().expect("the free is delivered");
+    h.pool.apply(&plan.ops).unwrap();
+    assert!(plan.seqs.is_empty());
+    assert_eq!(h.pool.num_free(), 6);
+}
+
+/// When every running beam has answered and a sibling cannot fit, the last answered one is
+/// preempted (it keeps its answer and takes no step until extended); while a running
+/// sequence can still move, nothing is preempted for the sibling.
+#[test]
+fn answered_beams_make_room_for_a_sibling_that_cannot_fit() {
+    let mut h = Harness::new(4, 4, 8, 64);
+    let a = h.s.add(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9], 1, None)[0];
+    h.s.set_beam(0);
+    h.launch();
+    assert!(h.s.take_beam_result(a, 9));
+    let b = h.s.fork_beam(a, 21);
+    h.s.extend_beam(a, 20);
+    assert_eq!(lens(&h.launch()), vec![(a, 9, 1), (b, 9, 1)]);
+    assert_eq!(h.pool.num_free(), 0);
+    assert!(h.s.take_beam_result(a, 10));
+    // b is preempted with its step out; that step's answer no longer counts.
+    h.s.preempt(b);
+    assert!(!h.s.take_beam_result(b, 10));
+    let plan = h.launch();
+    assert_eq!(lens(&plan), vec![(b, 0, 10)]);
+    assert_eq!(plan.num_preempted, 1);
+    assert!(h.s.take_beam_result(b, 10));
+    assert!(h.s.schedule().is_none(), "both have answered: a waits in the queue");
+    h.s.extend_beam(a, 30);
+    h.s.extend_beam(b, 31);
+    let plan = h.launch();
+    assert_eq!(lens(&plan), vec![(b, 10, 1)], "a waits for blocks b does not give up");
+    assert_eq!(plan.num_preempted, 0);
+    assert!(h.s.take_beam_result(b, 11));
+    let plan = h.launch();
+    assert_eq!(lens(&plan), vec![(a, 0, 11)]);
+    assert_eq!(plan.num_preempted, 1);
+}

@@ -299,6 +299,25 @@ impl Device for CpuDevice {
         Ok(CpuCache { shape, k: vec![0.0; n], v: vec![0.0; n] })
     }
 
+    fn copy_blocks(&self, cache: &mut CpuCache, pairs: &[(u32, u32)]) -> DevResult<()> {
+        let s = cache.shape;
+        let n = s.block_size * s.num_kv_heads * s.head_dim;
+        for &(src, dst) in pairs {
+            let (src, dst) = (src as usize, dst as usize);
+            if src.max(dst) >= s.num_blocks {
+                return Err(DeviceError::Other(format!(
+                    "copy_blocks: block {} of a {}-block cache",
+                    src.max(dst),
+                    s.num_blocks
+                )));
+            }
+            for buf in [&mut cache.k, &mut cache.v] {
+                buf.copy_within(src * n..(src + 1) * n, dst * n);
+            }
+        }
+        Ok(())
+    }
+
     fn synchronize(&self) -> DevResult<()> {
         Ok(())
     }

@@ -115,6 +115,40 @@ impl Device for CudaDevice {
         Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels })
     }
 
+    fn copy_blocks(&self, cache: &mut CudaCache, pairs: &[(u32, u32)]) -> DevResult<()> {
+        use cudarc::driver::DevicePtrMut;
+        let s = cache.shape;
+        if let Some(&b) = pairs.iter().flat_map(|(a, b)| [a, b]).find(|&&b| b as usize >= s.num_blocks) {
+            return Err(DeviceError::Other(format!(
+                "copy_blocks: block {b} of a {}-block cache",
+                s.num_blocks
+            )));
+        }
+        let elems = s.block_size * s.num_kv_heads * s.head_dim;
+        for buf in [&mut cache.k, &mut cache.v] {
+            let (ptr, bytes, _guard) = match buf {
+                KvBuf::F32(b) => {
+                    let (p, g) = b.device_ptr_mut(&self.stream);
+                    (p, elems * 4, g)
+                }
+                KvBuf::Half(b) => {
+                    let (p, g) = b.device_ptr_mut(&self.stream);
+                    (p, elems * 2, g)
+                }
+            };
+            for &(src, dst) in pairs {
+                let (src, dst) = (ptr + (src as usize * bytes) as u64, ptr + (dst as usize * bytes) as u64);
+                // SAFETY: both blocks lie inside the buffer (checked above), are whole blocks
+                // of it, and do not overlap unless equal; the copy is ordered on the stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+                }
+                .map_err(cuda("copy_blocks"))?;
+            }
+        }
+        Ok(())
+    }
+
     fn kv_cache_elem_bytes(&self) -> usize {
         if self.act16.get() == 0 { 4 } else { 2 }
     }

@@ -92,6 +92,27 @@ def beam(ids, num_beams, n, length_penalty, early_stopping, max_new):
     return seqs, out.sequences_scores.tolist()
 
 
+# prompt_logprobs: one forward over the whole prompt, float32 log-softmax of each position's
+# logits, for the token that follows it: its log-probability, its rank (1 + how many tokens
+# are more likely) and the PROMPT_TOP most likely tokens.
+PROMPT_TOP = 8
+
+
+def prompt_logprobs(ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    rows = []
+    for i in range(1, len(ids)):
+        row, t = lp[i - 1], ids[i]
+        top = torch.topk(row, PROMPT_TOP)
+        rows.append({
+            "token_id": t, "logprob": row[t].item(), "rank": int((row > row[t]).sum().item()) + 1,
+            "top": [[j, v] for j, v in zip(top.indices.tolist(), top.values.tolist())],
+        })
+    return rows
+
+
 def decoded(ids):
     return tok.decode(ids, skip_special_tokens=True)
 
@@ -122,6 +143,13 @@ for prompt, num_beams, n, lp, es, max_new in BEAMS:
         "prompt_ids": ids, "num_beams": num_beams, "n": n, "length_penalty": lp,
         "early_stopping": es, "max_tokens": max_new, "output_ids": seqs, "scores": scores,
     })
+golden["prompt_logprobs"] = []
+for p in PROMPTS + [CHATS[0]]:
+    if isinstance(p, str):
+        ids = tok(p, add_special_tokens=True)["input_ids"]
+    else:
+        ids = tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    golden["prompt_logprobs"].append({"prompt_ids": ids, "positions": prompt_logprobs(ids)})
 with open(out, "w") as fh:
     json.dump(golden, fh, ensure_ascii=False, indent=1)
 print("wrote", out)

@@ -210,8 +210,14 @@ mod tests {
 
     #[test]
     fn the_first_step_extends_the_prompt_and_finished_ones_are_ordered_by_penalised_score() {
-        let out = run(2, 1.0, EarlyStopping::Done, 10);
-        // [2] ends at -1.2 (length 1), [1, 3, 2]: -0.5 - 0.2 - 0.1 = -0.8 over 3 tokens.
+        // Step 1: [2] ends at -1.2 (length 1); [1] and [3] run. Step 2: [3, 2] ends at
+        // -1.7 over 2 tokens; [1, 3] (-0.7) runs on. With early_stopping=true two finished
+        // hypotheses end the search there; the heuristic sees that [1, 3] can still win.
+        let done = run(2, 1.0, EarlyStopping::Done, 10);
+        let tokens: Vec<&[u32]> = done.iter().map(|h| h.tokens.as_slice()).collect();
+        assert_eq!(tokens, [&[3, 2][..], &[2]]);
+        let out = run(2, 1.0, EarlyStopping::Heuristic, 10);
+        // [1, 3, 2]: -0.5 - 0.2 - 0.1 = -0.8 over 3 tokens.
         assert_eq!(out.len(), 2);
         assert_eq!(out[0].tokens, vec![1, 3, 2]);
         assert!((out[0].score - (-0.8 / 3.0)).abs() < 1e-6, "{out:?}");

@@ -257,7 +257,7 @@ mod tests {
                     TokenEvent::Token { token_id, .. } => got.push(token_id),
                     TokenEvent::Error { message } => panic!("{message}"),
                     TokenEvent::Done { .. } => break,
-                    TokenEvent::Finished { .. } => {}
+                    TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
                 }
             }
             assert_eq!(got, ids(&run["output_ids"]));

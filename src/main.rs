@@ -221,6 +221,8 @@ async fn generate(args: GenerateArgs) -> anyhow::Result<()> {
                 break;
             }
             TokenEvent::Error { message } => bail!("generation failed: {message}"),
+            // This command does not ask for them.
+            TokenEvent::PromptLogprobs { .. } => {}
         }
     }
     Ok(())

@@ -19,7 +19,7 @@ use futures::StreamExt;
 
 use crate::actors::lora_manager::{ListAdapters, Register};
 use crate::engine::{Engine, EngineError, RequestStream};
-use crate::request::{FinishReason, SamplingParams, StopReason, TokenEvent, TokenLogprobs};
+use crate::request::{FinishReason, PromptLogprob, SamplingParams, StopReason, TokenEvent, TokenLogprobs};
 
 /// A prompt as text (tokenized with the model's special tokens, as `/v1/completions`
 /// does) or as token ids.
@@ -81,6 +81,8 @@ pub struct RequestOutput {
     pub outputs: Vec<CompletionOutput>,
     /// Prompt tokens whose KV came from the prefix cache.
     pub num_cached_tokens: usize,
+    /// Each prompt position's logprob (None for the first), when `prompt_logprobs` asked.
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
     pub finished: bool,
 }
 
@@ -124,13 +126,15 @@ impl Engine {
             .into_iter()
             .zip(outputs)
             .map(|((prompt_token_ids, prompt), out)| {
-                let (request_id, outputs, num_cached_tokens) = out?;
+                let Collected { request_id, outputs, cached_tokens: num_cached_tokens, prompt_logprobs } =
+                    out?;
                 Ok(RequestOutput {
                     request_id,
                     prompt,
                     prompt_token_ids,
                     outputs,
                     num_cached_tokens,
+                    prompt_logprobs,
                     finished: true,
                 })
             })
@@ -150,11 +154,16 @@ impl Engine {
     }
 }
 
-/// Reads a request's stream to its end: (request id, choices, cached prompt tokens).
-async fn collect(
-    mut stream: RequestStream,
-    n: usize,
-) -> Result<(String, Vec<CompletionOutput>, usize), EngineError> {
+/// A request's stream read to its end.
+struct Collected {
+    request_id: String,
+    outputs: Vec<CompletionOutput>,
+    cached_tokens: usize,
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
+}
+
+async fn collect(mut stream: RequestStream, n: usize) -> Result<Collected, EngineError> {
+    let mut prompt_logprobs = None;
     let mut outs: Vec<CompletionOutput> = (0..n)
         .map(|index| CompletionOutput {
             index,
@@ -181,7 +190,15 @@ async fn collect(
                 outs[index].finish_reason = Some(reason);
                 outs[index].stop_reason = stop_reason;
             }
-            TokenEvent::Done { usage } => return Ok((stream.id().to_string(), outs, usage.cached_tokens)),
+            TokenEvent::PromptLogprobs { positions } => prompt_logprobs = Some(positions),
+            TokenEvent::Done { usage } => {
+                return Ok(Collected {
+                    request_id: stream.id().to_string(),
+                    outputs: outs,
+                    cached_tokens: usage.cached_tokens,
+                    prompt_logprobs,
+                });
+            }
             TokenEvent::Error { message } => return Err(EngineError::Device(message)),
         }
     }

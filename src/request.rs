@@ -35,6 +35,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of top logprobs to return per token (None = no logprobs).
     pub logprobs: Option<usize>,
+    /// Number of top logprobs to return per prompt position, beside the prompt token's own
+    /// (None = none). The request's prompt is then computed whole: no prefix-cache reads.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
     pub skip_special_tokens: bool,
     /// The grammar the output follows (structured output), compiled at the edge.
     #[serde(skip)]
@@ -101,6 +105,7 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             skip_special_tokens: true,
             guide: None,
             logit_bias: Vec::new(),
@@ -219,6 +224,10 @@ impl SamplingParams {
         if let Some(l) = self.logprobs {
             check(l <= MAX_LOGPROBS, "logprobs", &format!("must be between 0 and {MAX_LOGPROBS}"), l)?;
         }
+        if let Some(l) = self.prompt_logprobs {
+            let rule = format!("must be between 0 and {MAX_LOGPROBS}");
+            check(l <= MAX_LOGPROBS, "prompt_logprobs", &rule, l)?;
+        }
         if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
             return Err(ValidationError {
                 param: "logit_bias",
@@ -258,7 +267,7 @@ impl SamplingParams {
             &format!("must be 0 or 1 {raw}"),
             self.temperature,
         )?;
-        let unsupported: [(&'static str, bool); 12] = [
+        let unsupported: [(&'static str, bool); 13] = [
             ("top_p", self.top_p != 1.0),
             ("top_k", self.top_k > 0),
             ("min_p", self.min_p != 0.0),
@@ -268,6 +277,7 @@ impl SamplingParams {
             ("min_tokens", self.min_tokens != 0),
             ("stop", !self.stop.is_empty()),
             ("logprobs", self.logprobs.is_some()),
+            ("prompt_logprobs", self.prompt_logprobs.is_some()),
             ("logit_bias", !self.logit_bias.is_empty()),
             ("allowed_token_ids", self.allowed_token_ids.is_some()),
             ("bad_words", !self.bad_words_ids.is_empty()),
@@ -362,12 +372,26 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
+/// A prompt token's log-probability given the tokens before it (`prompt_logprobs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// 1 + the number of tokens more likely than it.
+    pub rank: usize,
+    /// (token id, logprob), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What a request's stream carries, in order, for each of its `n` choices.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TokenEvent {
     /// A new token of choice `index`, with the text it made stable (may be empty while a
     /// multi-byte character or a possible stop string is incomplete).
     Token { index: usize, token_id: u32, text: String, logprobs: Option<TokenLogprobs> },
+    /// The request's prompt logprobs (`prompt_logprobs`), once, before its first token: one
+    /// per prompt position, None for the first (nothing precedes it).
+    PromptLogprobs { positions: Vec<Option<PromptLogprob>> },
     /// Choice `index` ended (its last text came with its last Token event).
     Finished { index: usize, reason: FinishReason, stop_reason: Option<StopReason> },
     /// Every choice has ended.

@@ -85,10 +85,24 @@ fn top_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
     idx.into_iter().map(|i| (i, logprobs[i as usize])).collect()
 }
 
+/// The log-probability of `token` under `logits`, its rank and the `k` most likely tokens
+/// (a prompt position's `prompt_logprobs`).
+pub fn prompt_logprob(logits: &[f32], token: u32, k: usize) -> crate::request::PromptLogprob {
+    let lp = log_softmax(logits);
+    let logprob = lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    crate::request::PromptLogprob {
+        token_id: token,
+        logprob,
+        rank: 1 + lp.iter().filter(|&&l| l > logprob).count(),
+        top: top_logprobs(&lp, k),
+    }
+}
+
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|l| (l - max).exp()).sum();
-    let lse = max + sum.ln();
+    // Summed in f64: 10^5 terms in f32 drift by about 1e-5.
+    let sum: f64 = logits.iter().map(|l| f64::from((l - max).exp())).sum();
+    let lse = max + sum.ln() as f32;
     logits.iter().map(|l| l - lse).collect()
 }
 

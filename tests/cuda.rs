@@ -1255,6 +1255,60 @@ async fn beam_search_on_the_gpu_gives_the_cpu_hypotheses() {
     }
 }
 
+/// `prompt_logprobs` on the GPU give the CPU's (within float noise): the logits of every
+/// prompt row are computed after the forward, a few hundred rows at a time, and read back;
+/// with the prompts whole and prefilled in chunks.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn prompt_logprobs_on_the_gpu_give_the_cpu_ones() {
+    let _turn = gpu_turn();
+    let model = tiny_model(31);
+    let prompts: Vec<Vec<u32>> =
+        (0..3u32).map(|i| (0..(7 + 300 * i)).map(|j| (i * 11 + j * 13) % 250 + 3).collect()).collect();
+    let params = actorllm::SamplingParams { prompt_logprobs: Some(4), ..greedy(2) };
+    let cpu = Engine::start(EngineArgs { device: DeviceArg::Cpu, ..common::args(&model) }).await.unwrap();
+    let want = futures::future::join_all(prompts.iter().map(|p| run(&cpu, p.clone(), params.clone()))).await;
+    drop(cpu);
+    for (label, args) in [
+        ("gpu", EngineArgs { device: DeviceArg::Cuda, ..common::args(&model) }),
+        (
+            "gpu, chunks of 128",
+            EngineArgs {
+                device: DeviceArg::Cuda,
+                max_num_batched_tokens: Some(128),
+                max_num_seqs: Some(8),
+                ..common::args(&model)
+            },
+        ),
+    ] {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
+            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let gpu = Engine::start(args).await.unwrap();
+        let got =
+            futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
+        for ((w, g), p) in want.iter().zip(&got).zip(&prompts) {
+            assert_eq!(g.tokens, w.tokens, "{label}");
+            let (w, g) = (w.prompt_logprobs.as_ref().unwrap(), g.prompt_logprobs.as_ref().unwrap());
+            assert_eq!((w.len(), g.len()), (p.len(), p.len()), "{label}");
+            for (pos, (w, g)) in w.iter().zip(g).enumerate().skip(1) {
+                let (w, g) = (w.as_ref().unwrap(), g.as_ref().unwrap());
+                assert_eq!(g.token_id, p[pos], "{label}");
+                assert!(
+                    (g.logprob - w.logprob).abs() <= 1e-3,
+                    "{label}, position {pos}: {} against {}",
+                    g.logprob,
+                    w.logprob
+                );
+                for (&(_, gl), &(_, wl)) in g.top.iter().zip(&w.top) {
+                    assert!((gl - wl).abs() <= 1e-3, "{label}, position {pos}: top {gl} against {wl}");
+                }
+            }
+        }
+    }
+}
+
 /// LoRA on the GPU gives the CPU's greedy tokens (the CPU's adapters match PEFT, see
 /// tests/lora.rs): one batch mixes two adapters of ranks 8 and 4 with the base model, with
 /// decode steps replayed from graphs (the graph set that applies adapters) and eager.

@@ -158,6 +158,66 @@ async fn beam_search_gives_transformers_hypotheses_in_order() {
     }
 }
 
+/// `prompt_logprobs` equals transformers' float32 log-softmax of the prompt within 1e-4:
+/// every position's prompt token (logprob and rank) and its top 5, in order. The prompts
+/// were computed once before, so the prefix cache holds them (a request asking for prompt
+/// logprobs computes its prompt whole); then again with the prompts prefilled in chunks of
+/// 8 tokens, and with n = 2 (the prompt's logprobs come once).
+#[actix_rt::test]
+async fn prompt_logprobs_equal_transformers_log_softmax() {
+    let g = golden();
+    assert!(g.prompt_logprobs.len() >= 4);
+    let asked = |n| SamplingParams { n, prompt_logprobs: Some(5), ..common::greedy(1) };
+    let configs = [
+        ("default", common::args(common::default_model())),
+        (
+            "chunks of 8",
+            EngineArgs {
+                max_num_batched_tokens: Some(8),
+                max_num_seqs: Some(8),
+                ..common::args(common::default_model())
+            },
+        ),
+    ];
+    for (name, args) in configs {
+        let engine = Engine::start(args).await.unwrap();
+        for case in &g.prompt_logprobs {
+            common::run(&engine, case.prompt_ids.clone(), common::greedy(1)).await;
+        }
+        let runs = g.prompt_logprobs.iter().enumerate().map(|(i, c)| {
+            let n = if i == 0 { 2 } else { 1 };
+            common::run(&engine, c.prompt_ids.clone(), asked(n))
+        });
+        for (case, got) in g.prompt_logprobs.iter().zip(futures::future::join_all(runs).await) {
+            let what = format!("{name}: prompt {:?}", case.prompt_ids);
+            let got = got.prompt_logprobs.unwrap_or_else(|| panic!("{what}: no prompt logprobs"));
+            assert_eq!(got.len(), case.prompt_ids.len(), "{what}");
+            assert!(got[0].is_none(), "{what}: nothing precedes the first token");
+            for (pos, (want, got)) in case.positions.iter().zip(&got[1..]).enumerate() {
+                let got = got.as_ref().unwrap_or_else(|| panic!("{what}: position {} missing", pos + 1));
+                let at = format!("{what}, position {}", pos + 1);
+                assert_eq!(got.token_id, want.token_id, "{at}");
+                assert!(
+                    (got.logprob - want.logprob).abs() <= 1e-4,
+                    "{at}: {} against {}",
+                    got.logprob,
+                    want.logprob
+                );
+                assert_eq!(got.rank, want.rank, "{at}");
+                assert_eq!(got.top.len(), 5, "{at}");
+                for (j, (&(id, lp), &(want_id, want_lp))) in got.top.iter().zip(&want.top).enumerate() {
+                    assert!((lp - want_lp).abs() <= 1e-4, "{at}, top {j}: {lp} against {want_lp}");
+                    // Tokens within float noise of each other may come in either order.
+                    let tied = want.top.iter().any(|&(t, l)| t == id && (l - want_lp).abs() <= 2e-4);
+                    assert!(id == want_id || tied, "{at}, top {j}: token {id} against {want_id}");
+                }
+            }
+        }
+        let (free, total) = common::wait_all_blocks_free(&engine).await;
+        assert_eq!(free, total, "{name}: every block is back");
+    }
+}
+
 #[test]
 fn tokenizer_matches_transformers_on_varied_text() {
     tokenizer_matches(&common::default_model());

@@ -34,7 +34,7 @@ async fn greedy_run(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u3
             TokenEvent::Token { token_id, logprobs, .. } => out.push((token_id, logprobs.unwrap().top)),
             TokenEvent::Error { message } => panic!("request failed: {message}"),
             TokenEvent::Done { .. } => break,
-            TokenEvent::Finished { .. } => {}
+            TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
         }
     }
     out

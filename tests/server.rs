@@ -689,7 +689,6 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         // These two need use_beam_search.
         ("length_penalty", json!(0.8)),
         ("early_stopping", json!(true)),
-        ("prompt_logprobs", json!(1)),
         ("truncate_prompt_tokens", json!(2)),
         // A priority needs --scheduling-policy priority.
         ("priority", json!(3)),
@@ -699,10 +698,9 @@ async fn unimplemented_fields_are_refused_by_name_and_routine_ones_accepted() {
         assert_eq!(v["error"]["param"], field, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
     }
-    let chat =
-        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 2});
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "truncate_prompt_tokens": 2});
     let (st, v) = s.post("/v1/chat/completions", &chat).await;
-    assert_eq!((st, &v["error"]["param"]), (400, &json!("prompt_logprobs")), "{v}");
+    assert_eq!((st, &v["error"]["param"]), (400, &json!("truncate_prompt_tokens")), "{v}");
 }
 
 /// `use_beam_search` over HTTP on the default model: completions give transformers'
@@ -803,6 +801,84 @@ async fn beam_search_over_http_gives_transformers_hypotheses() {
         let (st, v) = s.post("/v1/completions", &body).await;
         assert_eq!((st, &v["error"]["param"]), (400, &json!(field)), "{extra}: {v}");
         assert!(v["error"]["message"].as_str().unwrap().contains(field), "{v}");
+    }
+}
+
+/// `prompt_logprobs` in vLLM's shape: per prompt position null (the first) or an object
+/// keyed by token id holding the prompt token and the top ones, each with its logprob,
+/// rank and text; in every choice of a completion (and in the stream before the first
+/// token), beside the choices of a chat response. The values are transformers' (see
+/// tests/golden.rs); bad counts and beam search are 400s naming the field.
+#[actix_rt::test]
+async fn prompt_logprobs_over_http_in_vllm_shape() {
+    let s = common::server::start(common::default_model(), |_| {}).await;
+    let want = common::golden::load().prompt_logprobs.remove(0);
+    let body =
+        json!({"prompt": want.prompt_ids, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 3});
+    let (st, v) = s.post("/v1/completions", &body).await;
+    assert_eq!(st, 200, "{v}");
+    let lps = &v["choices"][0]["prompt_logprobs"];
+    assert_eq!(&v["choices"][1]["prompt_logprobs"], lps, "every choice carries them");
+    let lps = lps.as_array().expect("a list");
+    assert_eq!(lps.len(), want.prompt_ids.len());
+    assert!(lps[0].is_null());
+    for (pos, (got, w)) in lps[1..].iter().zip(&want.positions).enumerate() {
+        let entry = &got[w.token_id.to_string()];
+        let at = format!("position {}: {got}", pos + 1);
+        assert!((entry["logprob"].as_f64().unwrap() - f64::from(w.logprob)).abs() <= 1e-4, "{at}");
+        assert_eq!(entry["rank"], w.rank, "{at}");
+        assert!(entry["decoded_token"].is_string(), "{at}");
+        for (r, (id, _)) in w.top.iter().take(3).enumerate() {
+            assert_eq!(got[id.to_string()]["rank"], if *id == w.token_id { w.rank } else { r + 1 }, "{at}");
+        }
+        let keys = got.as_object().unwrap().len();
+        assert_eq!(keys, if w.rank <= 3 { 3 } else { 4 }, "{at}");
+    }
+    // Streamed: a chunk before the first token carries the same list for each choice.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = s.sse("/v1/completions", &streamed).await;
+    let c = chunks(&data);
+    let first =
+        c.iter().position(|x| x["choices"][0].get("prompt_logprobs").is_some()).expect("a chunk of them");
+    assert_eq!(c[first]["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(c[first]["choices"][1]["prompt_logprobs"], v["choices"][0]["prompt_logprobs"]);
+    assert!(c[..first].iter().all(|x| x["choices"][0]["text"].as_str().is_none_or(str::is_empty)));
+    // The WebSocket: a frame of them before the first delta.
+    let (_resp, mut ws) = s.client.ws(s.url("/v1/ws")).connect().await.expect("websocket connects");
+    ws.send(ws_text(json!({"type": "generate", "id": "p", "endpoint": "completions", "request": body})))
+        .await
+        .unwrap();
+    let frames: Vec<Value> = {
+        let mut frames = Vec::new();
+        while frames.last().is_none_or(|f: &Value| f["type"] != "done") {
+            frames.push(next_json(&mut ws).await);
+        }
+        frames
+    };
+    let kinds: Vec<&str> = frames.iter().map(|f| f["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds[..3], ["started", "prompt_logprobs", "delta"], "{kinds:?}");
+    assert_eq!(frames[1]["prompt_logprobs"], v["choices"][0]["prompt_logprobs"]);
+    // Chat: beside the choices, one per prompt token.
+    let chat =
+        json!({"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 1, "prompt_logprobs": 0});
+    let (st, v) = s.post("/v1/chat/completions", &chat).await;
+    assert_eq!(st, 200, "{v}");
+    let lps = v["prompt_logprobs"].as_array().expect("prompt_logprobs beside the choices");
+    assert_eq!(json!(lps.len()), v["usage"]["prompt_tokens"]);
+    assert!(
+        lps[1..].iter().all(|p| p.as_object().is_some_and(|o| o.len() == 1)),
+        "0: the prompt token alone"
+    );
+    for (extra, field) in [
+        (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": -1}), "prompt_logprobs"),
+        (json!({"prompt_logprobs": 1, "use_beam_search": true}), "prompt_logprobs"),
+    ] {
+        let mut body = json!({"prompt": "Hello", "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (st, v) = s.post("/v1/completions", &body).await;
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(field)), "{extra}: {v}");
     }
 }
 

@@ -29,15 +29,15 @@ use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
 use crate::models::CausalLM;
 use crate::request::SamplingParams;
-use crate::sampling::{SampleInput, TokenHistory};
+use crate::sampling::{self, SampleInput, TokenHistory};
 use crate::structured::GuideState;
 
 mod messages;
 
 use messages::ReplySlot;
 pub use messages::{
-    AllocateCache, BatchSeq, CaptureGraphs, ExecuteBatch, NewSeq, ReleaseCache, RunnerError, RunnerTiming,
-    Sampled, ShardStep, StepOutput, StepReply, TuneGemms,
+    AllocateCache, BatchSeq, CaptureGraphs, ExecuteBatch, NewSeq, PromptOutput, ReleaseCache, RunnerError,
+    RunnerTiming, Sampled, ShardStep, StepOutput, StepReply, TuneGemms,
 };
 
 struct RunnerSeq {
@@ -257,14 +257,37 @@ impl<D: Device> ModelRunner<D> {
         self
     }
 
-    /// One rank's forward (and its share of the logits when the step samples): the
-    /// collectives inside meet the other ranks'.
-    fn forward(&mut self, ids: &[u32], meta: &AttnMetadata) -> Result<Option<D::Tensor>, DeviceError> {
+    /// One rank's forward (and its share of the logits when the step samples), then the
+    /// logits of the prompt rows a request asks the logprobs of: the collectives inside
+    /// meet the other ranks'. The lead rank reads the prompt logprobs back (`prompt.targets`).
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        meta: &AttnMetadata,
+        prompt: &PromptRows,
+    ) -> Result<(Option<D::Tensor>, Vec<PromptOutput>), DeviceError> {
         let hidden = self.model.forward(&self.dev, ids, &mut self.caches, meta)?;
-        if meta.last_token_rows.is_empty() {
-            return Ok(None);
+        let logits = match meta.last_token_rows.is_empty() {
+            true => None,
+            false => Some(self.model.compute_logits(&self.dev, &hidden, meta)?),
+        };
+        let mut out = Vec::with_capacity(prompt.targets.len());
+        // A few hundred rows at a time: a long prompt's logits would otherwise take
+        // gigabytes (rows × vocabulary).
+        for (c, rows) in prompt.rows.chunks(PROMPT_ROWS_PER_PASS).enumerate() {
+            let pass = AttnMetadata { last_token_rows: rows.to_vec(), ..AttnMetadata::default() };
+            let l = self.model.compute_logits(&self.dev, &hidden, &pass)?;
+            if prompt.targets.is_empty() {
+                continue;
+            }
+            let cols = self.dev.shape(&l).1;
+            let host = self.dev.to_host(&l)?;
+            let targets = &prompt.targets[c * PROMPT_ROWS_PER_PASS..][..rows.len()];
+            for (row, &(seq, at, token, k)) in host.chunks_exact(cols).zip(targets) {
+                out.push(PromptOutput { seq, at, logprob: sampling::prompt_logprob(row, token, k) });
+            }
         }
-        self.model.compute_logits(&self.dev, &hidden, meta).map(Some)
+        Ok((logits, out))
     }
 
     /// Records the decode forward for each batch size and context bound, the largest first
@@ -401,6 +424,7 @@ impl<D: Device> ModelRunner<D> {
         let mut ids = Vec::new();
         let mut meta = AttnMetadata::default();
         let mut sampled_seqs = Vec::new();
+        let mut prompt = PromptRows::default();
         for (i, s) in batch.seqs.into_iter().enumerate() {
             if let Some(n) = s.new {
                 let eos = self.eos_ids.first().copied().unwrap_or(0);
@@ -417,6 +441,14 @@ impl<D: Device> ModelRunner<D> {
                 Some(p) if rs.prompt_len <= p && (1..=p).contains(&s.start) && end > p => 0,
                 _ => s.start,
             };
+            // Prompt positions whose next token's logprob the request asks for (its first
+            // sequence's: the others share the prompt).
+            if let Some(k) = rs.params.prompt_logprobs.filter(|_| rs.index == 0) {
+                for pos in start..end.min(rs.prompt_len.saturating_sub(1)) {
+                    prompt.rows.push(ids.len() + pos - start);
+                    prompt.targets.push((s.seq, pos + 1, rs.tokens[pos + 1], k));
+                }
+            }
             // A token still on the device (its place holder) is put in place there.
             ids.extend_from_slice(&rs.tokens[start..end]);
             for pos in start..end {
@@ -447,6 +479,7 @@ impl<D: Device> ModelRunner<D> {
                     meta: shared_meta.clone(),
                     lora_loads: batch_lora_loads.clone(),
                     copies: copies.clone(),
+                    prompt_rows: prompt.rows.as_slice().into(),
                 }));
             }
         }
@@ -463,11 +496,12 @@ impl<D: Device> ModelRunner<D> {
         };
         // A device error fails the step (its requests get it); the other ranks of a group
         // may then wait in a collective this rank never joined (see the module doc).
+        // (A step with prompt rows has prompt tokens: never a replayed decode step.)
         let replayed = self.replay(&mut ids, &mut meta)?;
         let graph = replayed.is_some();
-        let logits = match replayed {
-            Some(logits) => Some(logits),
-            None => self.forward(&ids, &meta)?,
+        let (logits, prompt_logprobs) = match replayed {
+            Some(logits) => (Some(logits), Vec::new()),
+            None => self.forward(&ids, &meta, &prompt)?,
         };
         let t2 = Instant::now();
         let mut timing = RunnerTiming {
@@ -488,7 +522,7 @@ impl<D: Device> ModelRunner<D> {
             self.last_done = Some(t3);
             timing.device_ns = ns(t2, t3);
             timing.device_allocs = self.dev.allocations() - allocs;
-            return Ok(Issued::Done(StepOutput { sampled: Vec::new(), timing }));
+            return Ok(Issued::Done(StepOutput { sampled: Vec::new(), prompt_logprobs, timing }));
         };
         join_peers(peer_steps)?;
         // The device samples (a GPU sends back only token ids and requested logprobs),
@@ -519,7 +553,7 @@ impl<D: Device> ModelRunner<D> {
             .map(|(row, seq)| (seq, self.seqs.get_mut(&seq).map_or(0, |rs| rs.hold(row))))
             .collect();
         timing.device_allocs = self.dev.allocations() - allocs;
-        Ok(Issued::Sampling(Deferred { ticket, held, timing, issued: Instant::now() }))
+        Ok(Issued::Sampling(Deferred { ticket, held, prompt_logprobs, timing, issued: Instant::now() }))
     }
 
     /// Writes the token mask of each sampled row whose sequence limits its tokens (a
@@ -561,7 +595,11 @@ impl<D: Device> ModelRunner<D> {
         self.last_done = Some(done);
         let mut timing = d.timing;
         timing.device_ns = (done - d.issued).as_nanos() as u64;
-        let mut out = StepOutput { sampled: Vec::with_capacity(results.len()), timing };
+        let mut out = StepOutput {
+            sampled: Vec::with_capacity(results.len()),
+            prompt_logprobs: d.prompt_logprobs,
+            timing,
+        };
         for (row, ((seq, at), (token, logprobs))) in d.held.into_iter().zip(results).enumerate() {
             if let Some(rs) = self.seqs.get_mut(&seq) {
                 rs.fill(at, row, token);
@@ -570,6 +608,18 @@ impl<D: Device> ModelRunner<D> {
         }
         Ok(out)
     }
+}
+
+/// Prompt rows computed in one pass of the logits.
+const PROMPT_ROWS_PER_PASS: usize = 256;
+
+/// A step's prompt positions whose logprobs are asked for: each one's row in the step, and
+/// (on the lead rank) its sequence, the position of the token it predicts, that token and
+/// the number of top logprobs asked.
+#[derive(Default)]
+struct PromptRows {
+    rows: Vec<usize>,
+    targets: Vec<(SeqId, usize, u32, usize)>,
 }
 
 /// A step as [`ModelRunner::issue`] left it.
@@ -585,6 +635,7 @@ struct Deferred {
     ticket: SampleTicket,
     /// Each sampled row's sequence and the index of the token place held for it.
     held: Vec<(SeqId, usize)>,
+    prompt_logprobs: Vec<PromptOutput>,
     timing: RunnerTiming,
     /// When its sampling was issued: the wait for the device counts from here.
     issued: Instant,
@@ -614,7 +665,8 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
             self.dev.copy_blocks(cache, &msg.copies)?;
         }
         if !msg.ids.is_empty() {
-            self.forward(&msg.ids, &msg.meta)?;
+            let rows = PromptRows { rows: msg.prompt_rows.to_vec(), targets: Vec::new() };
+            self.forward(&msg.ids, &msg.meta, &rows)?;
         }
         Ok(())
     }

@@ -26,7 +26,7 @@ use crate::core::scheduler::{PENDING, ScheduledSeq, Scheduler, SchedulerConfig};
 use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::models::lora::LoraAdapter;
-use crate::request::{AbortReason, FinishReason, SamplingParams, TokenEvent, Usage};
+use crate::request::{AbortReason, FinishReason, PromptLogprob, SamplingParams, TokenEvent, Usage};
 use crate::tokenizer::Tokenizer;
 
 /// A validated request entering the engine.
@@ -123,6 +123,9 @@ struct LiveRequest {
     completion_tokens: usize,
     /// A beam search's state (`use_beam_search`): its choices are its results.
     beam: Option<Box<BeamRun>>,
+    /// The prompt's logprobs as the runner computes them (`prompt_logprobs`), by position;
+    /// taken when they are sent, before the first token.
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 pub struct SchedulerActor {
@@ -254,6 +257,9 @@ impl SchedulerActor {
         let max_tokens = msg.params.max_tokens.unwrap_or(usize::MAX).min(max_len - prompt_len);
         self.core.set_max_len(group, prompt_len + max_tokens);
         self.core.set_priority(group, msg.params.priority);
+        if msg.params.prompt_logprobs.is_some() {
+            self.core.set_whole_prompt(group);
+        }
         for (i, &seq) in seqs.iter().enumerate() {
             self.seq_owner.insert(seq, (group, i));
         }
@@ -270,6 +276,7 @@ impl SchedulerActor {
             b
         });
         let seed = msg.params.seed.unwrap_or_else(|| self.metrics.random_seed());
+        let prompt_logprobs = msg.params.prompt_logprobs.map(|_| vec![None; prompt_len]);
         self.metrics.on_request_added(prompt_len);
         self.by_id.insert(msg.id.clone(), group);
         self.requests.insert(
@@ -288,6 +295,7 @@ impl SchedulerActor {
                 last_token: None,
                 completion_tokens: 0,
                 beam,
+                prompt_logprobs,
             },
         );
         Ok(())
@@ -466,6 +474,14 @@ impl SchedulerActor {
         let metrics = self.metrics.clone();
         let dropped = &metrics.profile.dropped_tokens;
         let mut beams_ready = Vec::new();
+        // A position computed again (after a preemption) keeps its first answer.
+        for p in out.prompt_logprobs {
+            let Some(&(group, _)) = self.seq_owner.get(&p.seq) else { continue };
+            let slot = self.requests.get_mut(&group).and_then(|r| r.prompt_logprobs.as_mut()?.get_mut(p.at));
+            if let Some(slot) = slot.filter(|s| s.is_none()) {
+                *slot = Some(p.logprob);
+            }
+        }
         for sm in out.sampled {
             // Aborted while the step ran: its result is dropped.
             let Some(&(group, index)) = self.seq_owner.get(&sm.seq) else {
@@ -518,6 +534,9 @@ impl SchedulerActor {
             }
             req.first_token.get_or_insert(now);
             req.last_token = Some(now);
+            if let Some(positions) = req.prompt_logprobs.take() {
+                self.outbox.push((group, req.events.clone(), TokenEvent::PromptLogprobs { positions }));
+            }
             let token =
                 TokenEvent::Token { index, token_id: sm.token, text: outcome.text, logprobs: sm.logprobs };
             self.outbox.push((group, req.events.clone(), token));

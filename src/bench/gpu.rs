@@ -276,7 +276,7 @@ async fn throughput_pass(
                 TokenEvent::Token { .. } => n += 1,
                 TokenEvent::Done { .. } => break,
                 TokenEvent::Error { message } => return Err(anyhow::anyhow!(message)),
-                TokenEvent::Finished { .. } => {}
+                TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
             }
         }
         Ok(n)

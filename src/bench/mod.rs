@@ -150,7 +150,7 @@ async fn drain(mut s: RequestStream) -> anyhow::Result<(Option<Instant>, usize)>
             }
             TokenEvent::Error { message } => anyhow::bail!(message),
             TokenEvent::Done { .. } => break,
-            TokenEvent::Finished { .. } => {}
+            TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
         }
     }
     Ok((first, n))

@@ -74,6 +74,9 @@ pub struct Sequence {
     beam: bool,
     awaiting: Option<usize>,
     answered: bool,
+    /// Its prompt is computed whole, reading nothing from the prefix cache: the runner
+    /// reports each prompt position's logprobs as it computes it (`prompt_logprobs`).
+    whole_prompt: bool,
 }
 
 impl Sequence {
@@ -200,6 +203,7 @@ impl Scheduler {
                     beam: false,
                     awaiting: None,
                     answered: false,
+                    whole_prompt: false,
                 },
             );
             self.waiting.push_back(id);
@@ -220,6 +224,15 @@ impl Scheduler {
 
     /// Sets the group's priority (lower goes first); under the priority policy the waiting
     /// queue takes it into account at once.
+    /// The group's first sequence computes its whole prompt (it reports the prompt's
+    /// logprobs; the others, sharing its prompt, report none).
+    pub fn set_whole_prompt(&mut self, group: u64) {
+        let Some(&first) = self.groups.get(&group).and_then(|g| g.seqs.first()) else { return };
+        if let Some(s) = self.seqs.get_mut(&first) {
+            s.whole_prompt = true;
+        }
+    }
+
     pub fn set_priority(&mut self, group: u64, priority: i64) {
         let Some(g) = self.groups.get(&group) else { return };
         for id in &g.seqs {
@@ -428,7 +441,7 @@ impl Scheduler {
         let seq = &self.seqs[&id];
         let bs = self.cfg.block_size;
         let mut keys = Vec::new();
-        if !self.cfg.prefix_caching {
+        if !self.cfg.prefix_caching || seq.whole_prompt {
             return keys;
         }
         let mut parent = 0;
@@ -764,6 +777,7 @@ impl Scheduler {
             beam: true,
             awaiting: None,
             answered: false,
+            whole_prompt: false,
         };
         self.seqs.insert(child, seq);
         if let Some(g) = self.groups.get_mut(&group) {

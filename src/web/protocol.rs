@@ -232,7 +232,6 @@ impl StructuredFields {
 /// `metadata`, `store`, `service_tier`, ...) are accepted and ignored.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct UnimplementedFields {
-    prompt_logprobs: Option<serde_json::Value>,
     truncate_prompt_tokens: Option<serde_json::Value>,
     logits_processors: Option<serde_json::Value>,
     return_tokens_as_token_ids: Option<serde_json::Value>,
@@ -253,8 +252,7 @@ impl UnimplementedFields {
             })
         };
         let f = Value::Bool(false);
-        let fields: [(&'static str, bool); 5] = [
-            ("prompt_logprobs", empty(&self.prompt_logprobs)),
+        let fields: [(&'static str, bool); 4] = [
             ("truncate_prompt_tokens", empty(&self.truncate_prompt_tokens)),
             ("logits_processors", empty(&self.logits_processors)),
             ("return_tokens_as_token_ids", default_is(&self.return_tokens_as_token_ids, &f)),
@@ -299,6 +297,8 @@ pub struct SamplingFields {
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub allowed_token_ids: Option<Vec<u32>>,
     pub bad_words: Option<Vec<String>>,
+    /// Top logprobs per prompt position (vLLM's `prompt_logprobs`).
+    pub prompt_logprobs: Option<i64>,
     /// vLLM's request priority (`--scheduling-policy priority`; lower goes first).
     pub priority: Option<i64>,
     /// vLLM's beam search fields: `n` results of `best_of` (else `n`) beams.
@@ -531,6 +531,9 @@ fn logit_bias(f: &SamplingFields) -> Result<Vec<(u32, f32)>, ApiError> {
 /// `bad_words` tokenized as vLLM does it: each word alone and after a space (when that
 /// gives another sequence of the same length).
 fn token_fields(params: &mut SamplingParams, f: &SamplingFields, engine: &Engine) -> Result<(), ApiError> {
+    let max = engine.config().max_logprobs;
+    params.prompt_logprobs =
+        f.prompt_logprobs.map(|l| logprob_count(l, "prompt_logprobs", max)).transpose()?;
     if params.priority != 0 && engine.config().scheduling_policy != crate::config::SchedulingPolicy::Priority
     {
         return Err(ApiError::bad(
@@ -602,6 +605,7 @@ fn sampling(
         include_stop_str_in_output: f.include_stop_str_in_output.unwrap_or(false),
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
+        prompt_logprobs: None,
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
         guide: None,
         logit_bias: logit_bias(f)?,

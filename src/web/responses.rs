@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::protocol::{Endpoint, Prepared};
 use crate::engine::RequestStream;
-use crate::request::{FinishReason, StopReason, TokenEvent, TokenLogprobs, Usage};
+use crate::request::{FinishReason, PromptLogprob, StopReason, TokenEvent, TokenLogprobs, Usage};
 use crate::structured::reasoning::ReasoningStream;
 use crate::structured::tools::{self, StreamDelta, ToolCall, ToolMode, ToolStream};
 use crate::tokenizer::Tokenizer;
@@ -28,6 +28,11 @@ pub enum GenEvent {
         index: usize,
         reason: FinishReason,
         stop_reason: Option<StopReason>,
+    },
+    /// The logprobs of prompt `prompt` (`prompt_logprobs`), before its first token.
+    PromptLogprobs {
+        prompt: usize,
+        positions: Arc<Vec<Option<PromptLogprob>>>,
     },
     /// Every engine request ended; usage summed over prompts.
     Done {
@@ -67,6 +72,9 @@ pub fn merge(streams: Vec<RequestStream>, n: usize) -> impl Stream<Item = GenEve
                     TokenEvent::Finished { index, reason, stop_reason } => {
                         GenEvent::Finished { index: p * n + index, reason, stop_reason }
                     }
+                    TokenEvent::PromptLogprobs { positions } => {
+                        GenEvent::PromptLogprobs { prompt: p, positions: Arc::new(positions) }
+                    }
                     TokenEvent::Error { message } => {
                         return Some((GenEvent::Error { message }, (all, 0, usage, true)));
                     }
@@ -104,6 +112,24 @@ fn stop_reason_json(s: &Option<StopReason>) -> Value {
 fn usage_json(u: &Usage) -> Value {
     json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
+}
+
+/// vLLM's `prompt_logprobs`: per prompt position null (the first) or an object of token
+/// ids, the prompt's token and the top ones, each with its logprob, rank and text.
+pub fn prompt_logprobs_json(tok: &Tokenizer, positions: &[Option<PromptLogprob>]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: usize| json!({"logprob": logprob, "rank": rank, "decoded_token": tok.id_to_token(id)});
+    positions
+        .iter()
+        .map(|p| {
+            let Some(p) = p else { return Value::Null };
+            let mut m = serde_json::Map::new();
+            m.insert(p.token_id.to_string(), entry(p.token_id, p.logprob, p.rank));
+            for (r, &(id, lp)) in p.top.iter().enumerate() {
+                m.entry(id.to_string()).or_insert_with(|| entry(id, lp, r + 1));
+            }
+            Value::Object(m)
+        })
+        .collect()
 }
 
 /// Per-choice state for the non-streaming response.
@@ -220,6 +246,8 @@ pub struct Shaper {
     choices: Vec<ChoiceAcc>,
     /// Per chat choice, when its output is read for reasoning or tool calls.
     readers: Vec<Option<ChoiceReader>>,
+    /// Per prompt, its `prompt_logprobs` in the response's shape once they came.
+    prompt_logprobs: Vec<Value>,
 }
 
 impl Shaper {
@@ -241,6 +269,7 @@ impl Shaper {
                 })
             })
             .collect();
+        let prompt_logprobs = vec![Value::Null; prepared.prompts.len()];
         Self {
             id,
             created,
@@ -251,6 +280,7 @@ impl Shaper {
             started: vec![false; total],
             choices: vec![ChoiceAcc::default(); total],
             readers,
+            prompt_logprobs,
         }
     }
 
@@ -400,6 +430,26 @@ impl Shaper {
                 out.push(self.envelope(vec![choice], usage.as_ref()));
                 out
             }
+            GenEvent::PromptLogprobs { prompt, positions } => {
+                let lps = prompt_logprobs_json(&self.tok, positions);
+                match self.prepared.endpoint {
+                    // Every choice of the prompt carries them, as in the whole response.
+                    Endpoint::Completions => {
+                        let choices = (prompt * self.n()..(prompt + 1) * self.n())
+                            .map(|i| {
+                                json!({"index": i, "text": "", "logprobs": null, "finish_reason": null,
+                                "stop_reason": null, "prompt_logprobs": lps})
+                            })
+                            .collect();
+                        vec![self.envelope(choices, None)]
+                    }
+                    Endpoint::Chat => {
+                        let mut chunk = self.envelope(Vec::new(), None);
+                        chunk["prompt_logprobs"] = lps;
+                        vec![chunk]
+                    }
+                }
+            }
             GenEvent::Done { usage } => {
                 self.usage = *usage;
                 if self.prepared.stream_options.include_usage {
@@ -423,6 +473,11 @@ impl Shaper {
             GenEvent::Finished { index, reason, stop_reason } => {
                 self.choices[index].finish = Some(reason);
                 self.choices[index].stop = stop_reason;
+            }
+            GenEvent::PromptLogprobs { prompt, positions } => {
+                if let Some(slot) = self.prompt_logprobs.get_mut(prompt) {
+                    *slot = prompt_logprobs_json(&self.tok, &positions);
+                }
             }
             GenEvent::Done { usage } => self.usage = usage,
             GenEvent::Error { .. } => {}
@@ -479,7 +534,7 @@ impl Shaper {
                 let stop = stop_reason_json(&c.stop);
                 match self.prepared.endpoint {
                     Endpoint::Completions => json!({"index": i, "text": format!("{echo}{}", c.text), "logprobs": lp,
-                        "finish_reason": finish, "stop_reason": stop}),
+                        "finish_reason": finish, "stop_reason": stop, "prompt_logprobs": self.prompt_logprobs[i / self.n()]}),
                     Endpoint::Chat => {
                         let (message, finish) = self.message(i, echo, c);
                         json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish, "stop_reason": stop})
@@ -487,9 +542,14 @@ impl Shaper {
                 }
             })
             .collect();
-        json!({
+        let mut v = json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.prepared.model,
             "choices": choices, "usage": usage_json(&self.usage),
-        })
+        });
+        // Chat has one prompt: its prompt logprobs sit beside the choices (vLLM's shape).
+        if self.prepared.endpoint == Endpoint::Chat {
+            v["prompt_logprobs"] = self.prompt_logprobs[0].clone();
+        }
+        v
     }
 }

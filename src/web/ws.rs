@@ -28,7 +28,7 @@ use super::AppState;
 use super::errors::ApiError;
 use super::openai::start;
 use super::protocol::{ChatRequest, CompletionRequest, Prepared, prepare_chat, prepare_completion};
-use super::responses::{GenEvent, Shaper};
+use super::responses::{GenEvent, Shaper, prompt_logprobs_json};
 use super::shutdown::{Phase, watch_phase};
 use super::ws_frames::{FrameGuard, Ledger};
 use crate::request::{AbortReason, FinishReason};
@@ -195,6 +195,13 @@ impl WsSession {
                         json!({"token_id": l.token_id, "logprob": l.logprob, "top_logprobs": top});
                 }
                 ctx.text(v.to_string());
+            }
+            GenEvent::PromptLogprobs { prompt, positions } => {
+                let lps = prompt_logprobs_json(self.state.engine.tokenizer(), &positions);
+                ctx.text(
+                    json!({"type": "prompt_logprobs", "id": id, "prompt": prompt, "prompt_logprobs": lps})
+                        .to_string(),
+                );
             }
             GenEvent::Finished { index, reason, .. } => {
                 if let Some(g) = self.running.get_mut(id)

@@ -47,12 +47,29 @@ pub struct Beam {
     pub scores: Vec<f32>,
 }
 
+/// transformers' float32 log-softmax over a prompt's logits: for each position after the
+/// first, the prompt token's logprob and rank and the most likely tokens.
+#[derive(Deserialize)]
+pub struct PromptLogprobs {
+    pub prompt_ids: Vec<u32>,
+    pub positions: Vec<PromptPosition>,
+}
+
+#[derive(Deserialize)]
+pub struct PromptPosition {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub rank: usize,
+    pub top: Vec<(u32, f32)>,
+}
+
 #[derive(Deserialize)]
 pub struct Golden {
     pub prompts: Vec<Prompt>,
     pub chats: Vec<Chat>,
     pub tokenizer: Vec<TokCase>,
     pub beams: Vec<Beam>,
+    pub prompt_logprobs: Vec<PromptLogprobs>,
 }
 
 pub fn load() -> Golden {

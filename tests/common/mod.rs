@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use actorllm::config::EngineArgs;
 use actorllm::kernels::DType;
 use actorllm::models::random::{Preset, make_random_model};
-use actorllm::request::{FinishReason, StopReason, TokenEvent, Usage};
+use actorllm::request::{FinishReason, PromptLogprob, StopReason, TokenEvent, Usage};
 pub use actorllm::scratch::ScratchDir;
 use actorllm::{Engine, RequestStream, SamplingParams};
 use futures::StreamExt;
@@ -63,6 +63,7 @@ pub struct Outcome {
     pub finish: Vec<Option<FinishReason>>,
     pub stop: Vec<Option<StopReason>>,
     pub usage: Option<Usage>,
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 pub async fn collect(mut s: RequestStream, n: usize) -> Outcome {
@@ -72,9 +73,14 @@ pub async fn collect(mut s: RequestStream, n: usize) -> Outcome {
         finish: vec![None; n],
         stop: vec![None; n],
         usage: None,
+        prompt_logprobs: None,
     };
     while let Some(ev) = s.next().await {
         match ev {
+            TokenEvent::PromptLogprobs { positions } => {
+                assert!(o.tokens.iter().all(Vec::is_empty), "prompt logprobs come before the first token");
+                assert!(o.prompt_logprobs.replace(positions).is_none(), "prompt logprobs come once");
+            }
             TokenEvent::Token { index, token_id, text, .. } => {
                 o.tokens[index].push(token_id);
                 o.text[index].push_str(&text);

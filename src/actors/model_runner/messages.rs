@@ -78,7 +78,17 @@ pub struct Sampled {
 #[derive(Debug, Default)]
 pub struct StepOutput {
     pub sampled: Vec<Sampled>,
+    /// Prompt logprobs computed by this step (`prompt_logprobs`).
+    pub prompt_logprobs: Vec<PromptOutput>,
     pub timing: RunnerTiming,
+}
+
+/// A prompt token's logprob, at position `at` of sequence `seq`.
+#[derive(Debug)]
+pub struct PromptOutput {
+    pub seq: SeqId,
+    pub at: usize,
+    pub logprob: crate::request::PromptLogprob,
 }
 
 /// Where a runner's step went, in nanoseconds.
@@ -118,6 +128,9 @@ pub struct ShardStep {
     pub lora_loads: Vec<(usize, Arc<LoraAdapter>)>,
     /// Cache blocks copied first, as [`ExecuteBatch::copies`].
     pub copies: Arc<[(BlockId, BlockId)]>,
+    /// Rows whose logits are computed after the forward, as the lead rank computes them
+    /// for the prompt logprobs it reads back.
+    pub prompt_rows: Arc<[usize]>,
 }
 
 /// Drops the KV cache and the sequences (after the profiling step) and answers the

@@ -84,6 +84,38 @@ async fn blocks_come_back_after_abort_and_dropped_streams() {
     assert!(!engine.abort("cancel-me", AbortReason::Cancelled).await, "already gone");
 }
 
+/// A beam search cancelled or dropped while its beams fork gives back every block, its
+/// choices end with `abort`, and a request beside it is undisturbed.
+#[actix_rt::test]
+async fn an_aborted_beam_search_gives_back_every_block() {
+    use actorllm::request::{BeamParams, EarlyStopping};
+    let model = tiny_model(3);
+    let engine = Engine::start(common::args(&model)).await.unwrap();
+    let p = prompts();
+    let beams = SamplingParams {
+        n: 3,
+        beam: Some(BeamParams { width: 4, length_penalty: 1.0, early_stopping: EarlyStopping::Never }),
+        ..long(1500)
+    };
+    let keep = engine.add_request("keep".into(), p[1].clone(), long(40)).await.unwrap();
+    let cancelled = engine.add_request("cancel-beams".into(), p[2].clone(), beams.clone()).await.unwrap();
+    let dropped = engine.add_request("drop-beams".into(), p[3].clone(), beams).await.unwrap();
+    // Let the searches fork for a while first.
+    while engine.metrics().steps.load(std::sync::atomic::Ordering::Relaxed) < 20 {
+        actix_rt::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    drop(dropped);
+    assert!(engine.abort("cancel-beams", AbortReason::Cancelled).await);
+    let c = collect(cancelled, 3).await;
+    assert_eq!(c.finish, vec![Some(FinishReason::Abort); 3]);
+    assert!(c.tokens.iter().all(Vec::is_empty), "a beam search sends its choices only at its end");
+    let k = collect(keep, 1).await;
+    assert_eq!(k.tokens[0].len(), 40, "the other request is undisturbed");
+    let (free, total) = wait_all_blocks_free(&engine).await;
+    assert_eq!(free, total);
+    assert_eq!(engine.metrics().aborts(AbortReason::ClientGone), 1);
+}
+
 #[actix_rt::test]
 async fn the_same_seed_gives_the_same_output_whatever_else_is_running() {
     let model = tiny_model(4);

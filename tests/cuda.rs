@@ -24,6 +24,15 @@ use actorllm::request::SamplingParams;
 use actorllm::sampling::{self, SampleInput};
 use common::{greedy, run, tiny_model};
 
+/// Waits (up to 30 s) until the engine before has released its device: a KV cache still
+/// held would leave the next engine's profiling little memory.
+async fn runners_released() {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
+        actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// A test's turn on the GPU, held to its end. `cargo test` runs a binary's tests in
 /// parallel, but an engine sizes its KV cache by the GPU memory it finds free (the
 /// KV-budget test's takes 90 % of it): run in parallel on the H200, the seeded-sampling
@@ -1165,10 +1174,7 @@ async fn the_engine_on_the_gpu_gives_the_cpu_tokens() {
         let (eager, pipelined) = (args.enforce_eager, args.async_scheduling);
         // The engine before this one releases its device first: a KV cache still held
         // would leave this one's profiling little memory.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
-            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        runners_released().await;
         let gpu = Engine::start(args).await.unwrap();
         let got =
             futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
@@ -1237,10 +1243,7 @@ async fn beam_search_on_the_gpu_gives_the_cpu_hypotheses() {
             },
         ),
     ] {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
-            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        runners_released().await;
         let gpu = Engine::start(args).await.unwrap();
         let got =
             futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
@@ -1281,10 +1284,7 @@ async fn prompt_logprobs_on_the_gpu_give_the_cpu_ones() {
             },
         ),
     ] {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
-            actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        runners_released().await;
         let gpu = Engine::start(args).await.unwrap();
         let got =
             futures::future::join_all(prompts.iter().map(|p| run(&gpu, p.clone(), params.clone()))).await;
@@ -1744,10 +1744,7 @@ async fn every_architecture_on_the_gpu_gives_the_cpu_tokens() {
         )
         .await;
         for eager in [false, true] {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            while actorllm::actors::model_runner::live_runners() > 0 && std::time::Instant::now() < deadline {
-                actix_rt::time::sleep(std::time::Duration::from_millis(10)).await;
-            }
+            runners_released().await;
             let args = EngineArgs {
                 device: DeviceArg::Cuda,
                 enforce_eager: eager,

@@ -258,7 +258,8 @@ async fn throughput_pass(
     let before = engine.metrics().profile.snapshot();
     let start = Instant::now();
     let mut streams = Vec::with_capacity(inputs.len());
-    for (i, (&inp, &out)) in inputs.iter().zip(outputs).enumerate() {
+    let salts = super::fresh_salts(inputs.len());
+    for ((i, (&inp, &out)), salt) in inputs.iter().zip(outputs).enumerate().zip(salts) {
         let params = SamplingParams {
             max_tokens: Some(out),
             ignore_eos: true,
@@ -267,7 +268,8 @@ async fn throughput_pass(
         };
         let lora = (loras > 0).then(|| format!("lora{}", i % loras));
         let id = engine.next_request_id("tp");
-        streams.push(engine.add_request_with_lora(id, prompt(inp, i, vocab), params, lora.as_deref()).await?);
+        streams
+            .push(engine.add_request_with_lora(id, prompt(inp, salt, vocab), params, lora.as_deref()).await?);
     }
     let counts = futures::future::join_all(streams.into_iter().map(|mut s| async move {
         let mut n = 0usize;

@@ -128,15 +128,39 @@ struct OfflineReport {
     dtype: String,
     weight_mib: usize,
     decode: Vec<DecodeFigure>,
+    /// With `--random-loras`: each batch again, its requests spread over the adapters.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    on_adapters: Vec<AdapterFigure>,
     prefill_tokens: usize,
     prefill_tokens_per_s: f64,
 }
 
+/// A decode run over random LoRA adapters beside the base model's run of the same batch.
+#[derive(Debug, Serialize)]
+struct AdapterFigure {
+    adapters: usize,
+    #[serde(flatten)]
+    figure: DecodeFigure,
+    /// Its decode tok/s over the base model's.
+    ratio_to_base: f64,
+}
+
 /// Deterministic prompt ids of length `len` from the ordinary (non-special) vocabulary.
 /// (Skips the low ids, where vocabularies keep their special tokens, and the last two.)
+/// Two salts less than the vocabulary's size apart give different first tokens, so that
+/// the prefix cache finds nothing of one prompt in another.
 pub(crate) fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
     let base = (vocab / 8).min(1000);
     (0..len).map(|i| (base + (i * 7919 + salt * 104729) % (vocab - base - 2)) as u32).collect()
+}
+
+/// `n` salts for [`prompt`] that no earlier run of this process used: each run of a benchmark
+/// prefills its prompts whole, as vLLM's benchmarks mean to, instead of finding them in the
+/// prefix cache from its warm-up or from the run before.
+pub(crate) fn fresh_salts(n: usize) -> std::ops::Range<usize> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let first = NEXT.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    first..first + n
 }
 
 /// Drains a stream; returns (time of first token, tokens).
@@ -204,12 +228,12 @@ pub(crate) async fn decode_run_with(
     };
     let start = Instant::now();
     let mut streams = Vec::new();
-    for b in 0..batch {
+    for (b, salt) in fresh_salts(batch).enumerate() {
         let id = engine.next_request_id("bench");
         let lora = (opts.loras > 0).then(|| format!("lora{}", b % opts.loras));
         streams.push(
             engine
-                .add_request_with_lora(id, prompt(input_len, b, vocab), params.clone(), lora.as_deref())
+                .add_request_with_lora(id, prompt(input_len, salt, vocab), params.clone(), lora.as_deref())
                 .await?,
         );
     }
@@ -325,6 +349,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Warm-up: touches every weight page and the allocator.
     decode_run(&engine, 1, 16, 4).await?;
     let mut decode = Vec::new();
+    let mut on_adapters = Vec::new();
     for &b in &batch_sizes {
         let f = decode_run(&engine, b, input_len, output_len).await?;
         if !json {
@@ -336,13 +361,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         if loras > 0 {
             let opts = DecodeOpts { loras, ..DecodeOpts::default() };
             let l = decode_run_with(&engine, b, input_len, output_len, &opts).await?;
+            let ratio_to_base = l.decode_tokens_per_s / f.decode_tokens_per_s;
             if !json {
                 println!(
                     "  … on {loras} adapters: {:>8.1} tok/s decode ({:.1}% of the base model)",
                     l.decode_tokens_per_s,
-                    100.0 * l.decode_tokens_per_s / f.decode_tokens_per_s
+                    100.0 * ratio_to_base
                 );
             }
+            on_adapters.push(AdapterFigure { adapters: loras, figure: l, ratio_to_base });
         }
         decode.push(f);
     }
@@ -350,8 +377,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let params =
         SamplingParams { temperature: 0.0, max_tokens: Some(1), ignore_eos: true, ..Default::default() };
     let start = Instant::now();
-    let s =
-        engine.add_request(engine.next_request_id("bench"), prompt(prefill_len, 99, vocab), params).await?;
+    let s = engine
+        .add_request(
+            engine.next_request_id("bench"),
+            prompt(prefill_len, fresh_salts(1).start, vocab),
+            params,
+        )
+        .await?;
     let (first, _) = drain(s).await?;
     let ttft = (first.unwrap_or_else(Instant::now) - start).as_secs_f64();
     let report = OfflineReport {
@@ -359,6 +391,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         dtype: format!("{:?}", engine.config().dtype),
         weight_mib: engine.weight_bytes() >> 20,
         decode,
+        on_adapters,
         prefill_tokens: prefill_len,
         prefill_tokens_per_s: prefill_len as f64 / ttft,
     };

@@ -3,8 +3,13 @@
 //! through the block table. One path serves prefill (causal over the prompt, including any
 //! already-cached prefix) and decode (one query over the whole context).
 //!
-//! Work is split per (token, head). Scores are a first pass over K, softmax in place, then a
-//! second pass accumulates V; both inner loops run the device's SIMD family.
+//! Decode tokens (and short runs of prompt tokens) are split per (token, head): scores are a
+//! first pass over K, softmax in place, then a second pass accumulates V; both inner loops
+//! run the device's SIMD family. A run of at least [`TILE_MIN`] consecutive prompt tokens
+//! of one sequence is computed in tiles instead: per KV head and block of [`TILE_ROWS`]
+//! queries, the block's keys and values are gathered once from the paged cache and the
+//! scores and the output are two small GEMMs, so that a long prompt reads each key once a
+//! block rather than once a query.
 
 use rayon::prelude::*;
 
@@ -78,8 +83,16 @@ pub fn attend(
         Family::Neon if hd % 4 == 0 => 4,
         _ => 0,
     };
+    let runs = tiled_runs(meta);
+    let mut tiled = vec![false; q.rows];
+    for r in &runs {
+        tiled[r.clone()].iter_mut().for_each(|t| *t = true);
+    }
     out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
         let (t, h) = (i / nh, i % nh);
+        if tiled[t] {
+            return;
+        }
         let pos = meta.positions[t] as usize;
         let start = s.first_visible(pos);
         let ctx = Context {
@@ -106,18 +119,208 @@ pub fn attend(
         }
         portable_head(qv, cache, &ctx, s, scores, o);
     });
+    if !runs.is_empty() {
+        attend_tiled(q, cache, s, meta, &runs, family, &mut out);
+    }
     CpuTensor::new(out, q.rows, nh * hd)
 }
 
-fn softmax_in_place(scores: &mut [f32]) {
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for sc in scores.iter_mut() {
-        *sc = (*sc - max).exp();
-        sum += *sc;
+/// Prompt runs shorter than this go per (token, head).
+const TILE_MIN: usize = 16;
+/// Queries of one tile.
+const TILE_ROWS: usize = 64;
+
+/// The runs of at least [`TILE_MIN`] consecutive tokens of one sequence at consecutive
+/// positions (prompt chunks), as token ranges.
+fn tiled_runs(meta: &AttnMetadata) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let n = meta.positions.len();
+    let mut start = 0;
+    for t in 1..=n {
+        let goes_on = t < n
+            && meta.token_seq[t] == meta.token_seq[t - 1]
+            && meta.positions[t] == meta.positions[t - 1] + 1;
+        if !goes_on {
+            if t - start >= TILE_MIN {
+                runs.push(start..t);
+            }
+            start = t;
+        }
     }
-    let inv = 1.0 / sum;
+    runs
+}
+
+/// `dst[m, n] = a[m, k] · b[k, n]`, each operand given by its row and column strides, on
+/// this thread.
+#[allow(clippy::too_many_arguments)]
+fn small_gemm(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    a: &[f32],
+    (a_rs, a_cs): (usize, usize),
+    b: &[f32],
+    (b_rs, b_cs): (usize, usize),
+) {
+    let last = |rs: usize, cs: usize, rows: usize, cols: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(m > 0 && n > 0 && k > 0);
+    assert!(last(dst_rs, 1, m, n) < dst.len() && last(a_rs, a_cs, m, k) < a.len());
+    assert!(last(b_rs, b_cs, k, n) < b.len());
+    // SAFETY: every element each operand's strides reach is inside its slice (asserted
+    // above), and gemm writes only dst's m × n elements.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            false,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// The tiles of `runs`: for each (run, KV head, block of queries), the keys and values the
+/// block sees gathered once, then per query head of the group `S = q·Kᵀ`, the scale, soft
+/// cap and causal (and window) mask, a softmax per row and `O = S·V`.
+fn attend_tiled(
+    q: &CpuTensor,
+    cache: &CpuCache,
+    s: AttnShape,
+    meta: &AttnMetadata,
+    runs: &[std::ops::Range<usize>],
+    family: Family,
+    out: &mut [f32],
+) {
+    let (hd, nh, nkv) = (s.head_dim, s.num_heads, s.num_kv_heads);
+    let group = nh / nkv;
+    let width = nkv * hd;
+    let bs = cache.shape.block_size;
+    let tiles: Vec<(usize, usize, usize)> = runs
+        .iter()
+        .flat_map(|r| (r.start..r.end).step_by(TILE_ROWS).map(move |t0| (t0, TILE_ROWS.min(r.end - t0))))
+        .flat_map(|(t0, rows)| (0..nkv).map(move |g| (t0, rows, g)))
+        .collect();
+    // Each tile's output, [head of the group][row][dim].
+    let results: Vec<Vec<f32>> = tiles
+        .par_iter()
+        .map(|&(t0, rows, g)| {
+            let table = &meta.block_tables[meta.token_seq[t0] as usize];
+            let p0 = meta.positions[t0] as usize;
+            let kstart = s.first_visible(p0);
+            let nk = p0 + rows - kstart;
+            let mut kc = vec![0f32; nk * hd];
+            let mut vc = vec![0f32; nk * hd];
+            for j in 0..nk {
+                let p = kstart + j;
+                let at = (table[p / bs] as usize * bs + p % bs) * width + g * hd;
+                kc[j * hd..(j + 1) * hd].copy_from_slice(&cache.k[at..at + hd]);
+                vc[j * hd..(j + 1) * hd].copy_from_slice(&cache.v[at..at + hd]);
+            }
+            let mut scores = vec![0f32; rows * nk];
+            let mut o = vec![0f32; group * rows * hd];
+            for (j, oh) in o.chunks_mut(rows * hd).enumerate() {
+                let h = g * group + j;
+                let qh = &q.data[t0 * nh * hd + h * hd..];
+                small_gemm((rows, nk, hd), &mut scores, nk, qh, (nh * hd, 1), &kc, (1, hd));
+                for (r, row) in scores.chunks_mut(nk).enumerate() {
+                    let p = p0 + r;
+                    let (lo, hi) = (s.first_visible(p) - kstart, p + 1 - kstart);
+                    row[..lo].fill(0.0);
+                    row[hi..].fill(0.0);
+                    let seen = &mut row[lo..hi];
+                    seen.iter_mut().for_each(|x| *x *= s.scale);
+                    cap_scores(seen, s.softcap);
+                    softmax(seen, family);
+                }
+                small_gemm((rows, hd, nk), oh, hd, &scores, (nk, 1), &vc, (hd, 1));
+            }
+            o
+        })
+        .collect();
+    for (&(t0, rows, g), o) in tiles.iter().zip(&results) {
+        for (j, oh) in o.chunks(rows * hd).enumerate() {
+            let h = g * group + j;
+            for r in 0..rows {
+                let at = (t0 + r) * nh * hd + h * hd;
+                out[at..at + hd].copy_from_slice(&oh[r * hd..(r + 1) * hd]);
+            }
+        }
+    }
+}
+
+/// `e^x` for the softmax's shifted scores (`x ≤ 0`), within about one ulp: `2^n · p(r)` for
+/// `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, with Cephes' expf polynomial. Plain arithmetic (the
+/// rounding is the 1.5·2²³ shift), so that a loop of it vectorizes at the width of the
+/// function it is inlined into, where libm's `expf` is a call per element.
+#[inline(always)]
+fn exp_shifted(x: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E + SHIFT) - SHIFT;
+    // ln 2 in two parts, so that n · ln 2 is exact enough to leave r's low bits.
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let p = ((((1.987_569_2e-4 * r + 1.398_2e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 0.166_666_65)
+        * r
+        + 0.5;
+    f32::from_bits(((n as i32 + 127) << 23) as u32) * (p * r * r + r + 1.0)
+}
+
+/// Softmax of one row in place. The maximum and the sum are kept in 16 lanes (each in a
+/// fixed order), so that neither is a chain of dependent adds.
+#[inline(always)]
+fn softmax_in_place(scores: &mut [f32]) {
+    const L: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; L];
+    let (chunks, rest) = scores.as_chunks::<L>();
+    for c in chunks {
+        for i in 0..L {
+            lanes[i] = lanes[i].max(c[i]);
+        }
+    }
+    let max = rest.iter().chain(&lanes).copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sums = [0f32; L];
+    let (chunks, rest) = scores.as_chunks_mut::<L>();
+    for c in chunks {
+        for i in 0..L {
+            c[i] = exp_shifted(c[i] - max);
+            sums[i] += c[i];
+        }
+    }
+    let mut sum = 0f32;
+    for x in rest {
+        *x = exp_shifted(*x - max);
+        sum += *x;
+    }
+    let inv = 1.0 / (sums.iter().sum::<f32>() + sum);
     scores.iter_mut().for_each(|s| *s *= inv);
+}
+
+/// [`softmax_in_place`] at the family's width, for callers outside its SIMD heads.
+fn softmax(scores: &mut [f32], family: Family) {
+    match family {
+        // SAFETY: a device runs a family only where the CPU has it.
+        #[cfg(target_arch = "x86_64")]
+        Family::Avx512 => unsafe { simd::softmax16(scores) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Family::Avx2 => unsafe { simd::softmax8(scores) },
+        _ => softmax_in_place(scores),
+    }
 }
 
 fn portable_head(
@@ -231,6 +434,26 @@ mod simd {
         unsafe { head::<__m256>(q, cache, ctx, s, scores, o) }
     }
 
+    /// [`softmax_in_place`] on AVX-512.
+    ///
+    /// # Safety
+    /// AVX-512F is available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn softmax16(scores: &mut [f32]) {
+        softmax_in_place(scores)
+    }
+
+    /// [`softmax_in_place`] on AVX2.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax8(scores: &mut [f32]) {
+        softmax_in_place(scores)
+    }
+
     /// [`head`] on NEON.
     ///
     /// # Safety
@@ -247,5 +470,105 @@ mod simd {
     ) {
         // SAFETY: the caller's contract.
         unsafe { head::<float32x4_t>(q, cache, ctx, s, scores, o) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::CacheShape;
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// softmax(q·Kᵀ) · V in f64 over each token's visible positions, read through the table.
+    fn reference(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> Vec<f32> {
+        let (hd, nh) = (s.head_dim, s.num_heads);
+        let (group, width, bs) = (nh / s.num_kv_heads, s.num_kv_heads * hd, cache.shape.block_size);
+        let mut out = vec![0f32; q.rows * nh * hd];
+        for t in 0..q.rows {
+            let pos = meta.positions[t] as usize;
+            let table = &meta.block_tables[meta.token_seq[t] as usize];
+            for h in 0..nh {
+                let qv = &q.data[(t * nh + h) * hd..][..hd];
+                let at = |p: usize| (table[p / bs] as usize * bs + p % bs) * width + (h / group) * hd;
+                let visible = s.first_visible(pos)..pos + 1;
+                let scores: Vec<f64> = visible
+                    .clone()
+                    .map(|p| {
+                        let d: f64 =
+                            qv.iter().zip(&cache.k[at(p)..][..hd]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let d = d * s.scale as f64;
+                        if s.softcap > 0.0 { s.softcap as f64 * (d / s.softcap as f64).tanh() } else { d }
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = visible.clone().zip(&w).map(|(p, w)| w * cache.v[at(p) + d] as f64).sum();
+                    out[(t * nh + h) * hd + d] = (o / sum) as f32;
+                }
+            }
+        }
+        out
+    }
+
+    /// A step as chunked prefill and decoding make them: a prompt chunk after a cached
+    /// prefix, a decode token, a whole prompt, a run too short to tile and a second decode
+    /// token; tables that are not in order.
+    #[test]
+    fn tiles_and_single_queries_match_the_reference() {
+        let (bs, nkv, hd, nh) = (16usize, 2usize, 64usize, 6usize);
+        let seqs: [(u32, u32); 5] = [(37, 100), (80, 1), (0, 150), (5, 7), (300, 1)];
+        let mut block_tables = Vec::new();
+        let mut next = 0u32;
+        let (mut positions, mut token_seq, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, &(start, n)) in seqs.iter().enumerate() {
+            let blocks = (start + n).div_ceil(bs as u32);
+            // Every other sequence's table runs backwards, so that blocks are not in order.
+            let mut table: Vec<u32> = (next..next + blocks).collect();
+            if i % 2 == 1 {
+                table.reverse();
+            }
+            next += blocks;
+            for p in start..start + n {
+                positions.push(p);
+                token_seq.push(i as u32);
+                slots.push((table[p as usize / bs] as usize * bs + p as usize % bs) as i64);
+            }
+            block_tables.push(table);
+        }
+        let rows = positions.len();
+        let shape = CacheShape { num_blocks: next as usize, block_size: bs, num_kv_heads: nkv, head_dim: hd };
+        let cells = shape.num_blocks * bs * nkv * hd;
+        let cache = CpuCache { shape, k: rand_vec(cells, 1), v: rand_vec(cells, 2) };
+        let q = CpuTensor::new(rand_vec(rows * nh * hd, 3), rows, nh * hd);
+        let meta = AttnMetadata {
+            positions,
+            slot_mapping: slots,
+            token_seq,
+            block_tables,
+            last_token_rows: Vec::new(),
+            lora_slots: Vec::new(),
+            prompt_lens: Vec::new(),
+        };
+        assert_eq!(tiled_runs(&meta), vec![0..100, 101..251]);
+        for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
+            let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
+            let want = reference(&q, &cache, s, &meta);
+            for family in Family::all_supported() {
+                let got = attend(&q, &cache, s, &meta, family);
+                let worst = got.data.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(worst < 2e-6, "{} window {window} cap {softcap}: off by {worst}", family.name());
+            }
+        }
     }
 }

@@ -331,3 +331,62 @@ async fn hostile_adapters_are_refused_with_a_clear_error() {
         200
     );
 }
+
+/// The metrics the Gateway API Inference Extension's endpoint picker reads, with vLLM's
+/// names, types and labels: queue lengths, KV cache usage, and `vllm:lora_requests_info`
+/// naming the adapters of running and waiting requests and the adapter slots.
+#[actix_rt::test]
+async fn metrics_name_running_and_waiting_adapters_as_vllm_does() {
+    let g = golden();
+    let root = scratch("gateway-metrics");
+    let lora_modules: Vec<_> =
+        g.adapters.iter().map(|a| (a.spec.name.clone(), write_adapter(&root, &a.spec, false))).collect();
+    let (first, second) = (g.adapters[0].spec.name.clone(), g.adapters[1].spec.name.clone());
+    // One slot: a request on the second adapter waits while the first one's runs.
+    let s = common::server::start(&common::default_model(), |a| {
+        a.engine.lora = LoraArgs { enable_lora: true, max_loras: 1, lora_modules, ..Default::default() };
+    })
+    .await;
+    let info = |text: &str| -> (Vec<(String, String)>, f64) {
+        let line = text.lines().find(|l| l.starts_with("vllm:lora_requests_info{")).expect("the info series");
+        let (labels, value) = line.rsplit_once(' ').unwrap();
+        let labels = labels.trim_start_matches("vllm:lora_requests_info{").trim_end_matches('}');
+        let labels = labels
+            .split("\",")
+            .map(|kv| {
+                let (k, v) = kv.split_once("=\"").unwrap();
+                (k.to_string(), v.trim_end_matches('"').to_string())
+            })
+            .collect();
+        (labels, value.parse().unwrap())
+    };
+    let (_, text) = s.get_text("/metrics").await;
+    for name in ["vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"] {
+        assert!(text.contains(&format!("# TYPE {name} gauge\n")), "{name} is a gauge: {text}");
+    }
+    assert!(text.contains("# TYPE vllm:lora_requests_info gauge\n"), "{text}");
+    let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let (labels, at) = info(&text);
+    let label = |labels: &[(String, String)], k: &str| labels.iter().find(|l| l.0 == k).map(|l| l.1.clone());
+    assert_eq!(label(&labels, "max_lora").as_deref(), Some("1"));
+    assert_eq!(label(&labels, "running_lora_adapters").as_deref(), Some(""), "{labels:?}");
+    assert_eq!(label(&labels, "waiting_lora_adapters").as_deref(), Some(""), "{labels:?}");
+    assert!((now() - at).abs() < 30.0, "valued at the reading's time: {at}");
+    // A long request on the first adapter, then one on the second, both streamed.
+    let prompt = &g.adapters[0].outputs[0].prompt_ids;
+    let stream = |model: &str| json!({"model": model, "prompt": prompt, "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    let mut running = s.client.post(s.url("/v1/completions")).send_json(&stream(&first)).await.unwrap();
+    let _ = running.next().await.expect("a first chunk").unwrap();
+    let waiting = s.client.post(s.url("/v1/completions")).send_json(&stream(&second)).await.unwrap();
+    s.wait_for_metric("vllm:num_requests_waiting", 1.0).await;
+    let (_, text) = s.get_text("/metrics").await;
+    let (labels, _) = info(&text);
+    assert_eq!(label(&labels, "running_lora_adapters"), Some(first.clone()), "{labels:?}");
+    assert_eq!(label(&labels, "waiting_lora_adapters"), Some(second.clone()), "{labels:?}");
+    assert_eq!(s.metric("vllm:num_requests_running").await, 1.0);
+    drop((running, waiting));
+    s.wait_for_metric("vllm:num_requests_running", 0.0).await;
+    s.wait_for_metric("vllm:num_requests_waiting", 0.0).await;
+    let (labels, _) = info(&s.get_text("/metrics").await.1);
+    assert_eq!(label(&labels, "running_lora_adapters").as_deref(), Some(""), "{labels:?}");
+}

@@ -85,6 +85,8 @@ pub struct LoraStats {
     pub loaded: usize,
     /// Requests per adapter name since start.
     pub requests: BTreeMap<String, u64>,
+    /// Registered adapters' names by load id.
+    pub names: HashMap<u64, String>,
 }
 
 /// Limits the manager enforces.
@@ -258,6 +260,7 @@ impl Handler<GetLoraStats> for LoraManager {
             registered: self.registry.len(),
             loaded: self.cache.len(),
             requests: self.requests.clone(),
+            names: self.registry.values().map(|a| (a.id, a.name.clone())).collect(),
         })
     }
 }

@@ -72,6 +72,9 @@ pub struct SchedulerStats {
     pub busy: bool,
     /// Adapter slots holding an adapter.
     pub lora_slots_used: usize,
+    /// Adapters (load ids) of the running sequences, and of the waiting ones.
+    pub running_loras: Vec<u64>,
+    pub waiting_loras: Vec<u64>,
 }
 
 /// Limits the scheduler enforces on admission.

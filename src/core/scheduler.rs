@@ -303,6 +303,16 @@ impl Scheduler {
         self.lora_slots.occupied()
     }
 
+    /// The adapters (by load id) of the running sequences and of the waiting ones, each
+    /// once, in ascending order.
+    pub fn adapters_in_use(&self) -> (Vec<u64>, Vec<u64>) {
+        let of = |ids: &mut dyn Iterator<Item = &SeqId>| {
+            let set: std::collections::BTreeSet<u64> = ids.filter_map(|id| self.seqs[id].lora).collect();
+            set.into_iter().collect::<Vec<_>>()
+        };
+        (of(&mut self.running.iter()), of(&mut self.waiting.iter()))
+    }
+
     fn slot_of(&self, id: SeqId) -> i32 {
         self.seqs[&id].lora.and_then(|a| self.lora_slots.slot_of(a)).map_or(-1, |s| s as i32)
     }

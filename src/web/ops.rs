@@ -72,6 +72,22 @@ pub async fn metrics(state: web::Data<AppState>) -> Result<HttpResponse, ApiErro
             "LoRA adapters loaded in host memory.",
             l.loaded as f64,
         );
+        // vLLM's info gauge, read by the Gateway API Inference Extension's endpoint picker:
+        // one series whose labels name the adapters of the running and waiting requests and
+        // the adapter slots, valued at the time of the reading.
+        let names = |ids: &[u64]| {
+            let names: Vec<&str> = ids.iter().filter_map(|id| l.names.get(id).map(String::as_str)).collect();
+            crate::metrics::label(&names.join(","))
+        };
+        let max_lora = state.engine.config().lora.as_ref().map_or(0, |c| c.max_loras);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        out.push_str(&format!(
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {}\n",
+            names(&s.waiting_loras),
+            names(&s.running_loras),
+            now.as_secs_f64()
+        ));
         out.push_str("# HELP actorllm:lora_requests_total Requests per LoRA adapter.\n# TYPE actorllm:lora_requests_total counter\n");
         for (name, n) in &l.requests {
             out.push_str(&format!(

@@ -80,6 +80,8 @@ impl Handler<GetStats> for SchedulerActor {
             last_step: self.last_step,
             busy: self.in_flight > 0,
             lora_slots_used: self.core.lora_slots_used(),
+            running_loras: self.core.adapters_in_use().0,
+            waiting_loras: self.core.adapters_in_use().1,
         })
     }
 }

@@ -71,6 +71,7 @@ impl Handler<PreloadLoras> for SchedulerActor {
 impl Handler<GetStats> for SchedulerActor {
     type Result = MessageResult<GetStats>;
     fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        let (running_loras, waiting_loras) = self.core.adapters_in_use();
         MessageResult(SchedulerStats {
             num_running: self.core.num_running(),
             num_waiting: self.core.num_waiting(),
@@ -80,8 +81,8 @@ impl Handler<GetStats> for SchedulerActor {
             last_step: self.last_step,
             busy: self.in_flight > 0,
             lora_slots_used: self.core.lora_slots_used(),
-            running_loras: self.core.adapters_in_use().0,
-            waiting_loras: self.core.adapters_in_use().1,
+            running_loras,
+            waiting_loras,
         })
     }
 }

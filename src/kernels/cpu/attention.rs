@@ -478,14 +478,9 @@ mod tests {
     use super::*;
     use crate::kernels::CacheShape;
 
+    /// Test values in [-1, 1).
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        super::super::test_values(n, seed).into_iter().map(|x| x * 2.0).collect()
     }
 
     /// softmax(q·Kᵀ) · V in f64 over each token's visible positions, read through the table.

@@ -118,15 +118,7 @@ mod tests {
         out
     }
 
-    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use super::super::test_values as rand_vec;
 
     #[test]
     fn every_regime_and_dtype_matches_reference() {

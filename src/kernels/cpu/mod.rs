@@ -11,6 +11,18 @@ pub mod matmul;
 pub mod packed;
 mod simd;
 
+/// Deterministic test values in [-0.5, 0.5) (an LCG), for the kernels' unit tests.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect()
+}
+
 use std::sync::Arc;
 
 use half::f16;

@@ -46,13 +46,25 @@ struct Context<'a> {
 }
 
 impl Context<'_> {
-    /// Offset of the `i`-th visible position.
-    #[inline]
-    fn offset(&self, i: usize) -> usize {
-        let p = self.start + i;
-        (self.table[p / self.block_size] as usize * self.block_size + p % self.block_size) * self.width
-            + self.head_off
+    /// The offsets of every visible position, a block at a time.
+    fn offsets(&self, out: &mut Vec<usize>) {
+        out.clear();
+        let (bs, end) = (self.block_size, self.start + self.len);
+        let mut p = self.start;
+        while p < end {
+            let base = self.table[p / bs] as usize * bs;
+            let stop = end.min((p / bs + 1) * bs);
+            out.extend((p..stop).map(|q| (base + q % bs) * self.width + self.head_off));
+            p = stop;
+        }
     }
+}
+
+/// A worker's buffers: one (token, head)'s scores and its positions' cache offsets.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    offsets: Vec<usize>,
 }
 
 /// Soft-caps raw scores (`cap · tanh(s / cap)`) when the shape asks for it; a no-op else.
@@ -88,7 +100,7 @@ pub fn attend(
     for r in &runs {
         tiled[r.clone()].iter_mut().for_each(|t| *t = true);
     }
-    out.par_chunks_mut(hd).enumerate().for_each_init(Vec::<f32>::new, |scores, (i, o)| {
+    out.par_chunks_mut(hd).enumerate().for_each_init(Scratch::default, |scratch, (i, o)| {
         let (t, h) = (i / nh, i % nh);
         if tiled[t] {
             return;
@@ -104,20 +116,26 @@ pub fn attend(
             len: pos + 1 - start,
         };
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
+        let Scratch { scores, offsets } = scratch;
+        ctx.offsets(offsets);
+        // Every row the heads read lies inside the cache (checked once here, so that the
+        // SIMD loops read without bounds checks).
+        let rows = cache.k.len().min(cache.v.len());
+        assert!(offsets.iter().all(|&at| at + hd <= rows), "attention: a block table points past the cache");
         scores.clear();
         scores.resize(ctx.len, 0.0);
-        // SAFETY: a device runs a family only where the CPU has it, and head_dim is a
-        // multiple of the lanes (checked above).
+        // SAFETY: a device runs a family only where the CPU has it, head_dim is a multiple
+        // of the lanes (checked above) and every offset's row is in the cache (asserted).
         match lanes {
             #[cfg(target_arch = "x86_64")]
-            16 => return unsafe { simd::head16(qv, cache, &ctx, s, scores, o) },
+            16 => return unsafe { simd::head16(qv, cache, offsets, s, scores, o) },
             #[cfg(target_arch = "x86_64")]
-            8 => return unsafe { simd::head8(qv, cache, &ctx, s, scores, o) },
+            8 => return unsafe { simd::head8(qv, cache, offsets, s, scores, o) },
             #[cfg(target_arch = "aarch64")]
-            4 => return unsafe { simd::head4(qv, cache, &ctx, s, scores, o) },
+            4 => return unsafe { simd::head4(qv, cache, offsets, s, scores, o) },
             _ => {}
         }
-        portable_head(qv, cache, &ctx, s, scores, o);
+        portable_head(qv, cache, offsets, s, scores, o);
     });
     if !runs.is_empty() {
         attend_tiled(q, cache, s, meta, &runs, family, &mut out);
@@ -326,20 +344,18 @@ fn softmax(scores: &mut [f32], family: Family) {
 fn portable_head(
     q: &[f32],
     cache: &CpuCache,
-    ctx: &Context,
+    offsets: &[usize],
     s: AttnShape,
     scores: &mut [f32],
     o: &mut [f32],
 ) {
     let hd = q.len();
-    for (p, sc) in scores.iter_mut().enumerate() {
-        let at = ctx.offset(p);
+    for (sc, &at) in scores.iter_mut().zip(offsets) {
         *sc = q.iter().zip(&cache.k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * s.scale;
     }
     cap_scores(scores, s.softcap);
     softmax_in_place(scores);
-    for (p, &w) in scores.iter().enumerate() {
-        let at = ctx.offset(p);
+    for (&w, &at) in scores.iter().zip(offsets) {
         for (oi, vi) in o.iter_mut().zip(&cache.v[at..at + hd]) {
             *oi += w * vi;
         }
@@ -355,83 +371,133 @@ mod simd {
     use std::arch::x86_64::{__m256, __m512};
 
     use super::super::simd::Lanes;
-    use super::{AttnShape, Context, CpuCache, cap_scores, softmax_in_place};
+    use super::{AttnShape, CpuCache, cap_scores, softmax_in_place};
 
-    /// One (token, head), `V::N` dims at a time.
+    /// Positions whose scores are computed together: as many independent FMA chains as
+    /// two FMA units need to hide their latency.
+    const SCORE_ROWS: usize = 8;
+
+    /// One (token, head), `V::N` dims at a time: the scores [`SCORE_ROWS`] positions at a
+    /// time, then the weighted sum of V with up to eight output vectors held in registers
+    /// while the positions stream past.
     ///
     /// # Safety
-    /// The CPU has `V`'s instructions and `q.len()` is a multiple of `V::N`.
+    /// The CPU has `V`'s instructions, `q.len()` is a multiple of `V::N`, and every offset
+    /// starts a row of `q.len()` values inside `cache.k` and `cache.v`.
     #[inline(always)]
     unsafe fn head<V: Lanes>(
         q: &[f32],
         cache: &CpuCache,
-        ctx: &Context,
+        offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         let hd = q.len();
         let chunks = hd / V::N;
-        assert!(o.len() == hd && scores.len() == ctx.len);
-        // SAFETY (whole body): every load and store covers c·N .. c·N + N <= hd elements of
-        // a slice of hd; the instructions are there (the caller's contract).
+        assert!(o.len() == hd && scores.len() == offsets.len());
+        // SAFETY (whole body): q and o hold hd values and every cache row read is one of
+        // the offsets' rows of hd values (the contract); the instructions are there.
         unsafe {
-            for (p, sc) in scores.iter_mut().enumerate() {
-                let at = ctx.offset(p);
-                let k = &cache.k[at..at + hd];
+            let (k, qp) = (cache.k.as_ptr(), q.as_ptr());
+            let mut sc = scores.chunks_exact_mut(SCORE_ROWS);
+            let mut at = offsets.chunks_exact(SCORE_ROWS);
+            for (sc, at) in (&mut sc).zip(&mut at) {
+                let mut acc = [V::zero(); SCORE_ROWS];
+                for c in 0..chunks {
+                    let qc = V::load(qp.add(c * V::N));
+                    for (a, &row) in acc.iter_mut().zip(at) {
+                        *a = V::fmadd(qc, V::load(k.add(row + c * V::N)), *a);
+                    }
+                }
+                for (x, a) in sc.iter_mut().zip(acc) {
+                    *x = a.sum() * s.scale;
+                }
+            }
+            for (x, &row) in sc.into_remainder().iter_mut().zip(at.remainder()) {
                 let mut acc = V::zero();
                 for c in 0..chunks {
-                    acc = V::fmadd(V::load(q.as_ptr().add(c * V::N)), V::load(k.as_ptr().add(c * V::N)), acc);
+                    acc = V::fmadd(V::load(qp.add(c * V::N)), V::load(k.add(row + c * V::N)), acc);
                 }
-                *sc = acc.sum() * s.scale;
+                *x = acc.sum() * s.scale;
             }
             cap_scores(scores, s.softcap);
             softmax_in_place(scores);
-            for c in 0..chunks {
-                let mut acc = V::zero();
-                for (p, &w) in scores.iter().enumerate() {
-                    let v = &cache.v[ctx.offset(p) + c * V::N..][..V::N];
-                    acc = V::fmadd(V::splat(w), V::load(v.as_ptr()), acc);
-                }
-                acc.store(o.as_mut_ptr().add(c * V::N));
+            let mut c0 = 0;
+            while c0 < chunks {
+                c0 += match chunks - c0 {
+                    8.. => weighted::<V, 8>(cache, offsets, scores, c0, o),
+                    4.. => weighted::<V, 4>(cache, offsets, scores, c0, o),
+                    2.. => weighted::<V, 2>(cache, offsets, scores, c0, o),
+                    _ => weighted::<V, 1>(cache, offsets, scores, c0, o),
+                };
             }
         }
+    }
+
+    /// `o[c0·N .. (c0 + B)·N] = Σ_p scores[p] · V[p]` over those dims; returns B.
+    ///
+    /// # Safety
+    /// As [`head`], with `(c0 + B)·N <= o.len()`.
+    #[inline(always)]
+    unsafe fn weighted<V: Lanes, const B: usize>(
+        cache: &CpuCache,
+        offsets: &[usize],
+        scores: &[f32],
+        c0: usize,
+        o: &mut [f32],
+    ) -> usize {
+        // SAFETY: the contract; every row holds (c0 + B)·N values and o as many.
+        unsafe {
+            let v = cache.v.as_ptr().add(c0 * V::N);
+            let mut acc = [V::zero(); B];
+            for (&w, &row) in scores.iter().zip(offsets) {
+                let (wv, r) = (V::splat(w), v.add(row));
+                for (b, a) in acc.iter_mut().enumerate() {
+                    *a = V::fmadd(wv, V::load(r.add(b * V::N)), *a);
+                }
+            }
+            for (b, a) in acc.iter().enumerate() {
+                a.store(o.as_mut_ptr().add((c0 + b) * V::N));
+            }
+        }
+        B
     }
 
     /// [`head`] on AVX-512.
     ///
     /// # Safety
-    /// AVX-512F is available and `q.len()` is a multiple of 16.
+    /// As [`head`]: AVX-512F is available, `q.len()` is a multiple of 16.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
     pub unsafe fn head16(
         q: &[f32],
         cache: &CpuCache,
-        ctx: &Context,
+        offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<__m512>(q, cache, ctx, s, scores, o) }
+        unsafe { head::<__m512>(q, cache, offsets, s, scores, o) }
     }
 
     /// [`head`] on AVX2.
     ///
     /// # Safety
-    /// AVX2 and FMA are available and `q.len()` is a multiple of 8.
+    /// As [`head`]: AVX2 and FMA are available, `q.len()` is a multiple of 8.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn head8(
         q: &[f32],
         cache: &CpuCache,
-        ctx: &Context,
+        offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<__m256>(q, cache, ctx, s, scores, o) }
+        unsafe { head::<__m256>(q, cache, offsets, s, scores, o) }
     }
 
     /// [`softmax_in_place`] on AVX-512.
@@ -457,19 +523,19 @@ mod simd {
     /// [`head`] on NEON.
     ///
     /// # Safety
-    /// NEON is available and `q.len()` is a multiple of 4.
+    /// As [`head`]: NEON is available, `q.len()` is a multiple of 4.
     #[cfg(target_arch = "aarch64")]
     #[target_feature(enable = "neon")]
     pub unsafe fn head4(
         q: &[f32],
         cache: &CpuCache,
-        ctx: &Context,
+        offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<float32x4_t>(q, cache, ctx, s, scores, o) }
+        unsafe { head::<float32x4_t>(q, cache, offsets, s, scores, o) }
     }
 }
 

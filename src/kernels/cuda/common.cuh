@@ -98,3 +98,14 @@ __device__ __forceinline__ int decode_first(int ctx, int window) {
 // A score soft-capped as Gemma 2 does (cap · tanh(score / cap)); `cap` 0: unchanged. Scores
 // in log2 units take the cap in those units too.
 __device__ __forceinline__ float soft_cap(float s, float cap) { return cap > 0.0f ? cap * tanhf(s / cap) : s; }
+
+// MLP activations by code (kernels::Activation): 0 SiLU, 1 GELU's tanh approximation,
+// 2 ReLU.
+__device__ __forceinline__ float act_fn(float x, int act) {
+    if (act == 1) {
+        const float k = 0.7978845608f;  // √(2/π)
+        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    }
+    if (act == 2) return fmaxf(x, 0.0f);
+    return x / (1.0f + expf(-x));
+}

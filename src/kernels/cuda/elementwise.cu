@@ -147,17 +147,6 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, float* __re
     }
 }
 
-// MLP activations by code (kernels::Activation): 0 SiLU, 1 GELU's tanh approximation,
-// 2 ReLU.
-__device__ __forceinline__ float act_fn(float x, int act) {
-    if (act == 1) {
-        const float k = 0.7978845608f;  // √(2/π)
-        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-    }
-    if (act == 2) return fmaxf(x, 0.0f);
-    return x / (1.0f + expf(-x));
-}
-
 // act(gate) · up of gate_up = [rows, 2·inter] (gate then up), read as T: f32, or the
 // 16-bit type in which a GEMM of 16-bit weights wrote it. One thread per silu_width columns
 // (8 of a 16-bit input where inter allows, in 16-byte loads; else 4), grid (column blocks,

@@ -14,7 +14,7 @@ use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, RowScale, W
 use crate::kernels::{Activation, LoraRows};
 
 /// How `Device::gate_up_act` ran: the projection written in f32 then act_mul, written in
-/// the weights' 16-bit type then act_mul, or one GEMV with SiLU·mul in its epilogue.
+/// the weights' 16-bit type then act_mul, or one GEMV with act·mul in its epilogue.
 #[derive(Clone, Copy, PartialEq)]
 pub(super) enum GateUpPath {
     F32,
@@ -30,36 +30,36 @@ pub(super) const GEMV_ROWS: usize = 8;
 const GEMV_KERNELS: [GemvKernels; 4] = [
     GemvKernels {
         plain: "gemv_bf16",
-        silu: "gemv_silu_bf16",
+        act: "gemv_act_bf16",
         res_norm: "gemv_res_norm_bf16",
         qkv_rope: "gemv_qkv_rope_bf16",
     },
     GemvKernels {
         plain: "gemv_f16",
-        silu: "gemv_silu_f16",
+        act: "gemv_act_f16",
         res_norm: "gemv_res_norm_f16",
         qkv_rope: "gemv_qkv_rope_f16",
     },
     GemvKernels {
         plain: "gemv_wide_bf16",
-        silu: "gemv_silu_wide_bf16",
+        act: "gemv_act_wide_bf16",
         res_norm: "gemv_res_norm_wide_bf16",
         qkv_rope: "gemv_qkv_rope_wide_bf16",
     },
     GemvKernels {
         plain: "gemv_wide_f16",
-        silu: "gemv_silu_wide_f16",
+        act: "gemv_act_wide_f16",
         res_norm: "gemv_res_norm_wide_f16",
         qkv_rope: "gemv_qkv_rope_wide_f16",
     },
 ];
 
-/// The GEMV kernels of one width and weight type: plain, gate/up with SiLU·mul, the
+/// The GEMV kernels of one width and weight type: plain, gate/up with act(gate)·up, the
 /// projection added to the residual with the next norm left to the GEMV after it, and the
 /// qkv projection with RoPE into the cache.
 pub(super) struct GemvKernels {
     plain: &'static str,
-    silu: &'static str,
+    act: &'static str,
     res_norm: &'static str,
     pub(super) qkv_rope: &'static str,
 }
@@ -162,8 +162,8 @@ impl CudaDevice {
         })
     }
 
-    /// `Device::gate_up_silu` for 16-bit weights: without adapters up to [`GEMV_ROWS`] rows,
-    /// one GEMV that applies SiLU·mul itself (`gate_up_silu_gemv`); past them, with no adapters or
+    /// `Device::gate_up_act` for 16-bit weights: without adapters up to [`GEMV_ROWS`] rows,
+    /// one GEMV that applies act·mul itself (`gate_up_act_gemv`); past them, with no adapters or
     /// with bf16 adapters whose deltas come first (`CudaDevice::lora_first`): the deltas and
     /// then the projection are written in the weights' 16-bit type, and silu_mul reads
     /// that, so the projection's values cross memory in half the bytes each way; with
@@ -180,10 +180,8 @@ impl CudaDevice {
         use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
         self.gate_up_path.set(GateUpPath::F32);
-        // The GEMV's epilogue applies SiLU alone.
         if lora.is_none()
-            && act_fn == Activation::Silu
-            && let Some(act) = self.gate_up_silu_gemv(x, w, half_only)?
+            && let Some(act) = self.gate_up_act_gemv(x, w, act_fn, half_only)?
         {
             self.gate_up_path.set(GateUpPath::Gemv);
             return Ok(Some(act));
@@ -322,14 +320,15 @@ impl CudaDevice {
         }
     }
 
-    /// `Device::gate_up_silu` without adapters for up to [`GEMV_ROWS`] rows of 16-bit
-    /// weights: one GEMV whose epilogue applies SiLU·mul (gemv.cu's gemv_silu), so the
+    /// `Device::gate_up_act` without adapters for up to [`GEMV_ROWS`] rows of 16-bit
+    /// weights: one GEMV whose epilogue applies act·mul (gemv.cu's gemv_act), so the
     /// projection is never written; with `half_only`, the result in its 16-bit copy alone
     /// as `silu_mul_at` keeps it. None where this does not apply.
-    pub(super) fn gate_up_silu_gemv(
+    pub(super) fn gate_up_act_gemv(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
+        act: Activation,
         half_only: bool,
     ) -> DevResult<Option<CudaTensor>> {
         use cudarc::driver::DevicePtr;
@@ -345,7 +344,7 @@ impl CudaDevice {
         let half_only = half_only && half.is_some();
         let (wp, _w) = wb.device_ptr(&self.stream);
         let (kernels, cfg) = self.gemv_cfg(inter.div_ceil(8), kind == 2);
-        let name = kernels.silu;
+        let (name, code) = (kernels.act, act_code(act));
         let scale = self.scale_args(x);
         self.with_x16(x, kind, |xp| {
             let _t = self.span(name, (n, k), rows);
@@ -353,12 +352,12 @@ impl CudaDevice {
             let mut launch = self.stream.launch_builder(self.f(name));
             launch.arg(&wp).arg(&xp);
             push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
-            launch.arg(&m).arg(&i).arg(&k).arg(&scale.0).arg(&scale.1).arg(&scale.2);
+            launch.arg(&code).arg(&m).arg(&i).arg(&k).arg(&scale.0).arg(&scale.1).arg(&scale.2);
             // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
             // null) is [rows, inter], half (kind ≠ 0) rows·inter 16-bit values; k % 8 == 0;
             // a scale's sums hold rows · parts values. 8 gate rows (and their 8 up rows) a
             // block.
-            unsafe { launch.launch(cfg) }.map_err(cuda("gemv_silu launch"))
+            unsafe { launch.launch(cfg) }.map_err(cuda("gemv_act launch"))
         })?;
         out.half = half;
         out.half_only = half_only;
@@ -586,7 +585,7 @@ pub(super) fn push_outputs<'a>(
     launch.arg(kind);
 }
 
-/// An activation's code in elementwise.cu's `act_fn`.
+/// An activation's code in common.cuh's `act_fn`.
 pub(super) fn act_code(act: Activation) -> i32 {
     match act {
         Activation::Silu => 0,

@@ -262,14 +262,14 @@ __device__ void gemv_res_norm(const T* __restrict__ w, const T* __restrict__ x, 
     }
 }
 
-// The gate/up projection (w's rows: gate, then up, `inter` each) followed by SiLU·mul, as
-// silu_mul_f32 would compute it from the f32 projection: block b takes gate rows
+// The gate/up projection (w's rows: gate, then up, `inter` each) followed by act(gate)·up
+// (act_fn's code `act`), as act_mul_f32 would compute it from the f32 projection: block b takes gate rows
 // 8b .. 8b + 7 as its rows g and the same rows of up as its rows g + 8, so each thread
 // of the epilogue holds a gate value and its up value. The result [m, inter] goes to out
 // (unless null) and, rounded to 16 bits, to out16 (kind 1 bf16, 2 f16; none with kind 0).
 template <typename T, int W>
-__device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
-                          int kind, int m, int inter, int k, NormScale scale) {
+__device__ void gemv_act(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
+                         int kind, int act, int m, int inter, int k, NormScale scale) {
     __shared__ GemvRed<W> red;
     __shared__ float rs[GEMV_TOKENS];
     const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
@@ -286,7 +286,7 @@ __device__ void gemv_silu(const T* __restrict__ w, const T* __restrict__ x, floa
             gv *= rs[tok];
             uv *= rs[tok];
         }
-        float r = gv / (1.0f + expf(-gv)) * uv;
+        float r = act_fn(gv, act) * uv;
         size_t o = (size_t)tok * inter + row;
         if (row < inter && tok < m) {
             if (out) out[o] = r;
@@ -387,14 +387,14 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
         gemv<T, 2 * GEMV_WARPS>(w, x, y, m, n, k, NormScale{sums, parts, eps});                             \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_silu_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind,  \
-                        int m, int inter, int k, GEMV_SCALE) {                                              \
-        gemv_silu<T, GEMV_WARPS>(w, x, out, out16, kind, m, inter, k, NormScale{sums, parts, eps});         \
+        gemv_act_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind,   \
+                       int act, int m, int inter, int k, GEMV_SCALE) {                                      \
+        gemv_act<T, GEMV_WARPS>(w, x, out, out16, kind, act, m, inter, k, NormScale{sums, parts, eps});     \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
-        gemv_silu_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16,     \
-                             int kind, int m, int inter, int k, GEMV_SCALE) {                               \
-        gemv_silu<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, m, inter, k, NormScale{sums, parts, eps});     \
+        gemv_act_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16,      \
+                            int kind, int act, int m, int inter, int k, GEMV_SCALE) {                       \
+        gemv_act<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, act, m, inter, k, NormScale{sums, parts, eps}); \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_res_norm_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* residual,              \

@@ -69,7 +69,7 @@ pub struct CudaTensor {
     half: Option<Half>,
     /// The values are in `half` only and `buf` was not written: a norm or SiLU·mul output
     /// that only the GEMM (or GEMV) of a projection without adapters reads, through `half`
-    /// (`Device::rms_norm_for_gemm`, `Device::gate_up_silu`). `to_host` reads `half`.
+    /// (`Device::rms_norm_for_gemm`, `Device::gate_up_act`). `to_host` reads `half`.
     half_only: bool,
     /// A norm whose 1/rms is still to apply (`Device::linear_add_rms_norm`): `half` holds
     /// the norm's weights times the residual, and only the GEMV of the next projection
@@ -185,9 +185,10 @@ pub struct CudaDevice {
     sm80: bool,
     /// The most query heads a flash_prefill block takes on this GPU (its shared memory).
     prefill_heads_max: usize,
-    /// Warps (partitions of a row) flash_decode_join's blocks take at most: as many as the
-    /// GPU's shared memory holds, up to `attend::DECODE_JOIN_WARPS`.
-    decode_join_warps: usize,
+    /// Warps (partitions of a row) flash_decode_join's blocks take at most, for head sizes
+    /// up to 128 and for 256: as many as the GPU's shared memory holds (a power of two), up
+    /// to `attend::DECODE_JOIN_WARPS` (`CudaDevice::decode_join_warps`).
+    join_warps: [usize; 2],
     /// The GPU's multiprocessors.
     sms: usize,
     /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
@@ -232,7 +233,7 @@ pub struct CudaDevice {
     attn_shape: std::cell::Cell<Option<AttnShape>>,
     /// Whether the last `linear_lora` wrote the adapters' deltas before the projection.
     lora_deltas_first: std::cell::Cell<bool>,
-    /// How the last `gate_up_silu` ran.
+    /// How the last `gate_up_act` ran.
     gate_up_path: std::cell::Cell<GateUpPath>,
     /// Whether the last `linear_add_rms_norm` left its norm's scale to the next GEMV.
     norm_in_gemv: std::cell::Cell<bool>,
@@ -317,7 +318,7 @@ impl CudaDevice {
                 funcs.insert(k, f);
             }
         }
-        let (prefill_heads_max, decode_join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
+        let (prefill_heads_max, join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
@@ -330,7 +331,7 @@ impl CudaDevice {
             funcs,
             sm80: major >= 8,
             prefill_heads_max,
-            decode_join_warps,
+            join_warps,
             sms,
             arch,
             inputs: Default::default(),
@@ -385,7 +386,7 @@ impl CudaDevice {
         self.lora_deltas_first.get()
     }
 
-    /// Whether the last `Device::gate_up_silu` wrote the projection in the weights' 16-bit
+    /// Whether the last `Device::gate_up_act` wrote the projection in the weights' 16-bit
     /// type for silu_mul to read, rather than in f32.
     pub fn gate_up_in_16_bits(&self) -> bool {
         self.gate_up_path.get() == GateUpPath::In16Bits
@@ -403,7 +404,7 @@ impl CudaDevice {
         self.qkv_on_gemv.get()
     }
 
-    /// Whether the last `Device::gate_up_silu` was one GEMV that applied SiLU·mul itself,
+    /// Whether the last `Device::gate_up_act` was one GEMV that applied act·mul itself,
     /// writing no projection.
     pub fn gate_up_on_gemv(&self) -> bool {
         self.gate_up_path.get() == GateUpPath::Gemv

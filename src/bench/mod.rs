@@ -254,15 +254,20 @@ pub(crate) async fn decode_run_with(
     })
 }
 
-/// Writes `n` random rank-`rank` adapters for the engine's model to a temp dir and serves
-/// them as `lora0` .. `lora{n-1}`, all in one batch (`--max-loras n`). Nothing when n is 0.
-fn with_random_loras(engine: &mut EngineArgs, n: usize, rank: usize) -> anyhow::Result<()> {
+/// Writes `n` random rank-`rank` adapters for the engine's model to a scratch directory and
+/// serves them as `lora0` .. `lora{n-1}`, all in one batch (`--max-loras n`); the directory
+/// goes when the returned guard drops, after the run. Nothing when n is 0.
+fn with_random_loras(
+    engine: &mut EngineArgs,
+    n: usize,
+    rank: usize,
+) -> anyhow::Result<Option<crate::scratch::ScratchDir>> {
     if n == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let cfg = crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::default()
         .read_config(&engine.model)?;
-    let root = std::env::temp_dir().join(format!("actorllm-bench-loras-{}", std::process::id()));
+    let root = crate::scratch::ScratchDir::new("bench-loras")?;
     for i in 0..n {
         let dir = root.join(format!("lora{i}"));
         crate::models::random::make_random_lora(&cfg, &dir, rank, i as u64 + 1)?;
@@ -271,7 +276,7 @@ fn with_random_loras(engine: &mut EngineArgs, n: usize, rank: usize) -> anyhow::
     engine.lora.enable_lora = true;
     engine.lora.max_loras = n;
     engine.lora.max_lora_rank = rank;
-    Ok(())
+    Ok(Some(root))
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -287,7 +292,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         BenchMode::Serve(_) => {}
     }
-    let (eargs, batch_sizes, input_len, output_len, prefill_len, json, loras) = match args.mode {
+    let (eargs, batch_sizes, input_len, output_len, prefill_len, json, (loras, _adapters)) = match args.mode {
         BenchMode::Offline {
             engine,
             batch_sizes,
@@ -299,8 +304,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             random_lora_rank,
         } => {
             let mut engine = engine;
-            with_random_loras(&mut engine, random_loras, random_lora_rank)?;
-            (engine, batch_sizes, input_len, output_len, prefill_len, json, random_loras)
+            let adapters = with_random_loras(&mut engine, random_loras, random_lora_rank)?;
+            (engine, batch_sizes, input_len, output_len, prefill_len, json, (random_loras, adapters))
         }
         BenchMode::Serve(a) => return serve::run(*a).await,
         BenchMode::Latency {
@@ -338,7 +343,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         } => {
             let sampling = SamplingParams { temperature, top_p, ..Default::default() };
             let seed = *engine.seed.get_or_insert(0);
-            with_random_loras(&mut engine, random_loras, random_lora_rank)?;
+            let _adapters = with_random_loras(&mut engine, random_loras, random_lora_rank)?;
             let run = gpu::ThroughputRun { num_prompts, seed, sampling, loras: random_loras };
             gpu::throughput(engine, run, json).await?;
             actix::System::current().stop();

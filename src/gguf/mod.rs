@@ -1,5 +1,8 @@
 //! GGUF reader: header, metadata and tensor table of a llama.cpp model file, plus exact
-//! dequantization of the block formats the default model uses (Q4_1, Q8_0, F16, BF16, F32).
+//! dequantization of its block formats: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0
+//! (32-element blocks), and the K-quants Q4_K, Q5_K and Q6_K (256-element super-blocks).
+//! llama.cpp's `Q4_K_M`, `Q5_K_M` and `Q6_K` files hold K-quants, with Q5_0, Q5_1 or Q8_0
+//! for tensors whose rows are not a multiple of 256.
 //!
 //! Format (little endian): magic `GGUF`, version (2 or 3), tensor count, metadata count,
 //! metadata key/values, tensor infos (name, dims innermost-first, ggml type, offset), then the
@@ -29,7 +32,9 @@ pub enum GgufError {
     Truncated { what: String, need: u64, have: u64 },
     #[error("malformed GGUF: {0}")]
     Malformed(String),
-    #[error("tensor {name}: ggml type {ty} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)")]
+    #[error(
+        "tensor {name}: ggml type {ty} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)"
+    )]
     UnsupportedType { name: String, ty: u32 },
     #[error("missing metadata key {0}")]
     MissingKey(String),
@@ -94,14 +99,23 @@ impl Value {
     }
 }
 
-/// ggml tensor types this reader can dequantize.
+/// Elements of a K-quant super-block.
+const QK_K: u64 = 256;
+
+/// ggml tensor types this reader can dequantize, named as ggml names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum GgmlType {
     F32,
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
     BF16,
 }
 
@@ -112,7 +126,12 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            13 => Self::Q5_K,
+            14 => Self::Q6_K,
             30 => Self::BF16,
             _ => return None,
         })
@@ -124,7 +143,12 @@ impl GgmlType {
             Self::F16 | Self::BF16 => (1, 2),
             Self::Q4_0 => (32, 18),
             Self::Q4_1 => (32, 20),
+            Self::Q5_0 => (32, 22),
+            Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
+            Self::Q4_K => (QK_K, 144),
+            Self::Q5_K => (QK_K, 176),
+            Self::Q6_K => (QK_K, 210),
         }
     }
 }
@@ -400,14 +424,104 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
                 out.extend(qs.iter().map(|&q| d * (q >> 4) as f32 + m));
             }
         }
+        GgmlType::Q5_0 => {
+            // w = d·(q − 16) with a fifth bit per element: bit j of the 32-bit qh for
+            // element j, low nibbles 0..16 and high nibbles 16..32 as in Q4_0.
+            for blk in bytes.chunks_exact(22) {
+                let (d, qh) = (h(blk, 0), u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]));
+                out.extend(five_bits(&blk[6..22], qh).map(|q| d * (q as f32 - 16.0)));
+            }
+        }
+        GgmlType::Q5_1 => {
+            // w = d·q + m, q as in Q5_0.
+            for blk in bytes.chunks_exact(24) {
+                let (d, m) = (h(blk, 0), h(blk, 2));
+                let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+                out.extend(five_bits(&blk[8..24], qh).map(|q| d * q as f32 + m));
+            }
+        }
         GgmlType::Q8_0 => {
             for blk in bytes.chunks_exact(34) {
                 let d = h(blk, 0);
                 out.extend(blk[2..34].iter().map(|&q| d * (q as i8) as f32));
             }
         }
+        GgmlType::Q4_K => {
+            // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128
+            // bytes of nibbles: each 32 bytes hold two sub-blocks, low nibbles first.
+            for blk in bytes.chunks_exact(144) {
+                let (d, dmin, scales) = (h(blk, 0), h(blk, 2), &blk[4..16]);
+                for (pair, qs) in blk[16..144].chunks_exact(32).enumerate() {
+                    for (half, shift) in [(0, 0), (1, 4)] {
+                        let (sc, m) = scale_min_k4(2 * pair + half, scales);
+                        let (scale, min) = (d * sc as f32, dmin * m as f32);
+                        out.extend(qs.iter().map(|&q| scale * ((q >> shift) & 0x0f) as f32 - min));
+                    }
+                }
+            }
+        }
+        GgmlType::Q5_K => {
+            // As Q4_K, with a fifth bit per element: bit 2·pair + half of qh[l] for element
+            // l of the sub-block.
+            for blk in bytes.chunks_exact(176) {
+                let (d, dmin, scales, qh) = (h(blk, 0), h(blk, 2), &blk[4..16], &blk[16..48]);
+                for (pair, qs) in blk[48..176].chunks_exact(32).enumerate() {
+                    for (half, shift) in [(0, 0), (1, 4)] {
+                        let (sc, m) = scale_min_k4(2 * pair + half, scales);
+                        let (scale, min) = (d * sc as f32, dmin * m as f32);
+                        let bit = 2 * pair + half;
+                        out.extend(qs.iter().zip(qh).map(|(&q, &hb)| {
+                            let v = ((q >> shift) & 0x0f) | (((hb >> bit) & 1) << 4);
+                            scale * v as f32 - min
+                        }));
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            // 128 bytes of low nibbles, 64 of high bit pairs, 16 signed 8-bit scales (one a
+            // 16 elements), d last. Each half of 128 elements: 64 bytes of ql, 32 of qh.
+            for blk in bytes.chunks_exact(210) {
+                let (ql, qh, sc, d) = (&blk[0..128], &blk[128..192], &blk[192..208], h(blk, 208));
+                for half in 0..2 {
+                    let (ql, qh, sc) = (&ql[64 * half..], &qh[32 * half..], &sc[8 * half..]);
+                    let mut vals = [0f32; 128];
+                    for l in 0..32 {
+                        let q = [
+                            (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
+                            (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
+                            (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                            (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                        ];
+                        for (quarter, q) in q.into_iter().enumerate() {
+                            let scale = d * (sc[l / 16 + 2 * quarter] as i8) as f32;
+                            vals[32 * quarter + l] = scale * (q as i32 - 32) as f32;
+                        }
+                    }
+                    out.extend(vals);
+                }
+            }
+        }
     }
     out
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block, in order: nibbles of `qs` (low ones for
+/// elements 0..16, high ones for 16..32) with bit j of `qh` as element j's fifth bit.
+fn five_bits(qs: &[u8], qh: u32) -> impl Iterator<Item = u8> + '_ {
+    let low = qs.iter().enumerate().map(move |(j, &q)| (q & 0x0f) | ((((qh >> j) & 1) as u8) << 4));
+    let high = qs.iter().enumerate().map(move |(j, &q)| (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4));
+    low.chain(high)
+}
+
+/// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K super-block: sub-blocks 0–3 in the
+/// low six bits of bytes j and j + 4; 4–7 in the nibbles of bytes j + 4 with their top two
+/// bits in the top bits of bytes j − 4 and j.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    match j < 4 {
+        true => (s[j] & 63, s[j + 4] & 63),
+        false => ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)),
+    }
 }
 
 #[cfg(test)]

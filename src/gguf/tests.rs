@@ -91,6 +91,41 @@ fn q4_1_and_q8_0_dequantize_exactly() {
     assert_eq!(b, (0..32).map(|i| 0.25 * (i as f32 - 16.0)).collect::<Vec<_>>());
 }
 
+/// 512 elements of each format of llama.cpp's K-quant files (Q4_K, Q5_K, Q6_K, and the
+/// Q5_0 and Q5_1 it falls back to), read from a GGUF file as a `[256, 2]` tensor, give bit
+/// for bit the values llama.cpp's gguf-py dequantizes from the same bytes
+/// (tests/fixtures/kquants.json, written by scripts/make_kquant_golden.py).
+#[test]
+fn k_quant_files_dequantize_as_gguf_py_does() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kquants.json");
+    let golden: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let formats = golden["formats"].as_array().unwrap();
+    assert_eq!(formats.len(), 5);
+    for f in formats {
+        let name = f["type"].as_str().unwrap();
+        let ty = match name {
+            "Q4_K" => 12,
+            "Q5_K" => 13,
+            "Q6_K" => 14,
+            "Q5_0" => 6,
+            "Q5_1" => 7,
+            other => panic!("unexpected format {other}"),
+        };
+        let hex = f["bytes"].as_str().unwrap();
+        let bytes: Vec<u8> =
+            (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+        let want: Vec<f32> =
+            f["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        assert_eq!(want.len(), 512, "{name}");
+        let g = open(&build(&[], &[("w", vec![256, 2], ty, bytes)])).unwrap();
+        let got = g.dequantize(g.tensor("w").unwrap());
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{name}[{i}]: {a} vs gguf-py's {b}");
+        }
+    }
+}
+
 #[test]
 fn malformed_files_are_refused_with_a_clear_error() {
     let good = build(&[("k", Value::Str("v".into()))], &[("t", vec![32], 0, vec![0; 128])]);
@@ -110,8 +145,15 @@ fn malformed_files_are_refused_with_a_clear_error() {
     let mut bad = good.clone();
     bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(open(&bad).is_err());
-    let unsupported = build(&[], &[("t", vec![32], 12, vec![0; 144])]);
-    assert!(matches!(open(&unsupported), Err(GgufError::UnsupportedType { ty: 12, .. })));
+    // Q2_K (type 10) is not read.
+    let unsupported = build(&[], &[("t", vec![256], 10, vec![0; 84])]);
+    let e = open(&unsupported).err().expect("Q2_K refused");
+    assert!(matches!(e, GgufError::UnsupportedType { ty: 10, .. }), "{e}");
+    assert!(e.to_string().contains("Q4_K, Q5_K, Q6_K"), "{e}");
+    // A K-quant tensor must fill whole 256-element super-blocks.
+    let partial = build(&[], &[("t", vec![128], 12, vec![0; 144])]);
+    let e = open(&partial).err().expect("a partial super-block refused").to_string();
+    assert!(e.contains("256-element block"), "{e}");
     // Duplicate names, a tensor that runs into the next (its dims say more than its
     // bytes), and an offset that wraps past 2^64.
     let dup = build(&[], &[("t", vec![32], 0, vec![0; 128]), ("t", vec![32], 0, vec![0; 128])]);

@@ -1032,11 +1032,12 @@ fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
             if !prefill || head_dim == 256 {
                 assert!(g.tensor_core_decode(), "decode on tensor cores");
             }
-            // Three decode rows of up to 302 keys over a 16-bit cache: joined in the block,
-            // head size 256 too.
+            // Three decode rows of up to 302 keys over a 16-bit cache: joined in the block
+            // for head sizes up to 128; 256 is reduced (a join of its four 32 KiB warps ran
+            // slower in graphs).
             if seed == 54 {
                 let what = format!("{heads}:{kv_heads}x{head_dim} {act:?}: joined in the block");
-                assert_eq!(g.decode_joined(), act != DType::F32, "{what}");
+                assert_eq!(g.decode_joined(), act != DType::F32 && head_dim <= 128, "{what}");
             }
         });
     }

@@ -24,8 +24,8 @@ pub(super) struct KvKernels {
     pub(super) decode: [CudaFunction; 2],
     /// flash_decode for head_dim 256 (16-bit caches).
     pub(super) decode256: Option<CudaFunction>,
-    /// flash_decode_join for head_dim 64, 128 and 256 (16-bit caches).
-    pub(super) decode_join: Option<[CudaFunction; 3]>,
+    /// flash_decode_join for head_dim 64 and 128 (16-bit caches).
+    pub(super) decode_join: Option<[CudaFunction; 2]>,
     /// paged_attention_split for G in 1, 2, 4, 8 by D in 2, 4, 8 (see [`split_index`]).
     pub(super) split: Vec<CudaFunction>,
 }
@@ -91,8 +91,9 @@ impl CudaDevice {
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
             decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
             decode256: (sfx != "f32").then(|| f(format!("flash_decode_h256_{sfx}"))),
-            decode_join: (sfx != "f32")
-                .then(|| [64, 128, 256].map(|hd| f(format!("flash_decode_join_h{hd}_{sfx}")))),
+            decode_join: (sfx != "f32").then(|| {
+                [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
+            }),
             split: split_names(sfx).map(f).collect(),
         };
         (sfx, kernels)
@@ -212,15 +213,10 @@ impl CudaDevice {
             let (part_i, parts_i) = (part as i32, parts_max as i32);
             // Up to DECODE_JOIN_WARPS partitions a row over a 16-bit cache: one block takes
             // them all and joins them itself (flash.cu's decode_join), no reduction.
-            let hd = match s.head_dim {
-                64 => 0,
-                128 => 1,
-                _ => 2,
-            };
+            let hd = usize::from(s.head_dim == 128);
+            // (decode_joins is false for head_dim 256, which has no join kernel.)
             let join = kk.decode_join.as_ref().filter(|_| {
-                tc && half_cache
-                    && parts_max <= self.decode_join_warps(s.head_dim)
-                    && self.decode_joins(b.num_rows, s)
+                tc && half_cache && parts_max <= self.decode_join_warps && self.decode_joins(b.num_rows, s)
             });
             self.decode_joined.set(join.is_some());
             let join_i = i32::from(join.is_some());
@@ -409,14 +405,9 @@ impl CudaDevice {
     /// a boundary between two kernels on the decode step's path. On the H200 (8B shape,
     /// contexts up to 256) batch 1 went 4.15 → 4.10 ms and batch 8 4.32 → 4.25; at batch
     /// 256 joining in the block took 9.09 → 9.21 ms, so many rows keep the reduction.
+    /// Head sizes over 128 are not joined: eight warps' chunk buffers would not fit.
     pub(super) fn decode_joins(&self, rows: usize, s: AttnShape) -> bool {
-        rows * s.num_kv_heads <= self.sms
-    }
-
-    /// The partitions a flash_decode_join block takes at most for `head_dim`: head size 256
-    /// stages twice the bytes a warp, so fewer warps fit the block's shared memory.
-    pub(super) fn decode_join_warps(&self, head_dim: usize) -> usize {
-        self.join_warps[usize::from(head_dim > 128)]
+        rows * s.num_kv_heads <= self.sms && s.head_dim <= 128
     }
 }
 
@@ -454,19 +445,15 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
 /// memory a block gets without asking (up to four warps of chunk buffers, or
 /// flash_decode_join's warps; the queries of several heads). Asks for it, once per kernel,
 /// with flash_prefill's heads a block ([`prefill_heads_within`]) and flash_decode_join's
-/// warps (up to [`DECODE_JOIN_WARPS`], a power of two) bounded by what the GPU allows;
-/// returns both bounds, the warps for head sizes up to 128 and for 256.
+/// warps (up to [`DECODE_JOIN_WARPS`]) bounded by what the GPU allows; returns both bounds.
 pub(super) fn allow_flash_smem(
     ctx: &cudarc::driver::CudaContext,
     funcs: &std::collections::HashMap<String, CudaFunction>,
-) -> DevResult<(usize, [usize; 2])> {
+) -> DevResult<(usize, usize)> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     let optin = ctx.attribute(OPTIN).map_err(cuda("shared memory per block"))?.max(0) as usize;
     let prefill_heads = prefill_heads_within(optin);
-    let join_warps = [128, 256].map(|hd| {
-        let fit = DECODE_JOIN_WARPS.min(optin / decode_smem_per_warp(hd)).max(1);
-        1 << fit.ilog2()
-    });
+    let join_warps = DECODE_JOIN_WARPS.min(optin / decode_smem_per_warp(128));
     for (name, f) in funcs {
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
@@ -479,9 +466,7 @@ pub(super) fn allow_flash_smem(
             128
         };
         let bytes = match name.starts_with("flash_decode_") {
-            true if name.starts_with("flash_decode_join_") => {
-                join_warps[usize::from(hd > 128)] * decode_smem_per_warp(hd)
-            }
+            true if name.starts_with("flash_decode_join_") => join_warps * decode_smem_per_warp(hd),
             true => 4 * decode_smem_per_warp(hd),
             false => prefill_smem_bytes(hd, prefill_heads),
         };

@@ -853,16 +853,13 @@ DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(64, f16, __half)
 DECODE_ENTRY_16(128, f16, __half)
 // head_dim 256 (Gemma 2 and 3) over 16-bit caches only: four warps' chunk buffers take 128
-// KiB, and the f32 cache's register kernel would spill. Its join kernels take as many warps
-// as a block's shared memory holds at 32 KiB each (four on the H100 and H200).
+// KiB, and the f32 cache's register kernel would spill.
 DECODE_ENTRY_16(256, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(256, f16, __half)
 DECODE_JOIN_ENTRY(64, bf16, __nv_bfloat16)
 DECODE_JOIN_ENTRY(128, bf16, __nv_bfloat16)
-DECODE_JOIN_ENTRY(256, bf16, __nv_bfloat16)
 DECODE_JOIN_ENTRY(64, f16, __half)
 DECODE_JOIN_ENTRY(128, f16, __half)
-DECODE_JOIN_ENTRY(256, f16, __half)
 
 // Prefill attention over a 16-bit cache, pipelined: the same tiles and online softmax as
 // flash_prefill, for `blockDim.x / 128` query heads of one GQA group at once (PREFILL_HEADS,

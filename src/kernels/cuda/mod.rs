@@ -185,10 +185,9 @@ pub struct CudaDevice {
     sm80: bool,
     /// The most query heads a flash_prefill block takes on this GPU (its shared memory).
     prefill_heads_max: usize,
-    /// Warps (partitions of a row) flash_decode_join's blocks take at most, for head sizes
-    /// up to 128 and for 256: as many as the GPU's shared memory holds (a power of two), up
-    /// to `attend::DECODE_JOIN_WARPS` (`CudaDevice::decode_join_warps`).
-    join_warps: [usize; 2],
+    /// Warps (partitions of a row) flash_decode_join's blocks take at most: as many as the
+    /// GPU's shared memory holds, up to `attend::DECODE_JOIN_WARPS`.
+    decode_join_warps: usize,
     /// The GPU's multiprocessors.
     sms: usize,
     /// A step's inputs on the device: eager steps' (0) and CUDA graphs' (1), which never
@@ -318,7 +317,7 @@ impl CudaDevice {
                 funcs.insert(k, f);
             }
         }
-        let (prefill_heads_max, join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
+        let (prefill_heads_max, decode_join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
@@ -331,7 +330,7 @@ impl CudaDevice {
             funcs,
             sm80: major >= 8,
             prefill_heads_max,
-            join_warps,
+            decode_join_warps,
             sms,
             arch,
             inputs: Default::default(),

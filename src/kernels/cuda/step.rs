@@ -104,7 +104,7 @@ impl CudaDevice {
                 // Short contexts of a few rows over a 16-bit cache: as many partitions as
                 // one block takes and joins.
                 if self.act16.get() != 0 && ctx <= DECODE_JOIN_CTX && self.decode_joins(rows.len(), s) {
-                    parts_max = parts_max.min(self.decode_join_warps(s.head_dim));
+                    parts_max = parts_max.min(self.decode_join_warps);
                 }
                 (parts_max, partitions(&ctxs, s.num_kv_heads, parts_max))
             }

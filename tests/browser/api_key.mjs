@@ -32,6 +32,9 @@ try {
   await page.fill("#api_key", key);
   await page.locator("#api_key").dispatchEvent("change");
   await page.waitForFunction(() => document.querySelector("#model").options.length > 0);
+  // Greedy, so that the tiny model's answer is the same every run (sampled, its first
+  // token could be the end of the turn and leave the answer empty).
+  await page.fill("#temperature", "0");
   for (const transport of ["sse", "ws"]) {
     await page.check(`input[name="transport"][value="${transport}"]`);
     const before = await page.locator('.turn.assistant[data-done="true"]').count();

@@ -447,35 +447,13 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
             }
         }
         GgmlType::Q4_K => {
-            // d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128
-            // bytes of nibbles: each 32 bytes hold two sub-blocks, low nibbles first.
             for blk in bytes.chunks_exact(144) {
-                let (d, dmin, scales) = (h(blk, 0), h(blk, 2), &blk[4..16]);
-                for (pair, qs) in blk[16..144].chunks_exact(32).enumerate() {
-                    for (half, shift) in [(0, 0), (1, 4)] {
-                        let (sc, m) = scale_min_k4(2 * pair + half, scales);
-                        let (scale, min) = (d * sc as f32, dmin * m as f32);
-                        out.extend(qs.iter().map(|&q| scale * ((q >> shift) & 0x0f) as f32 - min));
-                    }
-                }
+                k_quant_4_5(blk, None, &blk[16..144], &mut out);
             }
         }
         GgmlType::Q5_K => {
-            // As Q4_K, with a fifth bit per element: bit 2·pair + half of qh[l] for element
-            // l of the sub-block.
             for blk in bytes.chunks_exact(176) {
-                let (d, dmin, scales, qh) = (h(blk, 0), h(blk, 2), &blk[4..16], &blk[16..48]);
-                for (pair, qs) in blk[48..176].chunks_exact(32).enumerate() {
-                    for (half, shift) in [(0, 0), (1, 4)] {
-                        let (sc, m) = scale_min_k4(2 * pair + half, scales);
-                        let (scale, min) = (d * sc as f32, dmin * m as f32);
-                        let bit = 2 * pair + half;
-                        out.extend(qs.iter().zip(qh).map(|(&q, &hb)| {
-                            let v = ((q >> shift) & 0x0f) | (((hb >> bit) & 1) << 4);
-                            scale * v as f32 - min
-                        }));
-                    }
-                }
+                k_quant_4_5(blk, Some(&blk[16..48]), &blk[48..176], &mut out);
             }
         }
         GgmlType::Q6_K => {
@@ -512,6 +490,25 @@ fn five_bits(qs: &[u8], qh: u32) -> impl Iterator<Item = u8> + '_ {
     let low = qs.iter().enumerate().map(move |(j, &q)| (q & 0x0f) | ((((qh >> j) & 1) as u8) << 4));
     let high = qs.iter().enumerate().map(move |(j, &q)| (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4));
     low.chain(high)
+}
+
+/// One Q4_K or Q5_K super-block: d, dmin, 12 bytes of 6-bit scales and mins for 8
+/// sub-blocks of 32, then `qs`, 128 bytes of nibbles (each 32 bytes hold two sub-blocks, low
+/// nibbles first). Q5_K's `qh` gives a fifth bit: bit j of qh[l] for element l of sub-block j.
+fn k_quant_4_5(blk: &[u8], qh: Option<&[u8]>, qs: &[u8], out: &mut Vec<f32>) {
+    let h = |i: usize| f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
+    let (d, dmin, scales) = (h(0), h(2), &blk[4..16]);
+    for (pair, qs) in qs.chunks_exact(32).enumerate() {
+        for (half, shift) in [(0, 0), (1, 4)] {
+            let j = 2 * pair + half;
+            let (sc, m) = scale_min_k4(j, scales);
+            let (scale, min) = (d * sc as f32, dmin * m as f32);
+            out.extend(qs.iter().enumerate().map(|(l, &q)| {
+                let high = qh.map_or(0, |qh| ((qh[l] >> j) & 1) << 4);
+                scale * (((q >> shift) & 0x0f) | high) as f32 - min
+            }));
+        }
+    }
 }
 
 /// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K super-block: sub-blocks 0–3 in the

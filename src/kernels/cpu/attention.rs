@@ -46,13 +46,17 @@ struct Context<'a> {
 }
 
 impl Context<'_> {
-    /// The offsets of every visible position, a block at a time.
-    fn offsets(&self, out: &mut Vec<usize>) {
+    /// The offsets of every visible position, a block at a time. Each block the table names
+    /// is checked to lie in the cache's `num_blocks`, so that every offset starts a row of
+    /// the cache (`attend` checks the cache's length against its shape).
+    fn offsets(&self, num_blocks: usize, out: &mut Vec<usize>) {
         out.clear();
         let (bs, end) = (self.block_size, self.start + self.len);
         let mut p = self.start;
         while p < end {
-            let base = self.table[p / bs] as usize * bs;
+            let block = self.table[p / bs] as usize;
+            assert!(block < num_blocks, "attention: block {block} is past the {num_blocks}-block cache");
+            let base = block * bs;
             let stop = end.min((p / bs + 1) * bs);
             out.extend((p..stop).map(|q| (base + q % bs) * self.width + self.head_off));
             p = stop;
@@ -95,6 +99,12 @@ pub fn attend(
         Family::Neon if hd % 4 == 0 => 4,
         _ => 0,
     };
+    // Every offset `Context::offsets` gives is a row of the cache of this shape.
+    let cells = cache.shape.num_blocks * bs * width;
+    assert!(
+        cache.k.len() >= cells && cache.v.len() >= cells,
+        "attention: the cache is smaller than its shape"
+    );
     let runs = tiled_runs(meta);
     let mut tiled = vec![false; q.rows];
     for r in &runs {
@@ -117,15 +127,14 @@ pub fn attend(
         };
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
         let Scratch { scores, offsets } = scratch;
-        ctx.offsets(offsets);
-        // Every row the heads read lies inside the cache (checked once here, so that the
-        // SIMD loops read without bounds checks).
-        let rows = cache.k.len().min(cache.v.len());
-        assert!(offsets.iter().all(|&at| at + hd <= rows), "attention: a block table points past the cache");
+        // Every row the heads read lies inside the cache (checked a block at a time, so
+        // that the SIMD loops read without bounds checks).
+        ctx.offsets(cache.shape.num_blocks, offsets);
         scores.clear();
         scores.resize(ctx.len, 0.0);
         // SAFETY: a device runs a family only where the CPU has it, head_dim is a multiple
-        // of the lanes (checked above) and every offset's row is in the cache (asserted).
+        // of the lanes (checked above) and every offset's row is in the cache (its block is
+        // below num_blocks, head_off + hd <= width, and the cache holds its shape's cells).
         match lanes {
             #[cfg(target_arch = "x86_64")]
             16 => return unsafe { simd::head16(qv, cache, offsets, s, scores, o) },

@@ -448,13 +448,13 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
 /// warps (up to [`DECODE_JOIN_WARPS`]) bounded by what the GPU allows; returns both bounds.
 pub(super) fn allow_flash_smem(
     ctx: &cudarc::driver::CudaContext,
-    funcs: &std::collections::HashMap<String, CudaFunction>,
+    funcs: &std::collections::HashMap<String, (CudaFunction, bool)>,
 ) -> DevResult<(usize, usize)> {
     use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
     let optin = ctx.attribute(OPTIN).map_err(cuda("shared memory per block"))?.max(0) as usize;
     let prefill_heads = prefill_heads_within(optin);
     let join_warps = DECODE_JOIN_WARPS.min(optin / decode_smem_per_warp(128));
-    for (name, f) in funcs {
+    for (name, (f, _)) in funcs {
         if !name.starts_with("flash_") || name.ends_with("_f32") {
             continue;
         }

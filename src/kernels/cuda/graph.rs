@@ -189,15 +189,16 @@ impl CudaDevice {
     /// every block of the one before it has begun, instead of once that one has finished,
     /// so that launch latency no longer separates the forward's hundreds of small
     /// kernels. Each of our kernels first waits for its predecessor to complete and its
-    /// writes to land (`grid_dep_sync` in common.cuh), so ordering is as before. Edges into
-    /// cuBLAS's kernels, and to or from other nodes, stay full dependencies.
+    /// writes to land (`grid_dep_sync` in common.cuh), so ordering is as before; one whose
+    /// PTX has no such wait (nvrtc.rs) keeps full dependencies, as do edges into cuBLAS's
+    /// kernels and to or from other nodes.
     ///
     /// # Safety
     /// `graph` must be a live graph that is not being instantiated or launched.
     unsafe fn overlap_launches(&self, graph: CUgraph) -> Result<usize, cudarc::driver::DriverError> {
         use cudarc::driver::sys::{self, CUgraphEdgeData, CUgraphNode, CUgraphNodeType};
         let ours: std::collections::HashSet<sys::CUfunction> =
-            self.funcs.values().map(|f| f.cu_function()).collect();
+            self.funcs.values().filter(|(_, waits)| *waits).map(|(f, _)| f.cu_function()).collect();
         let mut n = 0usize;
         // SAFETY (the calls below): the caller's graph; buffers sized by the edge count.
         unsafe {

@@ -179,7 +179,9 @@ pub struct CudaDevice {
     blas: CudaBlas,
     /// The GEMM workspace, cuBLASLt, and the algorithms tuned per shape (tune.rs).
     gemms: tune::Gemms,
-    funcs: std::collections::HashMap<String, CudaFunction>,
+    /// Each kernel, and whether it waits for the one before it (graph.rs launches only
+    /// those early).
+    funcs: std::collections::HashMap<String, (CudaFunction, bool)>,
     arch: String,
     /// Whether the GPU has mma.sync for bf16 (sm_80 and later): tensor-core prefill.
     sm80: bool,
@@ -312,9 +314,12 @@ impl CudaDevice {
             let ptx = nvrtc::compile(name, &format!("{COMMON}\n{src}"), &arch)?;
             let entries = nvrtc::entry_points(&ptx.to_src());
             let module = ctx.load_module(ptx).map_err(err)?;
-            for k in entries {
+            for (k, waits) in entries {
+                if !waits {
+                    tracing::warn!(kernel = %k, "kernel does not wait for the one before it (grid_dep_sync): CUDA graphs keep full dependencies into it");
+                }
                 let f = module.load_function(&k).map_err(err)?;
-                funcs.insert(k, f);
+                funcs.insert(k, (f, waits));
             }
         }
         let (prefill_heads_max, decode_join_warps) = attend::allow_flash_smem(&ctx, &funcs)?;
@@ -523,7 +528,7 @@ impl CudaDevice {
 
     fn f(&self, name: &str) -> &CudaFunction {
         // Every entry point of the sources is loaded: a name missing here is misspelled.
-        self.funcs.get(name).unwrap_or_else(|| panic!("no kernel {name} in the CUDA sources"))
+        &self.funcs.get(name).unwrap_or_else(|| panic!("no kernel {name} in the CUDA sources")).0
     }
 
     /// Rounds activations feeding GEMMs (and KV caches allocated after this) to `dtype`, as

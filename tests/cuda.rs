@@ -130,20 +130,80 @@ fn close_silu_mul(what: &str, gpu: &[f32], proj: &[f32], inter: usize, tol: f32)
 /// `act(gate) · up` of the CPU's f32 projection `[rows, 2·inter]` against the GPU's result.
 fn close_act_mul(what: &str, act: Activation, gpu: &[f32], proj: &[f32], inter: usize, tol: f32) {
     assert_eq!(2 * gpu.len(), proj.len(), "{what}: length");
-    let f = |g: f32| match act {
-        Activation::Silu => g / (1.0 + (-g).exp()),
-        Activation::GeluTanh => 0.5 * g * (1.0 + (0.797_884_6 * (g + 0.044715 * g * g * g)).tanh()),
-        Activation::Relu => g.max(0.0),
-    };
     for (i, a) in gpu.iter().enumerate() {
         let (row, j) = (i / inter, i % inter);
         let (g, u) = (proj[row * 2 * inter + j], proj[row * 2 * inter + inter + j]);
-        let want = f(g) * u;
+        let want = activation(act, g as f64) as f32 * u;
         // |Δ(act(g)·u)| ≤ |act(g)|·Δu + 1.2·|u|·Δg, with |act(g)| ≤ |g|, a slope of at most
         // 1.2 for each activation, and each Δ at most tol · (1 + |value|).
         let bound = tol * (g.abs() * (1.0 + u.abs()) + 1.2 * u.abs() * (1.0 + g.abs()) + 1e-3);
         assert!((a - want).abs() <= bound, "{what}[{i}]: gpu {a} vs cpu {want} (gate {g}, up {u})");
     }
+}
+
+fn activation(act: Activation, g: f64) -> f64 {
+    match act {
+        Activation::Silu => g / (1.0 + (-g).exp()),
+        Activation::GeluTanh => 0.5 * g * (1.0 + (0.797_884_6 * (g + 0.044715 * g * g * g)).tanh()),
+        Activation::Relu => g.max(0.0),
+    }
+}
+
+/// A bf16 model's mixture-of-experts block as the tensor-core path computes it, in f64 on the
+/// host: softmax over the router logits, the top k (ties to the lower index), renormalized
+/// if asked; each chosen expert's act(gate) · up rounded to bf16, its down projection, and the
+/// route-weighted sum. `gate_up` [experts, 2·inter, h] and `down` [experts, h, inter] hold
+/// the weights as the GPU has them. Also each output's slack: what it moves if every gated
+/// product lands one bf16 step away (a product near a rounding midpoint may round either
+/// way after the GPU's f32 sums), 2⁻⁸ · Σ weight · |down · product|.
+fn moe_bf16_reference(
+    x: &[f32],
+    logits: &[f32],
+    gate_up: &[f32],
+    down: &[f32],
+    (h, inter): (usize, usize),
+    spec: actorllm::kernels::MoeSpec,
+) -> (Vec<f32>, Vec<f32>) {
+    let experts = spec.experts;
+    let dot = |w: &[f32], v: &[f64]| w.iter().zip(v).map(|(a, b)| *a as f64 * b).sum::<f64>();
+    let (mut out, mut slack) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+    for (r, xr) in x.chunks(h).enumerate() {
+        let l = &logits[r * experts..(r + 1) * experts];
+        let max = l.iter().fold(f32::MIN, |m, v| m.max(*v)) as f64;
+        let p: Vec<f64> = l.iter().map(|v| (*v as f64 - max).exp()).collect();
+        let sum: f64 = p.iter().sum();
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|a, b| p[*b].total_cmp(&p[*a]).then(a.cmp(b)));
+        let chosen = &order[..spec.top_k];
+        let norm = if spec.renormalize { chosen.iter().map(|e| p[*e]).sum::<f64>() } else { sum };
+        let xr: Vec<f64> = xr.iter().map(|v| *v as f64).collect();
+        let (mut acc, mut mag) = (vec![0.0f64; h], vec![0.0f64; h]);
+        for &e in chosen {
+            let gu = &gate_up[e * 2 * inter * h..(e + 1) * 2 * inter * h];
+            let mid: Vec<f64> = (0..inter)
+                .map(|j| {
+                    let (g, u) = (
+                        dot(&gu[j * h..(j + 1) * h], &xr),
+                        dot(&gu[(inter + j) * h..(inter + j + 1) * h], &xr),
+                    );
+                    half::bf16::from_f64(activation(spec.act, g) * u).to_f64()
+                })
+                .collect();
+            let d = &down[e * h * inter..(e + 1) * h * inter];
+            let abs_mid: Vec<f64> = mid.iter().map(|m| m.abs()).collect();
+            for c in 0..h {
+                let row = &d[c * inter..(c + 1) * inter];
+                acc[c] += p[e] / norm * dot(row, &mid);
+                mag[c] +=
+                    p[e] / norm * row.iter().zip(&abs_mid).map(|(w, m)| (*w as f64).abs() * m).sum::<f64>();
+            }
+        }
+        for c in 0..h {
+            out[r * h + c] = acc[c] as f32;
+            slack[r * h + c] = (mag[c] / 256.0) as f32;
+        }
+    }
+    (out, slack)
 }
 
 /// The GPU sampler against the host's on a vocabulary-sized batch of `cols` columns: every
@@ -1666,54 +1726,122 @@ fn the_general_ops_match_their_cpu_twins() {
 
 /// The mixture-of-experts block on the GPU (router, sort, grouped expert GEMVs, weighted
 /// sum) gives the CPU's, for f32 and bf16 experts, at decode and prefill row counts, with
-/// and without renormalized routes; and a shared expert's sigmoid gate.
+/// and without renormalized routes; and a shared expert's sigmoid gate. bf16 experts with
+/// many rows an expert take the tensor-core GEMMs, which round the rows and the gated
+/// product to bf16 as a bf16 model does (the rows given here are bf16 values already):
+/// those are held to `moe_bf16_reference`, among them several tiles of one expert, and
+/// sizes that leave partial tiles of rows, columns and k.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn fused_moe_matches_its_cpu_twin() {
     use actorllm::kernels::MoeSpec;
     let (g, _turn) = gpu();
     let c = CpuDevice::default();
-    let (experts, h, inter) = (16, 256, 128);
-    let gate_up = rand(experts * 2 * inter * h, 60);
-    let down = rand(experts * h * inter, 61);
-    for bf16 in [false, true] {
-        let weight = |v: &[f32], shape: &[usize]| match bf16 {
-            false => host(v, shape),
-            true => HostTensor {
-                dtype: DType::BF16,
-                shape: shape.to_vec(),
-                data: v
-                    .iter()
-                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                    .collect::<Vec<u8>>()
-                    .into(),
-            },
+    let to_bf16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
+    for (experts, h, inter) in [(16, 256, 128), (8, 200, 72)] {
+        let gate_up = rand(experts * 2 * inter * h, 60);
+        let down = rand(experts * h * inter, 61);
+        for bf16 in [false, true] {
+            let weight = |v: &[f32], shape: &[usize]| match bf16 {
+                false => host(v, shape),
+                true => HostTensor {
+                    dtype: DType::BF16,
+                    shape: shape.to_vec(),
+                    data: v
+                        .iter()
+                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                        .collect::<Vec<u8>>()
+                        .into(),
+                },
+            };
+            let gu_shape = [experts, 2 * inter, h];
+            let d_shape = [experts, h, inter];
+            let (guc, gug) = (
+                c.upload(weight(&gate_up, &gu_shape)).unwrap(),
+                g.upload(weight(&gate_up, &gu_shape)).unwrap(),
+            );
+            let (dc, dg) =
+                (c.upload(weight(&down, &d_shape)).unwrap(), g.upload(weight(&down, &d_shape)).unwrap());
+            for (rows, top_k, renormalize, act) in [
+                (1, 2, true, Activation::Silu),
+                (5, 4, false, Activation::Silu),
+                (40, 8, true, Activation::GeluTanh),
+                (600, 2, false, Activation::Silu),
+            ] {
+                let spec = MoeSpec { experts, top_k, renormalize, act };
+                // What moe.rs sends to the tensor cores: 16-bit experts, ≥ 8 routed rows an expert.
+                let mma = bf16 && rows * top_k >= 8 * experts;
+                let x = to_bf16(&rand(rows * h, 62 + rows as u64));
+                let logits: Vec<f32> = rand(rows * experts, 63).iter().map(|v| v * 8.0).collect();
+                let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
+                let (lc, lg) = (
+                    CpuTensor::new(logits.clone(), rows, experts),
+                    g.from_host(&logits, rows, experts).unwrap(),
+                );
+                let what =
+                    format!("fused_moe {experts}×[{h}, {inter}], bf16 {bf16}, rows {rows}, top {top_k}");
+                let got = g.to_host(&g.fused_moe(&xg, &lg, &gug, &dg, spec).unwrap()).unwrap();
+                if !mma {
+                    let want = c.to_host(&c.fused_moe(&xc, &lc, &guc, &dc, spec).unwrap()).unwrap();
+                    close(&what, &got, &want, 1e-3);
+                    continue;
+                }
+                let (gu, d) = (to_bf16(&gate_up), to_bf16(&down));
+                let (want, slack) = moe_bf16_reference(&x, &logits, &gu, &d, (h, inter), spec);
+                for (i, ((a, b), s)) in got.iter().zip(&want).zip(&slack).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-3 * (1.0 + b.abs()) + s,
+                        "{what}, mma[{i}]: gpu {a} vs {b} ± {s}"
+                    );
+                }
+            }
+        }
+        // Exactly: ReLU over small integers, with at most four nonzero ±1 weights a gate/up
+        // row, keeps every sum and gated product an integer that bf16 holds, so the tensor
+        // cores' result must be the CPU's to float precision. A slip in a tile's rows,
+        // columns or k steps cannot hide in the rounding slack here.
+        let signs = |n: usize, per_row: usize, cols: usize, seed: u64| -> Vec<f32> {
+            let r = rand(n * (per_row + 1), seed);
+            let mut v = vec![0.0f32; n * cols];
+            for row in 0..n {
+                for j in 0..per_row {
+                    let at = ((r[row * (per_row + 1) + j] + 0.5) * cols as f32) as usize % cols;
+                    v[row * cols + at] = if r[row * (per_row + 1) + per_row] > 0.0 { 1.0 } else { -1.0 };
+                }
+            }
+            v
         };
-        let gu_shape = [experts, 2 * inter, h];
-        let d_shape = [experts, h, inter];
-        let (guc, gug) =
-            (c.upload(weight(&gate_up, &gu_shape)).unwrap(), g.upload(weight(&gate_up, &gu_shape)).unwrap());
+        let gate_up = signs(experts * 2 * inter, 4, h, 70);
+        let down: Vec<f32> = rand(experts * h * inter, 71).iter().map(|v| (v * 4.0).round()).collect();
+        let as_bf16 = |v: &[f32], shape: &[usize]| HostTensor {
+            dtype: DType::BF16,
+            shape: shape.to_vec(),
+            data: v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect::<Vec<u8>>().into(),
+        };
+        let (gu_shape, d_shape) = ([experts, 2 * inter, h], [experts, h, inter]);
+        let (guc, gug) = (
+            c.upload(as_bf16(&gate_up, &gu_shape)).unwrap(),
+            g.upload(as_bf16(&gate_up, &gu_shape)).unwrap(),
+        );
         let (dc, dg) =
-            (c.upload(weight(&down, &d_shape)).unwrap(), g.upload(weight(&down, &d_shape)).unwrap());
-        for (rows, top_k, renormalize, act) in [
-            (1, 2, true, Activation::Silu),
-            (5, 4, false, Activation::Silu),
-            (40, 8, true, Activation::GeluTanh),
-        ] {
-            let spec = MoeSpec { experts, top_k, renormalize, act };
-            let x = rand(rows * h, 62 + rows as u64);
-            let logits: Vec<f32> = rand(rows * experts, 63).iter().map(|v| v * 8.0).collect();
+            (c.upload(as_bf16(&down, &d_shape)).unwrap(), g.upload(as_bf16(&down, &d_shape)).unwrap());
+        for (rows, top_k) in [(40, 8), (600, 2)] {
+            let spec = MoeSpec { experts, top_k, renormalize: true, act: Activation::Relu };
+            assert!(rows * top_k >= 8 * experts, "these rows take the tensor cores");
+            let x: Vec<f32> = rand(rows * h, 72).iter().map(|v| (v * 3.0).round()).collect();
+            let logits: Vec<f32> = rand(rows * experts, 73).iter().map(|v| v * 8.0).collect();
             let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
             let (lc, lg) =
                 (CpuTensor::new(logits.clone(), rows, experts), g.from_host(&logits, rows, experts).unwrap());
             close(
-                &format!("fused_moe, bf16 {bf16}, rows {rows}, top {top_k}"),
+                &format!("fused_moe {experts}×[{h}, {inter}] over integers, rows {rows}, top {top_k}"),
                 &g.to_host(&g.fused_moe(&xg, &lg, &gug, &dg, spec).unwrap()).unwrap(),
                 &c.to_host(&c.fused_moe(&xc, &lc, &guc, &dc, spec).unwrap()).unwrap(),
-                1e-3,
+                1e-5,
             );
         }
     }
+    let h = 256;
     let (rows, x, y, gate) = (7, rand(7 * h, 64), rand(7 * h, 65), rand(7, 66));
     let (mut ac, mut ag) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
     let (yc, yg) = (CpuTensor::new(y.clone(), rows, h), g.from_host(&y, rows, h).unwrap());

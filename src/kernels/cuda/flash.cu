@@ -7,11 +7,7 @@
 // 16 of them. The block walks the sequence's keys 0..last position in chunks of BC, staging
 // each chunk's K (row-major) and V (transposed) into shared memory as bf16 from the paged
 // cache (looking each key's slot up once per chunk); a warp skips chunks that lie wholly
-// after its rows (causal).
-//
-// Fragment layouts of mma.m16n8k16 (g = lane / 4, q = lane % 4): A a0 = (g, 2q..2q+1),
-// a1 = (g+8, 2q..), a2 = (g, 2q+8..), a3 = (g+8, 2q+8..); B b0 = (k 2q..2q+1, n g),
-// b1 = (k 2q+8.., n g); C c0,c1 = (g, 2q..2q+1), c2,c3 = (g+8, 2q..2q+1).
+// after its rows (causal). The mma fragment layouts are given in common.cuh.
 
 #define BR 64
 // Keys per chunk: 32 rather than 64 keeps the scores in fewer registers, so that three
@@ -22,22 +18,6 @@
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *(unsigned*)&v;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    int size = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(size));
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 }
 
 // One chunk's causal mask and online softmax for a warp's two rows of a tile (a and b:
@@ -527,16 +507,6 @@ __device__ __forceinline__ void flash_decode_regs(DECODE_ARGS(T)) {
     decode_finish<HD>(o, m, l, d, part_out, part_max, part_sum, out, out16, kind, heads, parts_max);
 }
 
-template <typename T> __device__ __forceinline__ void mma16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    mma_bf16(c, a, b0, b1);
-}
-template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 
 // A 16-bit cache, transposed tiles: the scores are computed as S^T = K · Q^T, the chunk's
@@ -555,12 +525,6 @@ template <> __device__ __forceinline__ void mma16<__half>(float* c, const unsign
 // running maxima (m) and its share of their sums (l, summed over g at the end), and the
 // output dims mt·16 + g and + 8 of the same two heads.
 
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const uint4* p) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a));
-}
 __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const uint4* p) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -3,9 +3,20 @@
 // grid depends on the batch's row count only, never on the routes, so a CUDA graph
 // replays the whole block: blocks of experts no row took leave at once. Weights are
 // [experts, rows, k] of type W (f32, bf16 or f16). (common.cuh comes first.)
+//
+// Two ways through the experts: few rows an expert (decode) take the warp-per-weight-row
+// kernels (moe_gate_up, moe_down), which read each chosen expert's rows once per 8 tokens;
+// many (prefill, large batches) take the tensor-core grouped GEMMs (moe_*_mma), whose
+// tiles of 64 sorted rows each read their expert's weights once.
 
 // Tokens a warp carries through one pass over its weight rows.
 #define MOE_TOKENS 8
+// Sorted rows, output columns and k of one tensor-core tile; shared rows are padded by 8
+// elements so that the eight rows an ldmatrix reads fall in distinct banks.
+#define MOE_BM 64
+#define MOE_BN 64
+#define MOE_BK 32
+#define MOE_LD (MOE_BK + 8)
 // Largest expert count a router kernel takes (16 logits a lane).
 #define MOE_MAX_EXPERTS 512
 
@@ -20,11 +31,9 @@ __device__ __forceinline__ float moe_act(float x, int act) {
 
 // Row r's router: softmax over its logits (f32), then its top_k (≤ 8) experts by repeated
 // warp argmax (ties to the lower index), renormalized to sum 1 when `renorm`. One warp a row.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
-                                     float* __restrict__ weights, int rows, int experts, int top_k, int renorm) {
-    grid_dep_sync();
-    const int r = blockIdx.x, lane = threadIdx.x;
-    if (r >= rows) return;
+__device__ void moe_route_row(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,
+                              int r, int experts, int top_k, int renorm) {
+    const int lane = threadIdx.x & 31;
     const float* l = logits + (size_t)r * experts;
     const float NEG = __int_as_float(0xff800000);  // -inf
     float p[MOE_MAX_EXPERTS / 32];
@@ -68,31 +77,50 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
         }
 }
 
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __restrict__ ids,
+                                     float* __restrict__ weights, int rows, int experts, int top_k, int renorm) {
+    grid_dep_sync();
+    if ((int)blockIdx.x < rows) moe_route_row(logits, ids, weights, blockIdx.x, experts, top_k, renorm);
+}
+
 // The routed pairs (row, choice) sorted by expert, in one block: counts[e], offsets (an
 // exclusive scan, offsets[experts] = pairs), pos[pair] its place in the sorted order and
 // sorted[place] the pair; active[0 .. *num_active) the experts some pair took, in order.
-extern "C" __global__ void moe_sort(const int* __restrict__ ids, int pairs, int experts, int* __restrict__ offsets,
-                                    int* __restrict__ pos, int* __restrict__ sorted, int* __restrict__ active,
-                                    int* __restrict__ num_active) {
-    grid_dep_sync();
-    extern __shared__ int count[];  // [experts] counts, then [experts] cursors
+// With `tiles`, also the tensor-core tiles: (expert, first place) for each run of up to
+// MOE_BM places of one expert, *num_tiles of them.
+#define MOE_SORT_ARGS                                                                                          \
+    int *__restrict__ ids, int pairs, int experts, int *__restrict__ offsets, int *__restrict__ pos,         \
+        int *__restrict__ sorted, int *__restrict__ active, int *__restrict__ num_active, int *__restrict__ tiles, \
+        int *__restrict__ num_tiles
+__device__ void moe_sort_pairs(MOE_SORT_ARGS) {
+    extern __shared__ int count[];  // [experts] counts, [experts] cursors, [experts] first tiles
     int* cursor = count + experts;
+    int* first_tile = cursor + experts;
     for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
     __syncthreads();
     if (threadIdx.x == 0) {
-        int at = 0, n = 0;
+        int at = 0, n = 0, t = 0;
         for (int e = 0; e < experts; e++) {
             offsets[e] = at;
             cursor[e] = at;
+            first_tile[e] = t;
             if (count[e] > 0) active[n++] = e;
             at += count[e];
+            t += (count[e] + MOE_BM - 1) / MOE_BM;
         }
         offsets[experts] = at;
         *num_active = n;
+        if (tiles) *num_tiles = t;
     }
     __syncthreads();
+    if (tiles)
+        for (int e = threadIdx.x; e < experts; e += blockDim.x)
+            for (int i = 0; i * MOE_BM < count[e]; i++) {
+                tiles[2 * (first_tile[e] + i)] = e;
+                tiles[2 * (first_tile[e] + i) + 1] = offsets[e] + i * MOE_BM;
+            }
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         int place = atomicAdd(&cursor[ids[p]], 1);
         pos[p] = place;
@@ -100,14 +128,19 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, int pairs, int 
     }
 }
 
-// xs[place] = x[row of the pair at place], f32.
-extern "C" __global__ void moe_gather(const float* __restrict__ x, const int* __restrict__ sorted,
-                                      float* __restrict__ xs, int pairs, int top_k, int cols) {
+extern "C" __global__ void moe_sort(MOE_SORT_ARGS) {
     grid_dep_sync();
-    const int place = blockIdx.x;
-    if (place >= pairs) return;
-    const float* src = x + (size_t)(sorted[place] / top_k) * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) xs[(size_t)place * cols + c] = src[c];
+    moe_sort_pairs(ids, pairs, experts, offsets, pos, sorted, active, num_active, tiles, num_tiles);
+}
+
+// Routing and the sort in one block, for batches of few rows (a warp routes every 32nd row).
+extern "C" __global__ void moe_route_sort(const float* __restrict__ logits, float* __restrict__ weights, int rows,
+                                          int top_k, int renorm, MOE_SORT_ARGS) {
+    grid_dep_sync();
+    for (int r = threadIdx.x >> 5; r < rows; r += blockDim.x >> 5)
+        moe_route_row(logits, ids, weights, r, experts, top_k, renorm);
+    __syncthreads();
+    moe_sort_pairs(ids, pairs, experts, offsets, pos, sorted, active, num_active, tiles, num_tiles);
 }
 
 // Eight consecutive elements of a weight row, widened to f32 (16-byte aligned for 16-bit
@@ -124,12 +157,16 @@ __device__ __forceinline__ void moe_ld8(const T* p, float (&v)[8]) {
     for (int i = 0; i < 8; i++) v[i] = ld(h + i);
 }
 
-// Σ_k w0[k] · x_t[k] and Σ_k w1[k] · x_t[k] for the (up to MOE_TOKENS) rows x_t of xs at
-// places first .. first + n, summed over the warp into every lane. k % 8 == 0.
-template <typename W, int R>
-__device__ __forceinline__ void moe_dots(const W* w0, const W* w1, const float* xs, int first, int n, int k,
-                                         float (&acc)[R][MOE_TOKENS]) {
+// Σ_k w0[k] · x_t[k] and Σ_k w1[k] · x_t[k] for the (up to MOE_TOKENS) places first ..
+// first + n, summed over the warp into every lane. k % 8 == 0. Place p's row is row p of xs,
+// or with GATHER, row sorted[p] / top_k (the token of the pair at p).
+template <typename W, int R, bool GATHER>
+__device__ __forceinline__ void moe_dots(const W* w0, const W* w1, const float* xs, const int* sorted, int top_k,
+                                         int first, int n, int k, float (&acc)[R][MOE_TOKENS]) {
     const int lane = threadIdx.x & 31;
+    int row[MOE_TOKENS];
+#pragma unroll
+    for (int t = 0; t < MOE_TOKENS; t++) row[t] = GATHER ? (t < n ? sorted[first + t] / top_k : 0) : first + t;
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
@@ -142,7 +179,7 @@ __device__ __forceinline__ void moe_dots(const W* w0, const W* w1, const float* 
         for (int t = 0; t < MOE_TOKENS; t++) {
             if (t >= n) break;
             float xv[8];
-            moe_ld8(xs + (size_t)(first + t) * k + k0, xv);
+            moe_ld8(xs + (size_t)row[t] * k + k0, xv);
 #pragma unroll
             for (int i = 0; i < 8; i++) {
                 acc[0][t] = fmaf(a[i], xv[i], acc[0][t]);
@@ -154,14 +191,16 @@ __device__ __forceinline__ void moe_dots(const W* w0, const W* w1, const float* 
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < MOE_TOKENS; t++)
-            for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
+            if (t < n)
+                for (int o = 16; o > 0; o >>= 1) acc[r][t] += __shfl_xor_sync(0xffffffffu, acc[r][t], o);
 }
 
-// The gate/up projection of each active expert over its sorted rows, then act(gate) · up:
-// inter[place, j] for j < n_inter. Block (b, a) takes active expert a, and its warps the
-// intermediate indices 8b .. 8b + 7 (gate row j, up row n_inter + j).
+// The gate/up projection of each active expert over its sorted rows (read from x through
+// `sorted`), then act(gate) · up: inter[place, j] for j < n_inter. Block (b, a) takes active
+// expert a, and its warps the intermediate indices 8b .. 8b + 7 (gate row j, up row n_inter + j).
 template <typename W>
-__device__ void moe_gate_up(const W* __restrict__ w, const float* __restrict__ xs, float* __restrict__ inter,
+__device__ void moe_gate_up(const W* __restrict__ w, const float* __restrict__ x, const int* __restrict__ sorted,
+                            int top_k, float* __restrict__ inter,
                             const int* __restrict__ offsets, const int* __restrict__ active,
                             const int* __restrict__ num_active, int n_inter, int k, int act) {
     grid_dep_sync();
@@ -173,7 +212,7 @@ __device__ void moe_gate_up(const W* __restrict__ w, const float* __restrict__ x
     for (int first = offsets[e]; first < offsets[e + 1]; first += MOE_TOKENS) {
         const int n = min(MOE_TOKENS, offsets[e + 1] - first);
         float acc[2][MOE_TOKENS];
-        moe_dots<W, 2>(gate, up, xs, first, n, k, acc);
+        moe_dots<W, 2, true>(gate, up, x, sorted, top_k, first, n, k, acc);
         if (lane < n) {
             float g = 0.0f, u = 0.0f;
 #pragma unroll
@@ -198,7 +237,7 @@ __device__ void moe_down(const W* __restrict__ w, const float* __restrict__ inte
     for (int first = offsets[e]; first < offsets[e + 1]; first += MOE_TOKENS) {
         const int n = min(MOE_TOKENS, offsets[e + 1] - first);
         float acc[1][MOE_TOKENS];
-        moe_dots<W, 1>(row, row, inter, first, n, k, acc);
+        moe_dots<W, 1, false>(row, row, inter, nullptr, 1, first, n, k, acc);
         if (lane < n) {
             float v = 0.0f;
 #pragma unroll
@@ -209,11 +248,14 @@ __device__ void moe_down(const W* __restrict__ w, const float* __restrict__ inte
     }
 }
 
+// Four gate/up blocks an SM: the gathered rows' indices would take it to 90 registers, and
+// half the warps (and loads) in flight.
 #define MOE_ENTRIES(SUF, W)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256)                                                            \
-        moe_gate_up_##SUF(const W* w, const float* xs, float* inter, const int* offsets, const int* active,      \
-                          const int* num_active, int n_inter, int k, int act) {                                  \
-        moe_gate_up<W>(w, xs, inter, offsets, active, num_active, n_inter, k, act);                              \
+    extern "C" __global__ void __launch_bounds__(256, 4)                                                         \
+        moe_gate_up_##SUF(const W* w, const float* x, const int* sorted, int top_k, float* inter,                \
+                          const int* offsets, const int* active, const int* num_active, int n_inter, int k,      \
+                          int act) {                                                                             \
+        moe_gate_up<W>(w, x, sorted, top_k, inter, offsets, active, num_active, n_inter, k, act);                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
         moe_down_##SUF(const W* w, const float* inter, float* y, const int* offsets, const int* active,          \
@@ -223,6 +265,146 @@ __device__ void moe_down(const W* __restrict__ w, const float* __restrict__ inte
 MOE_ENTRIES(f32, float)
 MOE_ENTRIES(bf16, __nv_bfloat16)
 MOE_ENTRIES(f16, __half)
+
+// The tensor-core path. xs[place] = x[row of the pair at place], rounded to T (as the
+// dense GEMMs round a 16-bit model's activations).
+template <typename T>
+__device__ void moe_gather16(const float* __restrict__ x, const int* __restrict__ sorted, T* __restrict__ xs,
+                             int pairs, int top_k, int cols) {
+    grid_dep_sync();
+    const int place = blockIdx.x;
+    if (place >= pairs) return;
+    const float* src = x + (size_t)(sorted[place] / top_k) * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) st(xs + (size_t)place * cols + c, src[c]);
+}
+
+// Stage k0 .. k0 + MOE_BK of a tile into shared memory with cp.async: n rows of `a` from
+// place `first` (rows past n and columns past k zero-filled), and SETS · MOE_BN weight rows
+// (set s: rows s · n_out + col0 ..) of the expert's weights w.
+template <typename T, int SETS>
+__device__ __forceinline__ void moe_stage(T* as, T* bs, const T* __restrict__ a, const T* __restrict__ w, int first,
+                                          int n, int col0, int n_out, int k, int k0) {
+    for (int c = threadIdx.x; c < MOE_BM * 4; c += 128) {
+        const int r = c >> 2, kc = k0 + (c & 3) * 8;
+        const bool ok = r < n && kc < k;
+        cp_async16(as + r * MOE_LD + (c & 3) * 8, a + (size_t)(first + (ok ? r : 0)) * k + (ok ? kc : 0), ok);
+    }
+    for (int c = threadIdx.x; c < SETS * MOE_BN * 4; c += 128) {
+        const int r = c >> 2, kc = k0 + (c & 3) * 8, s = r / MOE_BN, j = col0 + r % MOE_BN;
+        const bool ok = j < n_out && kc < k;
+        cp_async16(bs + r * MOE_LD + (c & 3) * 8, w + ((size_t)s * n_out + (ok ? j : 0)) * k + (ok ? kc : 0), ok);
+    }
+}
+
+// One tile of a grouped expert GEMM on tensor cores: block (t, c) takes tile t of the sort
+// (an expert and up to MOE_BM consecutive places of it) and output columns c · MOE_BN ..;
+// its four warps each a 32 × 32 quarter, k in steps of MOE_BK through two cp.async stages.
+// SETS 2 is the gate/up projection: weights [experts, 2 · n_out, k], out[place, j] =
+// act(gate_j) · up_j rounded to T. SETS 1 is the down projection: weights
+// [experts, n_out, k], out[place, j] in f32. Blocks past the sort's tiles leave at once.
+template <typename T, int SETS>
+__device__ void moe_mma(const T* __restrict__ w, const T* __restrict__ a, void* __restrict__ out,
+                        const int* __restrict__ tiles, const int* __restrict__ num_tiles,
+                        const int* __restrict__ offsets, int n_out, int k, int act) {
+    __shared__ __align__(16) T as[2][MOE_BM * MOE_LD];
+    __shared__ __align__(16) T bs[2][SETS * MOE_BN * MOE_LD];
+    grid_dep_sync();
+    const int t = blockIdx.x;
+    if (t >= *num_tiles) return;
+    const int e = tiles[2 * t], first = tiles[2 * t + 1], n = min(MOE_BM, offsets[e + 1] - first);
+    const int col0 = blockIdx.y * MOE_BN, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp >> 1, wn = warp & 1;
+    // A warp whose 32 rows are all past the tile's end only helps to load.
+    const bool busy = wm * 32 < n;
+    const T* we = w + (size_t)e * SETS * n_out * k;
+    float acc[SETS][2][4][4];
+#pragma unroll
+    for (int s = 0; s < SETS; s++)
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[s][mi][ni][i] = 0.0f;
+    const int steps = (k + MOE_BK - 1) / MOE_BK;
+    moe_stage<T, SETS>(as[0], bs[0], a, we, first, n, col0, n_out, k, 0);
+    cp_async_commit();
+    for (int kt = 0; kt < steps; kt++) {
+        if (kt + 1 < steps) {
+            moe_stage<T, SETS>(as[(kt + 1) & 1], bs[(kt + 1) & 1], a, we, first, n, col0, n_out, k, (kt + 1) * MOE_BK);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* A = as[kt & 1];
+        const T* B = bs[kt & 1];
+        if (busy) {
+#pragma unroll
+            for (int kk = 0; kk < MOE_BK / 16; kk++) {
+                unsigned af[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+                    ldsm_x4(af[mi], A + (wm * 32 + mi * 16 + (lane & 15)) * MOE_LD + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int s = 0; s < SETS; s++)
+#pragma unroll
+                    for (int np = 0; np < 2; np++) {
+                        // n rows np·16 + (0..7 | 8..15) by k halves 0..7 | 8..15: b0, b1 of
+                        // n-tile 2np, then of 2np + 1.
+                        unsigned bf[4];
+                        const int nr = s * MOE_BN + wn * 32 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+                        ldsm_x4(bf, B + nr * MOE_LD + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                        for (int mi = 0; mi < 2; mi++) {
+                            mma16<T>(acc[s][mi][2 * np], af[mi], bf[0], bf[1]);
+                            mma16<T>(acc[s][mi][2 * np + 1], af[mi], bf[2], bf[3]);
+                        }
+                    }
+            }
+        }
+        __syncthreads();
+    }
+    if (!busy) return;
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = wm * 32 + mi * 16 + g + h * 8, col = col0 + wn * 32 + ni * 8 + 2 * q;
+                if (r >= n || col >= n_out) continue;
+                const size_t o = (size_t)(first + r) * n_out + col;
+                if (SETS == 2) {
+                    const float v0 = moe_act(acc[0][mi][ni][2 * h], act) * acc[SETS - 1][mi][ni][2 * h];
+                    const float v1 = moe_act(acc[0][mi][ni][2 * h + 1], act) * acc[SETS - 1][mi][ni][2 * h + 1];
+                    st((T*)out + o, v0);
+                    st((T*)out + o + 1, v1);
+                } else {
+                    *(float2*)((float*)out + o) = make_float2(acc[0][mi][ni][2 * h], acc[0][mi][ni][2 * h + 1]);
+                }
+            }
+}
+
+#define MOE_MMA_ENTRIES(SUF, T)                                                                                  \
+    extern "C" __global__ void moe_gather_##SUF(const float* x, const int* sorted, T* xs, int pairs, int top_k, \
+                                                int cols) {                                                      \
+        moe_gather16<T>(x, sorted, xs, pairs, top_k, cols);                                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128)                                                            \
+        moe_gate_up_mma_##SUF(const T* w, const T* a, T* out, const int* tiles, const int* num_tiles,            \
+                              const int* offsets, int n_out, int k, int act) {                                   \
+        moe_mma<T, 2>(w, a, out, tiles, num_tiles, offsets, n_out, k, act);                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128)                                                            \
+        moe_down_mma_##SUF(const T* w, const T* a, float* out, const int* tiles, const int* num_tiles,           \
+                           const int* offsets, int n_out, int k) {                                               \
+        moe_mma<T, 1>(w, a, out, tiles, num_tiles, offsets, n_out, k, 0);                                        \
+    }
+MOE_MMA_ENTRIES(bf16, __nv_bfloat16)
+MOE_MMA_ENTRIES(f16, __half)
 
 // out[r, c] = Σ_j weights[r, j] · y[pos[r · top_k + j], c], the choices taken in expert
 // order (transformers adds the experts' outputs in that order).

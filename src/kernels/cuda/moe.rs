@@ -1,7 +1,9 @@
-//! Mixture-of-experts on the GPU (moe.cu): a router kernel, the routed rows sorted by expert,
-//! one launch for the gate/up projections of every active expert and one for their down
-//! projections, each reading only the chosen experts' rows, and a weighted sum per token.
-//! Every grid depends on the row count alone, so CUDA graphs capture the block whole.
+//! Mixture-of-experts on the GPU (moe.cu): a router kernel, the routed rows sorted by expert
+//! (one kernel for both at small batches), one launch for the gate/up projections of every
+//! active expert and one for their down projections, each reading only the chosen experts'
+//! rows, and a weighted sum per token. Many rows an expert take tensor-core grouped GEMMs
+//! over tiles of sorted rows instead. Every grid and the choice between the two depend on
+//! the row count alone, so CUDA graphs capture the block whole.
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
@@ -13,6 +15,15 @@ use crate::kernels::MoeSpec;
 /// The most experts a token takes, and the most a block holds (moe.cu's router).
 const MAX_TOP_K: usize = 8;
 const MAX_EXPERTS: usize = 512;
+/// Sorted rows and output columns of one tensor-core tile (moe.cu's MOE_BM, MOE_BN).
+const MMA_ROWS: usize = 64;
+const MMA_COLS: usize = 64;
+/// Batches of up to this many rows are routed inside the sort's block (one launch fewer).
+const ROUTE_IN_THE_SORT_ROWS: usize = 64;
+/// 16-bit experts take the tensor-core GEMMs once the routed pairs average this many rows
+/// an expert: past the 8 tokens a warp of the GEMV kernels carries through one pass over
+/// its weight rows, those kernels read the weights again for every further 8.
+const MMA_MIN_ROWS_PER_EXPERT: usize = 8;
 
 impl CudaDevice {
     fn ptr(&self, t: &CudaTensor) -> CUdeviceptr {
@@ -44,7 +55,9 @@ impl CudaDevice {
             )));
         }
         let pairs = rows * k;
-        // Integer buffers live in f32-sized pooled slots.
+        let sixteen = weight_suffix(gate_up)? != "f32" && weight_suffix(down)? == weight_suffix(gate_up)?;
+        let tensor_cores = sixteen && pairs >= MMA_MIN_ROWS_PER_EXPERT * experts;
+        // Integer buffers live in f32-sized pooled slots; 16-bit ones in half as many.
         let ids = self.tensor(pairs, 1)?;
         let weights = self.tensor(pairs, 1)?;
         let offsets = self.tensor(experts + 1, 1)?;
@@ -52,59 +65,94 @@ impl CudaDevice {
         let sorted = self.tensor(pairs, 1)?;
         let active = self.tensor(experts, 1)?;
         let num_active = self.tensor(1, 1)?;
-        let xs = self.tensor(pairs, hidden)?;
-        let mid = self.tensor(pairs, inter)?;
+        // Tiles of the tensor-core path: at most one partial tile per expert beyond the full ones.
+        let max_tiles = pairs.div_ceil(MMA_ROWS) + experts.min(pairs);
+        let tiles = self.tensor(if tensor_cores { 2 * max_tiles } else { 1 }, 1)?;
+        let num_tiles = self.tensor(1, 1)?;
+        // The gathered rows in 16 bits (tensor cores; the GEMVs read x through `sorted`).
+        let xs = self.tensor(if tensor_cores { pairs } else { 1 }, hidden / 2)?;
+        let mid = match tensor_cores {
+            true => self.tensor(pairs, inter / 2)?,
+            false => self.tensor(pairs, inter)?,
+        };
         let y = self.tensor(pairs, hidden)?;
         let out = self.tensor(rows, hidden)?;
-        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, na_p, xs_p, mid_p, y_p, out_p] =
-            [&ids, &weights, &offsets, &pos, &sorted, &active, &num_active, &xs, &mid, &y, &out]
+        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, na_p, xs_p, mid_p, y_p, out_p, nt_p] =
+            [&ids, &weights, &offsets, &pos, &sorted, &active, &num_active, &xs, &mid, &y, &out, &num_tiles]
                 .map(|t| self.ptr(t));
+        let tiles_p: CUdeviceptr = if tensor_cores { self.ptr(&tiles) } else { 0 };
         let (x_p, logits_p) = (self.ptr(x), self.ptr(logits));
         let (r, e, kk, h, i) = (rows as i32, experts as i32, k as i32, hidden as i32, inter as i32);
         let (renorm, act, np) = (spec.renormalize as i32, act_code(spec.act), pairs as i32);
-        let _t = self.span("fused_moe", (hidden, inter), rows);
+        let _t = self.span(if tensor_cores { "fused_moe_mma" } else { "fused_moe" }, (hidden, inter), rows);
         let one = |grid: (u32, u32), block: u32, shared: u32| LaunchConfig {
             grid_dim: (grid.0.max(1), grid.1.max(1), 1),
             block_dim: (block, 1, 1),
             shared_mem_bytes: shared,
         };
+        let sfx = weight_suffix(gate_up)?;
+        let (gate_up_p, down_p) = (weight_ptr(self, gate_up), weight_ptr(self, down));
         // SAFETY (every launch): the buffers above hold what each kernel indexes: ids,
-        // weights, pos and sorted `pairs` values, offsets experts + 1, active experts; xs and
-        // y [pairs, hidden], mid [pairs, inter], out [rows, hidden]; the weights
-        // [experts, 2·inter, hidden] and [experts, hidden, inter] as checked at load.
+        // weights, pos and sorted `pairs` values, offsets experts + 1, active experts, tiles
+        // 2 · max_tiles (what the sort can make of `pairs` places); xs and y [pairs, hidden]
+        // and mid [pairs, inter] (in 16 bits on the tensor-core path), out [rows, hidden];
+        // the weights [experts, 2·inter, hidden] and [experts, hidden, inter] as checked at load.
         unsafe {
-            let mut l = self.stream.launch_builder(self.f("moe_route"));
-            l.arg(&logits_p).arg(&ids_p).arg(&w_p).arg(&r).arg(&e).arg(&kk).arg(&renorm);
-            l.launch(one((rows as u32, 1), 32, 0)).map_err(cuda("moe_route launch"))?;
+            let sort_shared = (3 * experts * 4) as u32;
+            let sort_ptrs = [ids_p, off_p, pos_p, sorted_p, active_p, na_p, tiles_p, nt_p];
+            let sort_ints = [np, e];
+            if rows <= ROUTE_IN_THE_SORT_ROWS {
+                let mut l = self.stream.launch_builder(self.f("moe_route_sort"));
+                l.arg(&logits_p).arg(&w_p).arg(&r).arg(&kk).arg(&renorm);
+                sort_args(&mut l, &sort_ptrs, &sort_ints);
+                l.launch(one((1, 1), 1024, sort_shared)).map_err(cuda("moe_route_sort launch"))?;
+            } else {
+                let mut l = self.stream.launch_builder(self.f("moe_route"));
+                l.arg(&logits_p).arg(&ids_p).arg(&w_p).arg(&r).arg(&e).arg(&kk).arg(&renorm);
+                l.launch(one((rows as u32, 1), 32, 0)).map_err(cuda("moe_route launch"))?;
 
-            let mut l = self.stream.launch_builder(self.f("moe_sort"));
-            l.arg(&ids_p).arg(&np).arg(&e).arg(&off_p).arg(&pos_p).arg(&sorted_p).arg(&active_p).arg(&na_p);
-            l.launch(one((1, 1), 1024, (2 * experts * 4) as u32)).map_err(cuda("moe_sort launch"))?;
+                let mut l = self.stream.launch_builder(self.f("moe_sort"));
+                sort_args(&mut l, &sort_ptrs, &sort_ints);
+                l.launch(one((1, 1), 1024, sort_shared)).map_err(cuda("moe_sort launch"))?;
+            }
 
-            let mut l = self.stream.launch_builder(self.f("moe_gather"));
-            l.arg(&x_p).arg(&sorted_p).arg(&xs_p).arg(&np).arg(&kk).arg(&h);
-            l.launch(one((pairs as u32, 1), 256, 0)).map_err(cuda("moe_gather launch"))?;
+            if tensor_cores {
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_gather_{sfx}")));
+                l.arg(&x_p).arg(&sorted_p).arg(&xs_p).arg(&np).arg(&kk).arg(&h);
+                l.launch(one((pairs as u32, 1), 256, 0)).map_err(cuda("moe_gather launch"))?;
 
-            // Blocks for every expert that could be active; the others leave at once.
-            let slots = experts.min(pairs) as u32;
-            let sfx = weight_suffix(gate_up)?;
-            let gate_up_p = weight_ptr(self, gate_up);
-            let mut l = self.stream.launch_builder(self.f(&format!("moe_gate_up_{sfx}")));
-            l.arg(&gate_up_p)
-                .arg(&xs_p)
-                .arg(&mid_p)
-                .arg(&off_p)
-                .arg(&active_p)
-                .arg(&na_p)
-                .arg(&i)
-                .arg(&h)
-                .arg(&act);
-            l.launch(one((inter.div_ceil(8) as u32, slots), 256, 0)).map_err(cuda("moe_gate_up launch"))?;
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_gate_up_mma_{sfx}")));
+                l.arg(&gate_up_p).arg(&xs_p).arg(&mid_p).arg(&tiles_p).arg(&nt_p).arg(&off_p);
+                l.arg(&i).arg(&h).arg(&act);
+                l.launch(one((max_tiles as u32, inter.div_ceil(MMA_COLS) as u32), 128, 0))
+                    .map_err(cuda("moe_gate_up_mma launch"))?;
 
-            let down_p = weight_ptr(self, down);
-            let mut l = self.stream.launch_builder(self.f(&format!("moe_down_{}", weight_suffix(down)?)));
-            l.arg(&down_p).arg(&mid_p).arg(&y_p).arg(&off_p).arg(&active_p).arg(&na_p).arg(&h).arg(&i);
-            l.launch(one((hidden.div_ceil(8) as u32, slots), 256, 0)).map_err(cuda("moe_down launch"))?;
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_down_mma_{sfx}")));
+                l.arg(&down_p).arg(&mid_p).arg(&y_p).arg(&tiles_p).arg(&nt_p).arg(&off_p).arg(&h).arg(&i);
+                l.launch(one((max_tiles as u32, hidden.div_ceil(MMA_COLS) as u32), 128, 0))
+                    .map_err(cuda("moe_down_mma launch"))?;
+            } else {
+                // Blocks for every expert that could be active; the others leave at once.
+                let slots = experts.min(pairs) as u32;
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_gate_up_{sfx}")));
+                l.arg(&gate_up_p)
+                    .arg(&x_p)
+                    .arg(&sorted_p)
+                    .arg(&kk)
+                    .arg(&mid_p)
+                    .arg(&off_p)
+                    .arg(&active_p)
+                    .arg(&na_p)
+                    .arg(&i)
+                    .arg(&h)
+                    .arg(&act);
+                l.launch(one((inter.div_ceil(8) as u32, slots), 256, 0))
+                    .map_err(cuda("moe_gate_up launch"))?;
+
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_down_{}", weight_suffix(down)?)));
+                l.arg(&down_p).arg(&mid_p).arg(&y_p).arg(&off_p).arg(&active_p).arg(&na_p).arg(&h).arg(&i);
+                l.launch(one((hidden.div_ceil(8) as u32, slots), 256, 0)).map_err(cuda("moe_down launch"))?;
+            }
 
             let mut l = self.stream.launch_builder(self.f("moe_combine"));
             l.arg(&y_p).arg(&ids_p).arg(&pos_p).arg(&w_p).arg(&out_p).arg(&r).arg(&kk).arg(&h);
@@ -139,6 +187,14 @@ impl CudaDevice {
         .map_err(cuda("add_sigmoid_gated launch"))?;
         Ok(())
     }
+}
+
+/// moe.cu's MOE_SORT_ARGS: ids, pairs, experts, offsets, pos, sorted, active, num_active,
+/// tiles, num_tiles (`ptrs` in that order without the two counts, `ints` the two counts).
+fn sort_args<'a>(l: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [CUdeviceptr; 8], ints: &'a [i32; 2]) {
+    let [ids, offsets, pos, sorted, active, num_active, tiles, num_tiles] = ptrs;
+    l.arg(ids).arg(&ints[0]).arg(&ints[1]).arg(offsets).arg(pos).arg(sorted);
+    l.arg(active).arg(num_active).arg(tiles).arg(num_tiles);
 }
 
 fn weight_suffix(w: &CudaWeight) -> DevResult<&'static str> {

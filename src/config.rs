@@ -130,6 +130,11 @@ pub struct EngineArgs {
     /// `auto`/`safetensors` read the checkpoint; `dummy` makes weights of its shapes instead.
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
+    /// vLLM's quantization method names: `gguf` with a .gguf file as --model (dequantized
+    /// once at import, as a .gguf --model is without the flag); other methods are refused
+    /// by name, as are checkpoints whose config.json names one.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// `fcfs` (first come first served) or `priority`: requests by their `priority` (lower
     /// first), then arrival, a waiting request preempting running ones it ranks above.
     #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
@@ -308,6 +313,7 @@ impl Default for EngineArgs {
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
             load_format: LoadFormat::Auto,
+            quantization: None,
             no_enable_prefix_caching: false,
             enable_prefix_caching: false,
             scheduling_policy: SchedulingPolicy::Fcfs,

@@ -133,6 +133,7 @@ impl Engine {
         registry: ModelRegistry<D>,
         make: impl FnOnce() -> Result<Vec<D>, DeviceError> + Send + 'static,
     ) -> Result<Engine, EngineError> {
+        import_if_gguf(&mut args)?;
         let located =
             crate::hub::locate(&args.model, args.revision.as_deref(), args.download_dir.as_deref())?;
         if let Some(commit) = &located.commit {
@@ -514,6 +515,27 @@ fn sampling_defaults(args: &EngineArgs) -> Result<crate::request::SamplingDefaul
         );
     }
     Ok(defaults)
+}
+
+/// Checks `--quantization`, and turns a GGUF file given as `--model` into the model
+/// directory it imports to (dequantized to f32, or to bf16 with a 16-bit `--dtype`;
+/// imported the first time only).
+fn import_if_gguf(args: &mut EngineArgs) -> Result<(), EngineError> {
+    use crate::gguf::import::{ImportDtype, ImportError, imported, is_gguf_file};
+    let gguf = is_gguf_file(&args.model);
+    crate::quantization::check_arg(args.quantization.as_deref(), &args.model, gguf)?;
+    if gguf {
+        let root = crate::hub::import_cache(args.download_dir.as_deref());
+        std::fs::create_dir_all(&root)
+            .map_err(|source| ImportError::Write { path: root.display().to_string(), source })?;
+        // As `import-gguf` does by default: dequantized blocks are exact in f32, not in bf16.
+        let dtype = match args.dtype {
+            crate::config::DTypeArg::Auto | crate::config::DTypeArg::Float32 => ImportDtype::F32,
+            _ => ImportDtype::Bf16,
+        };
+        args.model = imported(&args.model, &root, dtype)?;
+    }
+    Ok(())
 }
 
 /// One log line for each vLLM flag given that does less here than in vLLM.

@@ -17,6 +17,10 @@ pub enum EngineError {
     #[error(transparent)]
     Hub(#[from] crate::hub::HubError),
     #[error(transparent)]
+    Quantization(#[from] crate::quantization::QuantError),
+    #[error("importing the GGUF file: {0}")]
+    GgufImport(#[from] crate::gguf::import::ImportError),
+    #[error(transparent)]
     InvalidParams(#[from] ValidationError),
     #[error("Input prompt ({prompt_tokens} tokens) is too long and exceeds limit of {max_model_len}")]
     PromptTooLong { prompt_tokens: usize, max_model_len: usize },

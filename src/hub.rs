@@ -50,6 +50,20 @@ pub fn cache_dirs(download_dir: Option<&Path>) -> Vec<PathBuf> {
     dirs
 }
 
+/// Where models imported from other formats (GGUF files given as `--model`) are kept:
+/// `actorllm-gguf/` under `--download-dir` when given, else `$XDG_CACHE_HOME/actorllm/gguf`
+/// or `~/.cache/actorllm/gguf` (the temp dir when neither is set).
+pub fn import_cache(download_dir: Option<&Path>) -> PathBuf {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    match download_dir {
+        Some(d) => d.join("actorllm-gguf"),
+        None => env("XDG_CACHE_HOME")
+            .or_else(|| env("HOME").map(|h| h.join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("actorllm/gguf"),
+    }
+}
+
 /// Resolves `--model` (with `--revision`, default `main`) to a directory: the path itself
 /// when it is a directory, else the cached snapshot of the id in the first cache that has it.
 pub fn locate(

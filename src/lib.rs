@@ -42,6 +42,7 @@ pub mod mapped;
 pub mod metrics;
 pub mod models;
 pub mod offline;
+pub mod quantization;
 pub mod request;
 pub mod sampling;
 pub mod scratch;

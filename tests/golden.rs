@@ -41,6 +41,36 @@ async fn a_fresh_import_of_the_gguf_matches_transformers() {
     greedy_matches(common::args(dir.path())).await;
 }
 
+/// The GGUF file itself as `--model` (with vLLM's `--quantization gguf`, and without it):
+/// imported once into the cache under `--download-dir`, then served as the import is; a
+/// second start finds the import and writes nothing.
+#[actix_rt::test]
+async fn a_gguf_file_as_the_model_is_imported_once_and_matches_transformers() {
+    let cache = common::scratch("gguf-cache");
+    let args = |q: Option<&str>| EngineArgs {
+        quantization: q.map(String::from),
+        download_dir: Some(cache.path().to_path_buf()),
+        ..common::args(default_gguf())
+    };
+    greedy_matches(args(Some("gguf"))).await;
+    let root = cache.path().join("actorllm-gguf");
+    let entries = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).collect();
+        v.sort();
+        v
+    };
+    let imported = entries();
+    assert_eq!(imported.len(), 1, "one import and no partial directory left: {imported:?}");
+    let written = |p: &Path| std::fs::metadata(p.join("model.safetensors")).unwrap().modified().unwrap();
+    let first = written(&imported[0]);
+    let engine = Engine::start(args(None)).await.unwrap();
+    drop(engine);
+    assert_eq!(entries(), imported, "the second start found the import");
+    assert_eq!(written(&imported[0]), first, "and did not write it again");
+    let e = Engine::start(args(Some("awq"))).await.err().expect("refused").to_string();
+    assert!(e.contains("--quantization awq does not apply"), "{e}");
+}
+
 /// Split over 3 ranks (9 heads, 3 KV heads, 1536 MLP features, a tied 49152-row
 /// vocabulary: 3 each), the CPU's tensor parallelism still gives HF's tokens.
 #[actix_rt::test]

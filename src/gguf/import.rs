@@ -216,6 +216,46 @@ pub fn import_gguf(gguf: &Path, out: &Path, dtype: ImportDtype) -> Result<(), Im
     write_weights(&g, &meta, out, dtype)
 }
 
+/// Whether `--model` names a GGUF file (served by importing it, `imported`).
+pub fn is_gguf_file(model: &Path) -> bool {
+    model.is_file() && model.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// The model directory a GGUF file imports to, importing it the first time: under `root`
+/// (`hub::import_cache`), one
+/// directory per file, name, size, modification time and dtype, so that a changed file is
+/// imported again and an unchanged one never is. The import goes to a directory of this
+/// process's own, renamed into place when whole: a server started beside this one either
+/// finds the finished directory or imports its own.
+pub fn imported(gguf: &Path, root: &Path, dtype: ImportDtype) -> Result<std::path::PathBuf, ImportError> {
+    use std::hash::{Hash, Hasher};
+    let meta = std::fs::metadata(gguf)
+        .map_err(|source| ImportError::Gguf(GgufError::Io { path: gguf.display().to_string(), source }))?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::fs::canonicalize(gguf).unwrap_or_else(|_| gguf.to_path_buf()).hash(&mut h);
+    meta.len().hash(&mut h);
+    meta.modified().ok().hash(&mut h);
+    (dtype as u8).hash(&mut h);
+    let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let dir = root.join(format!("{stem}-{:016x}", h.finish()));
+    if dir.join("config.json").is_file() {
+        tracing::info!(gguf = %gguf.display(), dir = %dir.display(), "serving the GGUF file's earlier import");
+        return Ok(dir);
+    }
+    let part = root.join(format!(".{stem}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&part);
+    tracing::info!(gguf = %gguf.display(), dir = %dir.display(), "importing the GGUF file (once: later starts reuse it)");
+    let done = import_gguf(gguf, &part, dtype).and_then(|()| {
+        std::fs::rename(&part, &dir).or_else(|e| match dir.join("config.json").is_file() {
+            // Another process finished the same import first.
+            true => Ok(()),
+            false => Err(ImportError::Write { path: dir.display().to_string(), source: e }),
+        })
+    });
+    let _ = std::fs::remove_dir_all(&part);
+    done.map(|()| dir)
+}
+
 fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
     let arr = g.get(key)?.as_array().ok_or_else(|| GgufError::Malformed(format!("{key} is not an array")))?;
     arr.iter()

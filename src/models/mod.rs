@@ -46,6 +46,8 @@ pub enum ModelError {
     Shape { name: String, expected: Vec<usize>, got: Vec<usize> },
     #[error(transparent)]
     Device(#[from] DeviceError),
+    #[error(transparent)]
+    Quantization(#[from] crate::quantization::QuantError),
 }
 
 impl ModelError {

@@ -98,6 +98,7 @@ impl<D: Device> ModelRegistry<D> {
             }
             other => other?,
         };
+        crate::quantization::check_config(&hf, source)?;
         (entry.config)(&Arc::new(hf.clone()), arch)
     }
 
@@ -153,5 +154,19 @@ mod tests {
         let unknown = br#"{"architectures": ["ChatGLMModel"]}"#;
         let e = registry.config_from_json(unknown, "config.json").unwrap_err();
         assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e}");
+    }
+
+    /// An AWQ Llama is refused by its method before any field or weight is read, not with
+    /// a missing-tensor error about `q_proj.weight` later.
+    #[test]
+    fn quantized_checkpoints_are_refused_by_their_method() {
+        let registry = ModelRegistry::<CpuDevice>::default();
+        let awq = br#"{"architectures": ["LlamaForCausalLM"],
+            "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}"#;
+        let e = registry.config_from_json(awq, "m/config.json").unwrap_err().to_string();
+        assert!(
+            e.starts_with("m/config.json: the checkpoint is quantized with awq (quantization_config)"),
+            "{e}"
+        );
     }
 }

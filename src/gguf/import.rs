@@ -222,11 +222,10 @@ pub fn is_gguf_file(model: &Path) -> bool {
 }
 
 /// The model directory a GGUF file imports to, importing it the first time: under `root`
-/// (`hub::import_cache`), one
-/// directory per file, name, size, modification time and dtype, so that a changed file is
-/// imported again and an unchanged one never is. The import goes to a directory of this
-/// process's own, renamed into place when whole: a server started beside this one either
-/// finds the finished directory or imports its own.
+/// (`hub::import_cache`), one directory per file path, size, modification time and dtype,
+/// so that a changed file is imported again and an unchanged one never is. The import goes
+/// to a directory of this process's own, renamed into place when whole: a server started
+/// beside this one either finds the finished directory or imports its own.
 pub fn imported(gguf: &Path, root: &Path, dtype: ImportDtype) -> Result<std::path::PathBuf, ImportError> {
     use std::hash::{Hash, Hasher};
     let meta = std::fs::metadata(gguf)

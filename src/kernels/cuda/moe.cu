@@ -88,10 +88,10 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int* __re
 // sorted[place] the pair; active[0 .. *num_active) the experts some pair took, in order.
 // With `tiles`, also the tensor-core tiles: (expert, first place) for each run of up to
 // MOE_BM places of one expert, *num_tiles of them.
-#define MOE_SORT_ARGS                                                                                          \
-    int *__restrict__ ids, int pairs, int experts, int *__restrict__ offsets, int *__restrict__ pos,         \
-        int *__restrict__ sorted, int *__restrict__ active, int *__restrict__ num_active, int *__restrict__ tiles, \
-        int *__restrict__ num_tiles
+#define MOE_SORT_ARGS                                                                                     \
+    int *__restrict__ ids, int pairs, int experts, int *__restrict__ offsets, int *__restrict__ pos,    \
+        int *__restrict__ sorted, int *__restrict__ active, int *__restrict__ num_active,               \
+        int *__restrict__ tiles, int *__restrict__ num_tiles
 __device__ void moe_sort_pairs(MOE_SORT_ARGS) {
     extern __shared__ int count[];  // [experts] counts, [experts] cursors, [experts] first tiles
     int* cursor = count + experts;

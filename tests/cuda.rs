@@ -1735,6 +1735,7 @@ fn the_general_ops_match_their_cpu_twins() {
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn fused_moe_matches_its_cpu_twin() {
     use actorllm::kernels::MoeSpec;
+    use actorllm::kernels::cuda::moe_on_tensor_cores;
     let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let to_bf16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
@@ -1769,8 +1770,7 @@ fn fused_moe_matches_its_cpu_twin() {
                 (600, 2, false, Activation::Silu),
             ] {
                 let spec = MoeSpec { experts, top_k, renormalize, act };
-                // What moe.rs sends to the tensor cores: 16-bit experts, ≥ 8 routed rows an expert.
-                let mma = bf16 && rows * top_k >= 8 * experts;
+                let mma = bf16 && moe_on_tensor_cores(rows, spec);
                 let x = to_bf16(&rand(rows * h, 62 + rows as u64));
                 let logits: Vec<f32> = rand(rows * experts, 63).iter().map(|v| v * 8.0).collect();
                 let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
@@ -1827,7 +1827,7 @@ fn fused_moe_matches_its_cpu_twin() {
             (c.upload(as_bf16(&down, &d_shape)).unwrap(), g.upload(as_bf16(&down, &d_shape)).unwrap());
         for (rows, top_k) in [(40, 8), (600, 2)] {
             let spec = MoeSpec { experts, top_k, renormalize: true, act: Activation::Relu };
-            assert!(rows * top_k >= 8 * experts, "these rows take the tensor cores");
+            assert!(moe_on_tensor_cores(rows, spec), "these rows take the tensor cores");
             let x: Vec<f32> = rand(rows * h, 72).iter().map(|v| (v * 3.0).round()).collect();
             let logits: Vec<f32> = rand(rows * experts, 73).iter().map(|v| v * 8.0).collect();
             let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());

@@ -44,6 +44,7 @@ use gemm::{GateUpPath, push_outputs};
 pub use graph::CudaGraphStep;
 use graph::GraphMode;
 pub use lora::CudaLora;
+pub use moe::moe_on_tensor_cores;
 use nvrtc::{COMMON, SOURCES};
 use pool::{BufPool, PooledBuf};
 use step::{Inputs, StepBufs};

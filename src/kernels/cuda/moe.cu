@@ -20,15 +20,6 @@
 // Largest expert count a router kernel takes (16 logits a lane).
 #define MOE_MAX_EXPERTS 512
 
-__device__ __forceinline__ float moe_act(float x, int act) {
-    if (act == 0) return x / (1.0f + expf(-x));
-    if (act == 1) {
-        const float k = 0.7978845608f;
-        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-    }
-    return fmaxf(x, 0.0f);
-}
-
 // Row r's router: softmax over its logits (f32), then its top_k (≤ 8) experts by repeated
 // warp argmax (ties to the lower index), renormalized to sum 1 when `renorm`. One warp a row.
 __device__ void moe_route_row(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,
@@ -218,7 +209,7 @@ __device__ void moe_gate_up(const W* __restrict__ w, const float* __restrict__ x
 #pragma unroll
             for (int t = 0; t < MOE_TOKENS; t++)
                 if (t == lane) g = acc[0][t], u = acc[1][t];
-            inter[(size_t)(first + lane) * n_inter + j] = moe_act(g, act) * u;
+            inter[(size_t)(first + lane) * n_inter + j] = act_fn(g, act) * u;
         }
     }
 }
@@ -378,8 +369,8 @@ __device__ void moe_mma(const T* __restrict__ w, const T* __restrict__ a, void* 
                 if (r >= n || col >= n_out) continue;
                 const size_t o = (size_t)(first + r) * n_out + col;
                 if (SETS == 2) {
-                    const float v0 = moe_act(acc[0][mi][ni][2 * h], act) * acc[SETS - 1][mi][ni][2 * h];
-                    const float v1 = moe_act(acc[0][mi][ni][2 * h + 1], act) * acc[SETS - 1][mi][ni][2 * h + 1];
+                    const float v0 = act_fn(acc[0][mi][ni][2 * h], act) * acc[SETS - 1][mi][ni][2 * h];
+                    const float v1 = act_fn(acc[0][mi][ni][2 * h + 1], act) * acc[SETS - 1][mi][ni][2 * h + 1];
                     st((T*)out + o, v0);
                     st((T*)out + o + 1, v1);
                 } else {

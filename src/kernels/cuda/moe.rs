@@ -25,6 +25,12 @@ const ROUTE_IN_THE_SORT_ROWS: usize = 64;
 /// its weight rows, those kernels read the weights again for every further 8.
 const MMA_MIN_ROWS_PER_EXPERT: usize = 8;
 
+/// Whether a batch of `rows` takes the tensor-core grouped GEMMs (16-bit experts only; f32
+/// experts always take the GEMVs).
+pub fn moe_on_tensor_cores(rows: usize, spec: MoeSpec) -> bool {
+    rows * spec.top_k >= MMA_MIN_ROWS_PER_EXPERT * spec.experts
+}
+
 impl CudaDevice {
     fn ptr(&self, t: &CudaTensor) -> CUdeviceptr {
         t.buf.device_ptr(&self.stream).0
@@ -55,8 +61,8 @@ impl CudaDevice {
             )));
         }
         let pairs = rows * k;
-        let sixteen = weight_suffix(gate_up)? != "f32" && weight_suffix(down)? == weight_suffix(gate_up)?;
-        let tensor_cores = sixteen && pairs >= MMA_MIN_ROWS_PER_EXPERT * experts;
+        let sfx = weight_suffix(gate_up)?;
+        let tensor_cores = sfx != "f32" && weight_suffix(down)? == sfx && moe_on_tensor_cores(rows, spec);
         // Integer buffers live in f32-sized pooled slots; 16-bit ones in half as many.
         let ids = self.tensor(pairs, 1)?;
         let weights = self.tensor(pairs, 1)?;
@@ -67,20 +73,24 @@ impl CudaDevice {
         let num_active = self.tensor(1, 1)?;
         // Tiles of the tensor-core path: at most one partial tile per expert beyond the full ones.
         let max_tiles = pairs.div_ceil(MMA_ROWS) + experts.min(pairs);
-        let tiles = self.tensor(if tensor_cores { 2 * max_tiles } else { 1 }, 1)?;
-        let num_tiles = self.tensor(1, 1)?;
-        // The gathered rows in 16 bits (tensor cores; the GEMVs read x through `sorted`).
-        let xs = self.tensor(if tensor_cores { pairs } else { 1 }, hidden / 2)?;
-        let mid = match tensor_cores {
-            true => self.tensor(pairs, inter / 2)?,
-            false => self.tensor(pairs, inter)?,
+        // The tile table, and the gathered rows in 16 bits: the tensor-core path's alone
+        // (the GEMVs read x through `sorted`).
+        let (tiles, num_tiles, xs, mid) = match tensor_cores {
+            true => (
+                Some(self.tensor(2 * max_tiles, 1)?),
+                Some(self.tensor(1, 1)?),
+                Some(self.tensor(pairs, hidden / 2)?),
+                self.tensor(pairs, inter / 2)?,
+            ),
+            false => (None, None, None, self.tensor(pairs, inter)?),
         };
         let y = self.tensor(pairs, hidden)?;
         let out = self.tensor(rows, hidden)?;
-        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, na_p, xs_p, mid_p, y_p, out_p, nt_p] =
-            [&ids, &weights, &offsets, &pos, &sorted, &active, &num_active, &xs, &mid, &y, &out, &num_tiles]
+        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, na_p, mid_p, y_p, out_p] =
+            [&ids, &weights, &offsets, &pos, &sorted, &active, &num_active, &mid, &y, &out]
                 .map(|t| self.ptr(t));
-        let tiles_p: CUdeviceptr = if tensor_cores { self.ptr(&tiles) } else { 0 };
+        // Null where the path has no such buffer (the sort then writes no tiles).
+        let [tiles_p, nt_p, xs_p] = [&tiles, &num_tiles, &xs].map(|t| t.as_ref().map_or(0, |t| self.ptr(t)));
         let (x_p, logits_p) = (self.ptr(x), self.ptr(logits));
         let (r, e, kk, h, i) = (rows as i32, experts as i32, k as i32, hidden as i32, inter as i32);
         let (renorm, act, np) = (spec.renormalize as i32, act_code(spec.act), pairs as i32);
@@ -90,7 +100,6 @@ impl CudaDevice {
             block_dim: (block, 1, 1),
             shared_mem_bytes: shared,
         };
-        let sfx = weight_suffix(gate_up)?;
         let (gate_up_p, down_p) = (weight_ptr(self, gate_up), weight_ptr(self, down));
         // SAFETY (every launch): the buffers above hold what each kernel indexes: ids,
         // weights, pos and sorted `pairs` values, offsets experts + 1, active experts, tiles

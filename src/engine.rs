@@ -98,6 +98,9 @@ impl Engine {
             DeviceArg::Auto => CudaDevice::available(),
         };
         if cuda {
+            if args.keep_quantized {
+                return Err(crate::quantization::QuantError::KeepOnGpu.into());
+            }
             args.gpu_batch_defaults(CudaDevice::large_gpu());
             let tp = args.tensor_parallel_size;
             let mut registry = ModelRegistry::<CudaDevice>::default();
@@ -517,13 +520,19 @@ fn sampling_defaults(args: &EngineArgs) -> Result<crate::request::SamplingDefaul
     Ok(defaults)
 }
 
-/// Checks `--quantization`, and turns a GGUF file given as `--model` into the model
-/// directory it imports to (dequantized to f32, or to bf16 with a 16-bit `--dtype`;
-/// imported the first time only).
+/// Checks `--quantization` and `--keep-quantized`, and turns a GGUF file given as `--model`
+/// into the model directory it imports to (dequantized to f32, or to bf16 with a 16-bit
+/// `--dtype`, but for the blocks `--keep-quantized` keeps; imported the first time only).
 fn import_if_gguf(args: &mut EngineArgs) -> Result<(), EngineError> {
-    use crate::gguf::import::{ImportDtype, ImportError, imported, is_gguf_file};
+    use crate::gguf::import::{ImportDtype, ImportError, ImportOptions, imported, is_gguf_file};
     let gguf = is_gguf_file(&args.model);
     crate::quantization::check_arg(args.quantization.as_deref(), &args.model, gguf)?;
+    if args.keep_quantized && !gguf {
+        return Err(crate::quantization::QuantError::KeepNeedsGguf {
+            model: args.model.display().to_string(),
+        }
+        .into());
+    }
     if gguf {
         let root = crate::hub::import_cache(args.download_dir.as_deref());
         std::fs::create_dir_all(&root)
@@ -533,7 +542,8 @@ fn import_if_gguf(args: &mut EngineArgs) -> Result<(), EngineError> {
             crate::config::DTypeArg::Auto | crate::config::DTypeArg::Float32 => ImportDtype::F32,
             _ => ImportDtype::Bf16,
         };
-        args.model = imported(&args.model, &root, dtype)?;
+        args.model =
+            imported(&args.model, &root, ImportOptions { dtype, keep_quantized: args.keep_quantized })?;
     }
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use actorllm::config::EngineArgs;
-use actorllm::gguf::import::{ImportDtype, import_gguf};
+use actorllm::gguf::import::{ImportDtype, ImportOptions, import_gguf};
 use actorllm::request::SamplingParams;
 use actorllm::tokenizer::ChatMessage;
 use actorllm::{Engine, TokenEvent};
@@ -29,6 +29,10 @@ enum Cmd {
         /// Dtype of the dequantized weights.
         #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
         dtype: ImportDtype,
+        /// Keep Q4_0, Q4_1 and Q8_0 matrices in their blocks, for the CPU's quantized
+        /// kernels (other types are dequantized).
+        #[arg(long)]
+        keep_quantized: bool,
     },
     /// Serve the OpenAI-compatible API, the WebSocket protocol and the playground.
     Serve(actorllm::web::ServeArgs),
@@ -141,8 +145,9 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
     match cli.cmd {
-        Cmd::ImportGguf { file, out, dtype } => {
-            import_gguf(&file, &out, dtype).with_context(|| format!("importing {}", file.display()))?;
+        Cmd::ImportGguf { file, out, dtype, keep_quantized } => {
+            import_gguf(&file, &out, ImportOptions { dtype, keep_quantized })
+                .with_context(|| format!("importing {}", file.display()))?;
             eprintln!("wrote {}", out.display());
             Ok(())
         }

@@ -1,8 +1,9 @@
 //! `--quantization` with vLLM's method names, and checkpoints that say how they were
 //! quantized (config.json's `quantization_config`): what the engine serves, and a refusal
 //! that names the method for what it does not. GGUF files (llama.cpp's quantized formats)
-//! are served by dequantizing them once at import (`gguf::import::imported`); other
-//! quantized checkpoints are refused before any weight is read.
+//! are served by dequantizing them once at import (`gguf::import::imported`), or on the CPU
+//! with their Q4_0, Q4_1 and Q8_0 blocks kept (`--keep-quantized`); other quantized
+//! checkpoints are refused before any weight is read.
 
 use serde_json::Value as Json;
 
@@ -39,7 +40,8 @@ pub const VLLM_METHODS: &[&str] = &[
 
 /// What the engine serves.
 const SERVED: &str = "float32, float16 and bfloat16 checkpoints, and GGUF files (--quantization gguf, \
-                      dequantized once at import)";
+                      dequantized once at import, or on the CPU kept in their Q4_0, Q4_1 and Q8_0 blocks \
+                      with --keep-quantized)";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -47,6 +49,13 @@ pub enum QuantError {
     Unknown { given: String },
     #[error("--quantization {method} is not supported: actorllm serves {SERVED}")]
     UnsupportedArg { method: String },
+    #[error("--keep-quantized keeps a .gguf file's blocks: --model must be one, got {model}")]
+    KeepNeedsGguf { model: String },
+    #[error(
+        "--keep-quantized runs llama.cpp's blocks on the CPU's kernels only: leave it out on a GPU (the GGUF \
+         file is then dequantized at import), or serve with --device cpu"
+    )]
+    KeepOnGpu,
     #[error("--quantization gguf takes a .gguf file as --model, got {model}")]
     GgufNeedsFile { model: String },
     #[error(

@@ -5,6 +5,10 @@
 //! Two things llama.cpp changes on the way in are undone here: tensor names (`blk.N.attn_q`
 //! → `model.layers.N.self_attn.q_proj`) and the row permutation of q/k projections that
 //! its converter applies for its interleaved RoPE (HF uses rotate-half).
+//!
+//! With `--keep-quantized`, Q4_0, Q4_1 and Q8_0 matrices are written as they are: safetensors
+//! bytes `[rows, row bytes]`, their format named in the file's metadata
+//! (`models::loader::quant_key`), for the CPU's quantized kernels.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -35,6 +39,16 @@ pub enum ImportError {
     Safetensors(#[from] safetensors::SafeTensorError),
     #[error("the tokenizer built from the GGUF vocabulary does not load: {0}")]
     Tokenizer(String),
+}
+
+/// How `import-gguf` writes the weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// The dtype of dequantized weights.
+    pub dtype: ImportDtype,
+    /// Linear weights in the formats the CPU multiplies directly (Q4_0, Q4_1, Q8_0) stay in
+    /// their blocks (safetensors bytes, their format in the file's metadata).
+    pub keep_quantized: bool,
 }
 
 /// Output dtype of the dequantized weights.
@@ -141,10 +155,10 @@ fn hf_name(name: &str, m: &LlamaMeta) -> Option<(String, Option<usize>)> {
 
 /// Undoes llama.cpp's q/k row permutation: GGUF row `h·d + 2i + j` holds HF row
 /// `h·d + j·d/2 + i` (d = head_dim, i < d/2, j ∈ {0, 1}).
-fn unpermute_rows(w: &[f32], rows: usize, n_head: usize) -> Vec<f32> {
+fn unpermute_rows<T: Copy + Default>(w: &[T], rows: usize, n_head: usize) -> Vec<T> {
     let cols = w.len() / rows;
     let hd = rows / n_head;
-    let mut out = vec![0.0; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..n_head {
         for i in 0..hd / 2 {
             for j in 0..2 {
@@ -170,7 +184,8 @@ fn write_json(dir: &Path, name: &str, v: &Json) -> Result<(), ImportError> {
 }
 
 /// Imports `gguf` into the directory `out` (created if missing).
-pub fn import_gguf(gguf: &Path, out: &Path, dtype: ImportDtype) -> Result<(), ImportError> {
+pub fn import_gguf(gguf: &Path, out: &Path, options: ImportOptions) -> Result<(), ImportError> {
+    let dtype = options.dtype;
     let g = GgufFile::open(gguf)?;
     let arch = g.get_str("general.architecture")?;
     if arch != "llama" {
@@ -213,7 +228,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, dtype: ImportDtype) -> Result<(), Im
         "generation_config.json",
         &json!({ "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad }),
     )?;
-    write_weights(&g, &meta, out, dtype)
+    write_weights(&g, &meta, out, options)
 }
 
 /// Whether `--model` names a GGUF file (served by importing it, `imported`).
@@ -226,7 +241,7 @@ pub fn is_gguf_file(model: &Path) -> bool {
 /// so that a changed file is imported again and an unchanged one never is. The import goes
 /// to a directory of this process's own, renamed into place when whole: a server started
 /// beside this one either finds the finished directory or imports its own.
-pub fn imported(gguf: &Path, root: &Path, dtype: ImportDtype) -> Result<std::path::PathBuf, ImportError> {
+pub fn imported(gguf: &Path, root: &Path, options: ImportOptions) -> Result<std::path::PathBuf, ImportError> {
     use std::hash::{Hash, Hasher};
     let meta = std::fs::metadata(gguf)
         .map_err(|source| ImportError::Gguf(GgufError::Io { path: gguf.display().to_string(), source }))?;
@@ -234,7 +249,8 @@ pub fn imported(gguf: &Path, root: &Path, dtype: ImportDtype) -> Result<std::pat
     std::fs::canonicalize(gguf).unwrap_or_else(|_| gguf.to_path_buf()).hash(&mut h);
     meta.len().hash(&mut h);
     meta.modified().ok().hash(&mut h);
-    (dtype as u8).hash(&mut h);
+    (options.dtype as u8).hash(&mut h);
+    options.keep_quantized.hash(&mut h);
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let dir = root.join(format!("{stem}-{:016x}", h.finish()));
     if dir.join("config.json").is_file() {
@@ -244,7 +260,7 @@ pub fn imported(gguf: &Path, root: &Path, dtype: ImportDtype) -> Result<std::pat
     let part = root.join(format!(".{stem}.partial-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&part);
     tracing::info!(gguf = %gguf.display(), dir = %dir.display(), "importing the GGUF file (once: later starts reuse it)");
-    let done = import_gguf(gguf, &part, dtype).and_then(|()| {
+    let done = import_gguf(gguf, &part, options).and_then(|()| {
         std::fs::rename(&part, &dir).or_else(|e| match dir.join("config.json").is_file() {
             // Another process finished the same import first.
             true => Ok(()),
@@ -266,13 +282,21 @@ fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
         .collect()
 }
 
-fn write_weights(g: &GgufFile, meta: &LlamaMeta, out: &Path, dtype: ImportDtype) -> Result<(), ImportError> {
+fn write_weights(
+    g: &GgufFile,
+    meta: &LlamaMeta,
+    out: &Path,
+    options: ImportOptions,
+) -> Result<(), ImportError> {
     let bar = ProgressBar::new(g.tensors.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("importing {bar:40} {pos}/{len} tensors {msg}")
             .expect("static progress template is valid"),
     );
-    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    let mut tensors: BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    let mut info = std::collections::HashMap::new();
+    info.insert("format".to_string(), "pt".to_string());
+    let mut dequantized = BTreeMap::<String, usize>::new();
     for t in &g.tensors {
         bar.set_message(t.name.clone());
         bar.inc(1);
@@ -281,29 +305,46 @@ fn write_weights(g: &GgufFile, meta: &LlamaMeta, out: &Path, dtype: ImportDtype)
             continue;
         };
         let shape = t.shape();
+        let kept = t.ty.kept().filter(|_| options.keep_quantized && shape.len() == 2);
+        if let Some(format) = kept {
+            // Whole rows of blocks: llama.cpp's q/k row order is undone row by row.
+            let mut bytes = g.raw(t).to_vec();
+            if let Some(n_head) = permute {
+                bytes = unpermute_rows(&bytes, shape[0], n_head);
+            }
+            let stored = vec![shape[0], format.row_bytes(shape[1])];
+            info.insert(crate::models::loader::quant_key(&name), format.name().to_string());
+            tensors.insert(name, (safetensors::Dtype::U8, stored, bytes));
+            continue;
+        }
+        if options.keep_quantized && shape.len() == 2 {
+            *dequantized.entry(format!("{:?}", t.ty)).or_default() += 1;
+        }
         let mut w = g.dequantize(t);
         if let Some(n_head) = permute {
             w = unpermute_rows(&w, shape[0], n_head);
         }
-        let bytes = match dtype {
-            ImportDtype::F32 => bytemuck::cast_slice::<f32, u8>(&w).to_vec(),
-            ImportDtype::Bf16 => w.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+        let (st_dtype, bytes) = match options.dtype {
+            ImportDtype::F32 => (safetensors::Dtype::F32, bytemuck::cast_slice::<f32, u8>(&w).to_vec()),
+            ImportDtype::Bf16 => {
+                (safetensors::Dtype::BF16, w.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect())
+            }
         };
-        tensors.insert(name, (shape, bytes));
+        tensors.insert(name, (st_dtype, shape, bytes));
     }
     bar.finish_with_message("done");
-    let st_dtype = match dtype {
-        ImportDtype::F32 => safetensors::Dtype::F32,
-        ImportDtype::Bf16 => safetensors::Dtype::BF16,
-    };
+    if !dequantized.is_empty() {
+        tracing::info!(
+            ?dequantized,
+            "--keep-quantized keeps Q4_0, Q4_1 and Q8_0 blocks; these matrices' types are dequantized"
+        );
+    }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
-        .map(|(n, (shape, bytes))| {
-            safetensors::tensor::TensorView::new(st_dtype, shape.clone(), bytes).map(|v| (n.clone(), v))
+        .map(|(n, (dtype, shape, bytes))| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map(|v| (n.clone(), v))
         })
         .collect::<Result<_, _>>()?;
-    let mut info = std::collections::HashMap::new();
-    info.insert("format".to_string(), "pt".to_string());
     safetensors::tensor::serialize_to_file(views, &Some(info), &out.join("model.safetensors"))?;
     Ok(())
 }

@@ -136,6 +136,16 @@ impl GgmlType {
             _ => return None,
         })
     }
+    /// The format `--keep-quantized` keeps this type in, if it keeps it.
+    pub fn kept(self) -> Option<crate::kernels::quant::QuantFormat> {
+        use crate::kernels::quant::QuantFormat;
+        match self {
+            Self::Q4_0 => Some(QuantFormat::Q4_0),
+            Self::Q4_1 => Some(QuantFormat::Q4_1),
+            Self::Q8_0 => Some(QuantFormat::Q8_0),
+            _ => None,
+        }
+    }
     /// (elements per block, bytes per block)
     fn block(self) -> (u64, u64) {
         match self {
@@ -388,10 +398,14 @@ impl GgufFile {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// A tensor's bytes as the file stores them.
+    pub fn raw(&self, t: &TensorInfo) -> &[u8] {
+        &self.mmap[t.start as usize..(t.start + t.nbytes) as usize]
+    }
+
     /// Dequantizes a tensor into f32, row-major in the file's own element order.
     pub fn dequantize(&self, t: &TensorInfo) -> Vec<f32> {
-        let bytes = &self.mmap[t.start as usize..(t.start + t.nbytes) as usize];
-        dequantize(t.ty, bytes, t.numel() as usize)
+        dequantize(t.ty, self.raw(t), t.numel() as usize)
     }
 }
 
@@ -407,21 +421,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
         GgmlType::BF16 => {
             out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()))
         }
-        GgmlType::Q4_0 => {
-            for blk in bytes.chunks_exact(18) {
-                let d = h(blk, 0);
-                let qs = &blk[2..18];
-                out.extend(qs.iter().map(|&q| d * ((q & 0x0f) as f32 - 8.0)));
-                out.extend(qs.iter().map(|&q| d * ((q >> 4) as f32 - 8.0)));
-            }
-        }
-        GgmlType::Q4_1 => {
-            // w = d·q + m; the low nibbles hold elements 0..16, the high nibbles 16..32.
-            for blk in bytes.chunks_exact(20) {
-                let (d, m) = (h(blk, 0), h(blk, 2));
-                let qs = &blk[4..20];
-                out.extend(qs.iter().map(|&q| d * (q & 0x0f) as f32 + m));
-                out.extend(qs.iter().map(|&q| d * (q >> 4) as f32 + m));
+        // The formats `--keep-quantized` keeps, defined beside their CPU kernels.
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+            if let Some(f) = ty.kept() {
+                f.dequantize(bytes, &mut out)
             }
         }
         GgmlType::Q5_0 => {
@@ -438,12 +441,6 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
                 let (d, m) = (h(blk, 0), h(blk, 2));
                 let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
                 out.extend(five_bits(&blk[8..24], qh).map(|q| d * q as f32 + m));
-            }
-        }
-        GgmlType::Q8_0 => {
-            for blk in bytes.chunks_exact(34) {
-                let d = h(blk, 0);
-                out.extend(blk[2..34].iter().map(|&q| d * (q as i8) as f32));
             }
         }
         GgmlType::Q4_K => {

@@ -9,6 +9,7 @@ pub mod attn;
 pub mod cpu;
 pub mod cuda;
 pub mod moe;
+pub mod quant;
 mod rope;
 
 pub use moe::MoeSpec;
@@ -34,20 +35,40 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// llama.cpp's blocks of 32 elements, kept by `--keep-quantized` (CPU only).
+    Quant(quant::QuantFormat),
 }
 
 impl DType {
+    /// Bytes of one element of a float dtype. A block format has no element size: callers
+    /// that may see one size rows with [`DType::row_bytes`].
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::Quant(f) => panic!("{f} blocks have no element size"),
+        }
+    }
+    /// Bytes of `n` consecutive elements (a multiple of 32 for a block format).
+    pub fn row_bytes(self, n: usize) -> usize {
+        match self {
+            DType::Quant(f) => f.row_bytes(n),
+            _ => n * self.size(),
         }
     }
     /// Converts little-endian elements of `src_dtype` into `self`, appending to `out`.
+    /// Blocks are dequantized; `self` is a float dtype unless it equals `src_dtype`.
     pub fn convert_from(self, src_dtype: DType, src: &[u8], out: &mut Vec<u8>) {
         if self == src_dtype {
             out.extend_from_slice(src);
             return;
+        }
+        assert!(!matches!(self, DType::Quant(_)), "nothing is quantized to {self:?} on load");
+        if let DType::Quant(f) = src_dtype {
+            let mut v = Vec::new();
+            f.dequantize(src, &mut v);
+            let f32_bytes: &[u8] = bytemuck::cast_slice(&v);
+            return self.convert_from(DType::F32, f32_bytes, out);
         }
         let n = src.len() / src_dtype.size();
         out.reserve(n * self.size());
@@ -57,11 +78,13 @@ impl DType {
                 DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
                 DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
                 DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+                DType::Quant(_) => unreachable!("dequantized above"),
             };
             match self {
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
                 DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
+                DType::Quant(_) => unreachable!("asserted above"),
             }
         }
     }

@@ -11,6 +11,7 @@ use memmap2::Mmap;
 use crate::mapped::FileBytes;
 
 use super::ModelError;
+use crate::kernels::quant::{QK, QuantFormat};
 use crate::kernels::{DType, HostTensor};
 
 /// One stacked parameter entry: checkpoint tensors named `*.{shard}.*` are loaded as shard
@@ -50,18 +51,58 @@ pub struct Checkpoint {
     files: Vec<MappedFile>,
 }
 
-fn dtype_of(d: safetensors::Dtype, name: &str, path: &Path) -> Result<DType, ModelError> {
-    Ok(match d {
-        safetensors::Dtype::F32 => DType::F32,
-        safetensors::Dtype::F16 => DType::F16,
-        safetensors::Dtype::BF16 => DType::BF16,
-        other => {
-            return Err(ModelError::Weights(format!(
-                "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
+/// The safetensors metadata key that marks tensor `name` as llama.cpp blocks (the value
+/// names the format: `Q4_1`). Such a tensor is stored as bytes, `[rows, row bytes]`.
+pub fn quant_key(name: &str) -> String {
+    format!("ggml_type:{name}")
+}
+
+/// A tensor's dtype and its shape in elements.
+fn dtype_of(
+    info: &safetensors::tensor::TensorInfo,
+    name: &str,
+    meta: Option<&HashMap<String, String>>,
+    path: &Path,
+) -> Result<(DType, Vec<usize>), ModelError> {
+    let quant = meta.and_then(|m| m.get(&quant_key(name)));
+    if let (safetensors::Dtype::U8, Some(format)) = (info.dtype, quant) {
+        let f = QuantFormat::from_name(format).ok_or_else(|| {
+            ModelError::Weights(format!(
+                "{}: tensor {name} is in blocks of unknown format {format}",
                 path.display()
+            ))
+        })?;
+        let &[rows, bytes] = &info.shape[..] else {
+            return Err(ModelError::Weights(format!(
+                "{}: {f} tensor {name} has shape {:?}, not [rows, row bytes]",
+                path.display(),
+                info.shape
+            )));
+        };
+        if !bytes.is_multiple_of(f.block_bytes()) {
+            return Err(ModelError::Weights(format!(
+                "{}: {f} tensor {name} has rows of {bytes} bytes, not whole blocks of {}",
+                path.display(),
+                f.block_bytes()
             )));
         }
-    })
+        return Ok((DType::Quant(f), vec![rows, bytes / f.block_bytes() * QK]));
+    }
+    let d = info.dtype;
+    Ok((
+        match d {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(ModelError::Weights(format!(
+                    "{}: tensor {name} has dtype {other:?} (supported: F32, F16, BF16)",
+                    path.display()
+                )));
+            }
+        },
+        info.shape.clone(),
+    ))
 }
 
 impl Checkpoint {
@@ -118,9 +159,12 @@ impl Checkpoint {
         let mut tensors = Vec::new();
         let data_len = mmap.len().saturating_sub(header_len + 8);
         for (name, info) in meta.tensors() {
-            let dtype = dtype_of(info.dtype, &name, &path)?;
+            let (dtype, shape) = dtype_of(info, &name, meta.metadata().as_ref(), &path)?;
             let (start, end) = info.data_offsets;
-            let want = info.shape.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+            let want =
+                info.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).and_then(|n| {
+                    n.checked_mul(if matches!(dtype, DType::Quant(_)) { 1 } else { dtype.size() })
+                });
             if start > end || end > data_len || want != Some(end - start) {
                 return Err(ModelError::Weights(format!(
                     "{}: tensor {name} has offsets {start}..{end} for shape {:?} of {dtype:?} in a data \
@@ -129,7 +173,7 @@ impl Checkpoint {
                     info.shape
                 )));
             }
-            tensors.push(Entry { name, dtype, shape: info.shape.clone(), range: info.data_offsets });
+            tensors.push(Entry { name, dtype, shape, range: info.data_offsets });
         }
         Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors })
     }
@@ -251,7 +295,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;
-        Ok(self.convert(t, shape, part))
+        Ok(self.convert(t, shape, part, true))
     }
 
     /// A stacked parameter: the shards' rows concatenated in order. `rows[i]` is shard i's
@@ -270,6 +314,11 @@ impl<'s, 'a> ParamView<'s, 'a> {
             return Ok(self.made(name, cols.map_or(vec![total], |c| vec![total, c])));
         }
         let (full, shards) = self.shards(name)?;
+        // Blocks stay blocks when every shard is in the same format (q, k and v of one
+        // GGUF file may not be); else every shard loads in the store's dtype.
+        let first = shards.values().next().map(|t| t.dtype);
+        let keep_blocks = shards.len() == rows.len() && shards.values().all(|t| Some(t.dtype) == first);
+        let mut dtype = self.store.dtype;
         let mut data = Vec::new();
         for (i, (&r, shard)) in rows.iter().zip(shard_names).enumerate() {
             let shard_name = full.replacen(
@@ -283,14 +332,16 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 None => vec![r],
             };
             check_tensor(&shard_name, &want, t)?;
-            data.extend_from_slice(&self.convert(t, &want, Part::Rows(picks[i].clone())).data);
+            let part = self.convert(t, &want, Part::Rows(picks[i].clone()), keep_blocks);
+            dtype = part.dtype;
+            data.extend_from_slice(&part.data);
         }
         let total: usize = picks.iter().map(|p| p.len()).sum();
         let shape = match cols {
             Some(c) => vec![total, c],
             None => vec![total],
         };
-        Ok(HostTensor { dtype: self.store.dtype, shape, data: data.into() })
+        Ok(HostTensor { dtype, shape, data: data.into() })
     }
 
     /// Rows `picks` of one parameter of `shape`, concatenated in order (a fused
@@ -309,49 +360,68 @@ impl<'s, 'a> ParamView<'s, 'a> {
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;
-        let mut data = Vec::new();
+        let (mut data, mut dtype) = (Vec::new(), self.store.dtype);
         for p in picks {
-            data.extend_from_slice(&self.convert(t, shape, Part::Rows(p.clone())).data);
+            let part = self.convert(t, shape, Part::Rows(p.clone()), true);
+            dtype = part.dtype;
+            data.extend_from_slice(&part.data);
         }
         let mut out_shape = shape.to_vec();
         out_shape[0] = picks.iter().map(|p| p.len()).sum();
-        Ok(HostTensor { dtype: self.store.dtype, shape: out_shape, data: data.into() })
+        Ok(HostTensor { dtype, shape: out_shape, data: data.into() })
     }
 
-    /// `part` of a checked tensor of `shape` in the store's dtype: borrowed from the
-    /// mapped file when it is whole rows already in that dtype, else converted.
-    fn convert(&self, t: &TensorRef<'a>, shape: &[usize], part: Part) -> HostTensor<'a> {
-        let size = t.dtype.size();
+    /// `part` of a checked tensor of `shape`: borrowed from the mapped file when it is whole
+    /// rows already in the dtype it loads in, else converted. It loads in the store's dtype,
+    /// except that blocks stay blocks with `keep_blocks` where the part is whole blocks.
+    fn convert(&self, t: &TensorRef<'a>, shape: &[usize], part: Part, keep_blocks: bool) -> HostTensor<'a> {
+        let whole_blocks = match &part {
+            Part::Cols(c) => c.start.is_multiple_of(QK) && c.end.is_multiple_of(QK),
+            _ => true,
+        };
+        let dtype = match t.dtype {
+            DType::Quant(_) if keep_blocks && whole_blocks => t.dtype,
+            _ => self.store.dtype,
+        };
         let row_len: usize = shape[1..].iter().product();
+        let row_bytes = t.dtype.row_bytes(row_len);
         let mut out_shape = shape.to_vec();
-        let rows = |r: std::ops::Range<usize>| &t.bytes[r.start * row_len * size..r.end * row_len * size];
         let bytes: &'a [u8] = match &part {
             Part::Whole => t.bytes,
             Part::Rows(r) => {
                 out_shape[0] = r.len();
-                rows(r.clone())
+                &t.bytes[r.start * row_bytes..r.end * row_bytes]
             }
             Part::Cols(c) => {
                 let mut data = Vec::new();
-                for row in t.bytes.chunks_exact(row_len * size) {
-                    self.store.dtype.convert_from(t.dtype, &row[c.start * size..c.end * size], &mut data);
+                for row in t.bytes.chunks_exact(row_bytes) {
+                    match (t.dtype, dtype == t.dtype) {
+                        (_, true) => {
+                            data.extend_from_slice(&row[t.dtype.row_bytes(c.start)..t.dtype.row_bytes(c.end)])
+                        }
+                        // Columns inside blocks: the whole row dequantized, then cut.
+                        (DType::Quant(_), false) => {
+                            let mut f32s = Vec::new();
+                            DType::F32.convert_from(t.dtype, row, &mut f32s);
+                            dtype.convert_from(DType::F32, &f32s[c.start * 4..c.end * 4], &mut data);
+                        }
+                        (src, false) => {
+                            dtype.convert_from(src, &row[c.start * src.size()..c.end * src.size()], &mut data)
+                        }
+                    }
                 }
-                return HostTensor {
-                    dtype: self.store.dtype,
-                    shape: vec![shape[0], c.len()],
-                    data: data.into(),
-                };
+                return HostTensor { dtype, shape: vec![shape[0], c.len()], data: data.into() };
             }
         };
-        let data = match t.dtype == self.store.dtype {
+        let data = match t.dtype == dtype {
             true => std::borrow::Cow::Borrowed(bytes),
             false => {
                 let mut data = Vec::new();
-                self.store.dtype.convert_from(t.dtype, bytes, &mut data);
+                dtype.convert_from(t.dtype, bytes, &mut data);
                 data.into()
             }
         };
-        HostTensor { dtype: self.store.dtype, shape: out_shape, data }
+        HostTensor { dtype, shape: out_shape, data }
     }
 }
 
@@ -373,6 +443,7 @@ fn check_tensor(name: &str, expected: &[usize], t: &TensorRef) -> Result<(), Mod
         DType::F32 => t.bytes.chunks_exact(4).position(|b| b[3] & 0x7f == 0x7f && b[2] & 0x80 != 0),
         DType::BF16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7f == 0x7f && b[0] & 0x80 != 0),
         DType::F16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7c == 0x7c),
+        DType::Quant(f) => f.bad_scale(t.bytes).map(|b| b * crate::kernels::quant::QK),
     };
     match bad {
         Some(i) => {

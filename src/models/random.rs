@@ -127,6 +127,7 @@ fn encode(values: impl Iterator<Item = f32>, dtype: DType) -> Vec<u8> {
         DType::F32 => values.flat_map(f32::to_le_bytes).collect(),
         DType::BF16 => values.flat_map(|v| bf16::from_f32(v).to_le_bytes()).collect(),
         DType::F16 => values.flat_map(|v| f16::from_f32(v).to_le_bytes()).collect(),
+        DType::Quant(f) => unreachable!("random weights are floats, never {f} blocks"),
     }
 }
 
@@ -300,6 +301,7 @@ fn write_checkpoint(
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
+        DType::Quant(f) => unreachable!("random models are floats, never {f} blocks"),
     };
     let mut config = c.config.clone();
     config["bos_token_id"] = json!(bos);
@@ -337,6 +339,7 @@ fn write_checkpoint(
         DType::F32 => safetensors::Dtype::F32,
         DType::BF16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,
+        DType::Quant(f) => unreachable!("random models are floats, never {f} blocks"),
     };
     let views = tensors
         .iter()

@@ -9,6 +9,7 @@ pub mod lora;
 pub mod matmul;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub mod packed;
+pub mod quant;
 mod simd;
 
 /// Deterministic test values in [-0.5, 0.5) (an LCG), for the kernels' unit tests.
@@ -66,6 +67,8 @@ pub enum Layout {
     Packed(PackedData),
     /// A 3-D `[experts, out, in]` weight: one 2-D weight per expert, each in its own layout.
     Stacked(Vec<CpuWeight>),
+    /// A 2-D weight kept in llama.cpp's blocks (`--keep-quantized`).
+    Quant(quant::QuantWeight),
 }
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -103,6 +106,7 @@ impl CpuWeight {
             Layout::Packed(PackedData::Bf16(p)) => p.row_f32(r, out),
             #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
             Layout::Packed(PackedData::F16(p)) => p.row_f32(r, out),
+            Layout::Quant(q) => q.row_f32(r, out),
             // Row r of the experts' rows laid end to end.
             Layout::Stacked(experts) => {
                 let per = experts[0].shape[0];
@@ -272,12 +276,12 @@ impl Device for CpuDevice {
 
     fn upload(&self, t: HostTensor<'_>) -> Result<CpuWeight, DeviceError> {
         let numel: usize = t.shape.iter().product();
-        let need = numel * t.dtype.size();
+        let need = t.dtype.row_bytes(numel);
         if t.data.len() != need {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         if let [experts, n, k] = t.shape[..] {
-            let bytes = n * k * t.dtype.size();
+            let bytes = t.dtype.row_bytes(n * k);
             let each = (0..experts).map(|e| {
                 let data = std::borrow::Cow::Borrowed(&t.data[e * bytes..(e + 1) * bytes]);
                 self.upload(HostTensor { dtype: t.dtype, shape: vec![n, k], data })
@@ -286,12 +290,23 @@ impl Device for CpuDevice {
             return Ok(CpuWeight { shape: t.shape, layout });
         }
         let b = &t.data;
+        if let DType::Quant(format) = t.dtype {
+            let &[n, k] = &t.shape[..] else {
+                return Err(DeviceError::Other(format!(
+                    "{format} blocks are kept for 2-D weights only, not one of shape {:?}",
+                    t.shape
+                )));
+            };
+            let q = quant::QuantWeight::from_blocks(format, b, n, k);
+            return Ok(CpuWeight { shape: t.shape, layout: Layout::Quant(q) });
+        }
         let data = match t.dtype {
             DType::F32 => WeightData::F32(bytemuck::pod_collect_to_vec(b)),
             DType::BF16 => WeightData::Bf16(bytemuck::pod_collect_to_vec(b)),
             DType::F16 => {
                 WeightData::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
             }
+            DType::Quant(_) => unreachable!("kept above"),
         };
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if use_packed(&t.shape, self.family) {
@@ -379,6 +394,7 @@ impl Device for CpuDevice {
             Layout::Packed(PackedData::F16(p)) => {
                 packed::matmul(self.family, &x.data, x.rows, p, &mut out.data)
             }
+            Layout::Quant(q) => quant::matmul(self.family, &x.data, x.rows, q, &mut out.data),
             Layout::Stacked(_) => {
                 return Err(DeviceError::Other("3-D expert weights are read by fused_moe only".into()));
             }

@@ -79,6 +79,12 @@ impl Device for CudaDevice {
     }
 
     fn upload(&self, t: HostTensor<'_>) -> Result<CudaWeight, DeviceError> {
+        if let DType::Quant(f) = t.dtype {
+            return Err(DeviceError::Other(format!(
+                "{f} blocks kept by --keep-quantized are multiplied on the CPU only; leave the flag out on a GPU \
+                 (the blocks are then dequantized at import)"
+            )));
+        }
         let numel: usize = t.shape.iter().product();
         let need = numel * t.dtype.size();
         if t.data.len() != need {

@@ -43,7 +43,7 @@ fn load_vocab_shard<D: Device>(
     let start = (tp.rank * len).min(vocab);
     let end = (start + len).min(vocab);
     let mut t = w.get_part("weight", &[vocab, hidden], Part::Rows(start..end))?;
-    t.data.to_mut().resize((len + 1) * hidden * t.dtype.size(), 0);
+    t.data.to_mut().resize((len + 1) * t.dtype.row_bytes(hidden), 0);
     t.shape[0] = len + 1;
     Ok(VocabShard { weight: dev.upload(t)?, start, len })
 }

@@ -1,0 +1,570 @@
+//! Matmuls over weights kept in llama.cpp's block formats (`--keep-quantized`; the formats
+//! are in [`crate::kernels::quant`]), multiplied as llama.cpp multiplies them: each input
+//! row is quantized to 8 bits per block of 32 (an f32 scale, and the scaled sum of its
+//! quants), a block's 32 products are an integer dot product, and the block's scales are
+//! applied once to that sum. Q4_1's offset m (and Q4_0's −8·d) multiplies the row block's
+//! sum instead of every element.
+//!
+//! Weights are held as the file's blocks pulled apart, not changed: the quants of a row
+//! end to end, and the f16 scales beside them (so that a block's quants load as one
+//! vector). x86 CPUs with AVX2 (every AVX-512 one included) run `vpmaddubsw` dot products,
+//! 32 products an instruction; other CPUs run the portable loop.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::family::Family;
+use crate::kernels::quant::{QK, QuantFormat};
+
+/// A `[n, k]` weight in a block format.
+pub struct QuantWeight {
+    pub format: QuantFormat,
+    pub n: usize,
+    pub k: usize,
+    /// Quants, a row's blocks end to end: 32 signed bytes a block for Q8_0, 16 bytes of
+    /// nibble pairs (as in the file) for Q4_0 and Q4_1.
+    qs: Vec<u8>,
+    /// Each block's d, `[n, k / 32]`.
+    d: Vec<f16>,
+    /// Each block's m (Q4_1 only).
+    m: Vec<f16>,
+}
+
+impl QuantWeight {
+    /// The weight stored as `n` rows of the file's blocks (`format.row_bytes(k)` bytes each).
+    pub fn from_blocks(format: QuantFormat, bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(k.is_multiple_of(QK) && bytes.len() == n * format.row_bytes(k), "{format} weight [{n}, {k}]");
+        let blocks = n * k / QK;
+        let (sb, qb) = (format.scale_bytes(), format.block_bytes() - format.scale_bytes());
+        let mut w = Self {
+            format,
+            n,
+            k,
+            qs: Vec::with_capacity(blocks * qb),
+            d: Vec::with_capacity(blocks),
+            m: Vec::with_capacity(if sb == 4 { blocks } else { 0 }),
+        };
+        for blk in bytes.chunks_exact(format.block_bytes()) {
+            w.d.push(f16::from_le_bytes([blk[0], blk[1]]));
+            if sb == 4 {
+                w.m.push(f16::from_le_bytes([blk[2], blk[3]]));
+            }
+            w.qs.extend_from_slice(&blk[sb..]);
+        }
+        w
+    }
+
+    /// Quant bytes a block.
+    fn qbytes(&self) -> usize {
+        self.format.block_bytes() - self.format.scale_bytes()
+    }
+
+    /// Bytes a matmul reads: the file's bytes.
+    pub fn bytes(&self) -> usize {
+        self.n * self.format.row_bytes(self.k)
+    }
+
+    /// Row `r` dequantized (an embedding lookup in a tied table).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let nb = self.k / QK;
+        let qb = self.qbytes();
+        for (b, o) in out[..self.k].chunks_exact_mut(QK).enumerate() {
+            let i = r * nb + b;
+            let d = self.d[i].to_f32();
+            let qs = &self.qs[i * qb..(i + 1) * qb];
+            match self.format {
+                QuantFormat::Q8_0 => o.iter_mut().zip(qs).for_each(|(o, &q)| *o = d * (q as i8) as f32),
+                QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                    let (scale, base) = match self.format {
+                        QuantFormat::Q4_1 => (d, self.m[i].to_f32()),
+                        _ => (d, -8.0 * d),
+                    };
+                    for (j, &q) in qs.iter().enumerate() {
+                        o[j] = scale * (q & 0x0f) as f32 + base;
+                        o[j + 16] = scale * (q >> 4) as f32 + base;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Input rows quantized to 8 bits a block (llama.cpp's Q8_1 with an f32 scale): row `i`'s
+/// quants at `q[i·k..]`, and per block its scale d and d·Σq.
+struct QuantRows {
+    k: usize,
+    q: Vec<i8>,
+    /// The same quants with each pair of blocks (2p, 2p + 1) as the nibbles of a Q4 pair
+    /// split: the first 16 of each block, then the last 16 of each (an odd last block as
+    /// it is). 32 bytes of Q4 quants widen to two such halves with one shift.
+    pairs: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantRows {
+    let nb = k / QK;
+    let mut rows =
+        QuantRows { k, q: vec![0; m * k], pairs: vec![0; m * k], d: vec![0.0; m * nb], s: vec![0.0; m * nb] };
+    let per_task = (4096 / k).max(1);
+    rows.q
+        .par_chunks_mut(k * per_task)
+        .zip(rows.d.par_chunks_mut(nb * per_task))
+        .zip(rows.s.par_chunks_mut(nb * per_task))
+        .zip(x[..m * k].par_chunks(k * per_task))
+        .for_each(|(((q, d), s), x)| {
+            for (((q, d), s), x) in q.chunks_exact_mut(QK).zip(d).zip(s).zip(x.chunks_exact(QK)) {
+                let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                *d = amax / 127.0;
+                let inv = if amax == 0.0 { 0.0 } else { 127.0 / amax };
+                let mut sum = 0i32;
+                for (q, &v) in q.iter_mut().zip(x) {
+                    *q = (v * inv).round() as i8;
+                    sum += *q as i32;
+                }
+                *s = *d * sum as f32;
+            }
+        });
+    rows.pairs.copy_from_slice(&rows.q);
+    for (pairs, q) in rows.pairs.chunks_exact_mut(k).zip(rows.q.chunks_exact(k)) {
+        for (p, q) in pairs.chunks_exact_mut(2 * QK).zip(q.chunks_exact(2 * QK)) {
+            p[..16].copy_from_slice(&q[..16]);
+            p[16..32].copy_from_slice(&q[32..48]);
+            p[32..48].copy_from_slice(&q[16..32]);
+            p[48..].copy_from_slice(&q[48..]);
+        }
+    }
+    rows
+}
+
+/// The dot products of weight rows `j0..j0 + NR` with `MR` input rows: `[NR][MR]`.
+type DotFn<const NR: usize, const MR: usize> =
+    unsafe fn(&QuantWeight, usize, &QuantRows, [usize; MR]) -> [[f32; MR]; NR];
+
+/// The portable dot products: exact integer sums a block, scaled as the SIMD ones are.
+fn dot_portable<const NR: usize, const MR: usize>(
+    w: &QuantWeight,
+    j0: usize,
+    x: &QuantRows,
+    rows: [usize; MR],
+) -> [[f32; MR]; NR] {
+    std::array::from_fn(|r| rows.map(|row| dot_row(w, j0 + r, x, row)))
+}
+
+fn dot_row(w: &QuantWeight, j: usize, x: &QuantRows, r: usize) -> f32 {
+    let (nb, qb) = (w.k / QK, w.qbytes());
+    let mut out = 0f32;
+    for b in 0..nb {
+        let i = j * nb + b;
+        let (d, qs) = (w.d[i].to_f32(), &w.qs[i * qb..(i + 1) * qb]);
+        let xq = &x.q[r * x.k + b * QK..r * x.k + (b + 1) * QK];
+        let (xd, xs) = (x.d[r * nb + b], x.s[r * nb + b]);
+        let isum: i32 = match w.format {
+            QuantFormat::Q8_0 => qs.iter().zip(xq).map(|(&a, &c)| (a as i8) as i32 * c as i32).sum(),
+            _ => qs
+                .iter()
+                .enumerate()
+                .map(|(t, &a)| (a & 0x0f) as i32 * xq[t] as i32 + (a >> 4) as i32 * xq[t + 16] as i32)
+                .sum(),
+        };
+        out += d * xd * isum as f32
+            + match w.format {
+                QuantFormat::Q8_0 => 0.0,
+                QuantFormat::Q4_0 => -8.0 * d * xs,
+                QuantFormat::Q4_1 => w.m[i].to_f32() * xs,
+            };
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{QK, QuantFormat, QuantRows, QuantWeight};
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: AVX is there (the callers' target features).
+        unsafe {
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let p = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps(p, p, 1)))
+        }
+    }
+
+    /// Eight f16 values widened.
+    #[inline(always)]
+    unsafe fn load_h8(p: *const half::f16) -> __m256 {
+        // SAFETY: 8 readable values; F16C is there (the callers' target features).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    /// Block `b` of a weight row as 32 unsigned bytes for `vpmaddubsw` (Q4's nibbles; Q8_0's
+    /// magnitudes, its signs then moved onto the inputs by [`block_dot`]), and the raw
+    /// quants (Q8_0's signs).
+    #[inline(always)]
+    unsafe fn weight_block(f: QuantFormat, qs: *const u8, b: usize) -> (__m256i, __m256i) {
+        // SAFETY: the block is inside the row (the callers' contract); AVX2 is there.
+        unsafe {
+            match f {
+                QuantFormat::Q8_0 => {
+                    let w = _mm256_loadu_si256(qs.add(b * 32).cast());
+                    (_mm256_sign_epi8(w, w), w)
+                }
+                QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                    // The 16 bytes in both halves; the high half shifted down a nibble.
+                    let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.add(b * 16).cast()));
+                    let shifted = _mm256_srlv_epi32(raw, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
+                    let w = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
+                    (w, w)
+                }
+            }
+        }
+    }
+
+    /// One block's integer dot product, 8 lanes of partial sums: `vpdpbusd` with VNNI,
+    /// else `vpmaddubsw` then `vpmaddwd`.
+    #[inline(always)]
+    unsafe fn block_dot<const VNNI: bool>(f: QuantFormat, wu: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: AVX2 is there, and AVX512-VNNI/VL where VNNI (the callers' target features).
+        unsafe {
+            let x = match f {
+                QuantFormat::Q8_0 => _mm256_sign_epi8(x, w),
+                _ => x,
+            };
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, x)
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1))
+            }
+        }
+    }
+
+    /// Two blocks' integer dot products from their nibbles split into halves (see
+    /// `QuantRows::pairs`): block 2p's partial sums in lanes 0..4, 2p + 1's in 4..8.
+    #[inline(always)]
+    unsafe fn pair_dot<const VNNI: bool>(lo: __m256i, xlo: __m256i, hi: __m256i, xhi: __m256i) -> __m256i {
+        // SAFETY: AVX2 is there, and AVX512-VNNI/VL where VNNI (the callers' target features).
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi)
+            } else {
+                let ones = _mm256_set1_epi16(1);
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones),
+                )
+            }
+        }
+    }
+
+    /// The dot products of weight rows `j0..j0 + NR` with input rows `rows`: `[NR][MR]`.
+    /// Blocks go four at a time: their four integer sums are folded into the lanes of one
+    /// vector (block i in lanes i and 4 + i), converted once and scaled by the four blocks'
+    /// scale products in one FMA. The offsets (Q4_1's m, Q4_0's −8·d) meet the inputs'
+    /// block sums in a second pass.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot<const NR: usize, const MR: usize>(
+        w: &QuantWeight,
+        j0: usize,
+        x: &QuantRows,
+        rows: [usize; MR],
+    ) -> [[f32; MR]; NR] {
+        // SAFETY: the caller's contract.
+        unsafe { dot_body::<NR, MR, false>(w, j0, x, rows) }
+    }
+
+    /// [`dot`] with AVX512-VNNI's one-instruction dot products (on 256-bit vectors).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn dot_vnni<const NR: usize, const MR: usize>(
+        w: &QuantWeight,
+        j0: usize,
+        x: &QuantRows,
+        rows: [usize; MR],
+    ) -> [[f32; MR]; NR] {
+        // SAFETY: the caller's contract.
+        unsafe { dot_body::<NR, MR, true>(w, j0, x, rows) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_body<const NR: usize, const MR: usize, const VNNI: bool>(
+        w: &QuantWeight,
+        j0: usize,
+        x: &QuantRows,
+        rows: [usize; MR],
+    ) -> [[f32; MR]; NR] {
+        let (nb, qb, f) = (w.k / QK, w.qbytes(), w.format);
+        assert!(j0 + NR <= w.n && x.k == w.k && rows.iter().all(|&r| (r + 1) * x.k <= x.q.len()));
+        // SAFETY: every block, scale and sum read is of rows j0..j0 + NR of w and rows
+        // `rows` of x (asserted above); the instructions are the target features.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); MR]; NR];
+            let qs: [*const u8; NR] = std::array::from_fn(|r| w.qs.as_ptr().add((j0 + r) * nb * qb));
+            let wd: [*const half::f16; NR] = std::array::from_fn(|r| w.d.as_ptr().add((j0 + r) * nb));
+            let xq: [*const i8; MR] = std::array::from_fn(|c| x.q.as_ptr().add(rows[c] * x.k));
+            let xd: [*const f32; MR] = std::array::from_fn(|c| x.d.as_ptr().add(rows[c] * nb));
+            let quads = nb / 4;
+            let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs.as_ptr().add(rows[c] * x.k));
+            for g in (0..quads).filter(|_| f != QuantFormat::Q8_0) {
+                let b = g * 4;
+                // Two pairs of blocks: their x halves, and their scale products in the
+                // lanes the sums land in (below).
+                let xv: [[__m256i; 4]; MR] = std::array::from_fn(|c| {
+                    std::array::from_fn(|i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast()))
+                });
+                let dx: [__m128; MR] = std::array::from_fn(|c| _mm_loadu_ps(xd[c].add(b)));
+                let lanes = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+                let low = _mm256_set1_epi8(0x0f);
+                for r in 0..NR {
+                    let v0 = _mm256_loadu_si256(qs[r].add(b * 16).cast());
+                    let v1 = _mm256_loadu_si256(qs[r].add(b * 16 + 32).cast());
+                    let (lo0, hi0) =
+                        (_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low));
+                    let (lo1, hi1) =
+                        (_mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
+                    let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd[r].add(b).cast()));
+                    for c in 0..MR {
+                        // Lanes 0..4 hold block b's partial sums and 4..8 block b + 1's; after
+                        // the add of pairs, [b, b, b+2, b+2 | b+1, b+1, b+3, b+3].
+                        let s0 = pair_dot::<VNNI>(lo0, xv[c][0], hi0, xv[c][1]);
+                        let s1 = pair_dot::<VNNI>(lo1, xv[c][2], hi1, xv[c][3]);
+                        let sums = _mm256_hadd_epi32(s0, s1);
+                        let scale =
+                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dx[c])), lanes);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
+                    }
+                }
+            }
+            for g in (0..quads).filter(|_| f == QuantFormat::Q8_0) {
+                let b = g * 4;
+                let xv: [[__m256i; 4]; MR] = std::array::from_fn(|c| {
+                    std::array::from_fn(|i| _mm256_loadu_si256(xq[c].add((b + i) * QK).cast()))
+                });
+                let dx: [__m128; MR] = std::array::from_fn(|c| _mm_loadu_ps(xd[c].add(b)));
+                for r in 0..NR {
+                    let wb: [(__m256i, __m256i); 4] = std::array::from_fn(|i| weight_block(f, qs[r], b + i));
+                    let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd[r].add(b).cast()));
+                    for c in 0..MR {
+                        let p: [__m256i; 4] =
+                            std::array::from_fn(|i| block_dot::<VNNI>(f, wb[i].0, wb[i].1, xv[c][i]));
+                        let sums =
+                            _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                        let s = _mm_mul_ps(dw, dx[c]);
+                        let scale = _mm256_set_m128(s, s);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
+                    }
+                }
+            }
+            for b in quads * 4..nb {
+                for r in 0..NR {
+                    let (wu, wq) = weight_block(f, qs[r], b);
+                    let dw = (*wd[r].add(b)).to_f32();
+                    for c in 0..MR {
+                        let xv = _mm256_loadu_si256(xq[c].add(b * QK).cast());
+                        let p = _mm256_cvtepi32_ps(block_dot::<VNNI>(f, wu, wq, xv));
+                        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * *xd[c].add(b)), acc[r][c]);
+                    }
+                }
+            }
+            let mut out = [[0f32; MR]; NR];
+            for r in 0..NR {
+                for c in 0..MR {
+                    out[r][c] = hsum(acc[r][c]) + offset(w, j0 + r, x, rows[c]);
+                }
+            }
+            out
+        }
+    }
+
+    /// Σ over the row's blocks of the weight offset times the input block's sum.
+    #[inline(always)]
+    unsafe fn offset(w: &QuantWeight, j: usize, x: &QuantRows, row: usize) -> f32 {
+        let nb = w.k / QK;
+        let (base, factor) = match w.format {
+            QuantFormat::Q8_0 => return 0.0,
+            QuantFormat::Q4_0 => (&w.d[j * nb..(j + 1) * nb], -8.0),
+            QuantFormat::Q4_1 => (&w.m[j * nb..(j + 1) * nb], 1.0),
+        };
+        let s = &x.s[row * nb..(row + 1) * nb];
+        // SAFETY: base and s hold nb values each; F16C, FMA and AVX are there.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            for g in 0..nb / 8 {
+                acc = _mm256_fmadd_ps(
+                    load_h8(base.as_ptr().add(g * 8)),
+                    _mm256_loadu_ps(s.as_ptr().add(g * 8)),
+                    acc,
+                );
+            }
+            let tail: f32 = (nb / 8 * 8..nb).map(|b| base[b].to_f32() * s[b]).sum();
+            factor * (hsum(acc) + tail)
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint output columns.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// A family's kernels: the dot products of weight rows `j0..j0 + NR` with `MR` input rows.
+#[derive(Clone, Copy)]
+struct Kernels {
+    /// 4 weight rows by 1 input row (decode of one sequence), 2 by 4, and 1 by 1.
+    w4x1: DotFn<4, 1>,
+    w2x4: DotFn<2, 4>,
+    w1x1: DotFn<1, 1>,
+}
+
+fn kernels(family: Family) -> Kernels {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(family, Family::Avx512 | Family::Avx2)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // AVX-512 CPUs with VNNI (Ice Lake, Zen 4 and later) take its dot products.
+        if family == Family::Avx512
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            return Kernels {
+                w4x1: avx2::dot_vnni::<4, 1>,
+                w2x4: avx2::dot_vnni::<2, 4>,
+                w1x1: avx2::dot_vnni::<1, 1>,
+            };
+        }
+        return Kernels { w4x1: avx2::dot::<4, 1>, w2x4: avx2::dot::<2, 4>, w1x1: avx2::dot::<1, 1> };
+    }
+    let _ = family;
+    Kernels { w4x1: dot_portable::<4, 1>, w2x4: dot_portable::<2, 4>, w1x1: dot_portable::<1, 1> }
+}
+
+/// Input rows a task keeps in cache while it runs its weight rows over them.
+const X_TILE: usize = 64;
+
+/// `out[m, n] = x[m, k] · Wᵀ`.
+pub fn matmul(family: Family, x: &[f32], m: usize, w: &QuantWeight, out: &mut [f32]) {
+    let (n, k) = (w.n, w.k);
+    assert!(x.len() >= m * k && out.len() >= m * n);
+    let xq = quantize_rows(x, m, k);
+    let ks = kernels(family);
+    // Whole groups of 4 weight rows a task, enough tasks to balance the threads.
+    let chunk = n.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(4);
+    let out = OutPtr(out.as_mut_ptr());
+    (0..n.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(n));
+        for i0 in (0..m).step_by(X_TILE) {
+            // SAFETY: every row below n and m exists (asserted above); the kernels' CPU
+            // features were checked by `kernels`; this task alone writes columns j0..j1.
+            unsafe { tile(&ks, w, &xq, (j0, j1), (i0, (i0 + X_TILE).min(m)), out, n) };
+        }
+    });
+}
+
+/// Columns `j0..j1` of input rows `i0..i1`.
+///
+/// # Safety
+/// The rows exist, the kernels' features are there, and only this call writes those outputs.
+unsafe fn tile(
+    ks: &Kernels,
+    w: &QuantWeight,
+    xq: &QuantRows,
+    (j0, j1): (usize, usize),
+    (i0, i1): (usize, usize),
+    out: OutPtr,
+    n: usize,
+) {
+    let put = |i: usize, j: usize, v: f32| {
+        // SAFETY: the caller's contract.
+        unsafe { *out.0.add(i * n + j) = v }
+    };
+    // SAFETY (the kernel calls): the caller's contract.
+    unsafe {
+        let mut i = i0;
+        while i + 4 <= i1 {
+            let rows = [i, i + 1, i + 2, i + 3];
+            let mut j = j0;
+            while j + 2 <= j1 {
+                let v = (ks.w2x4)(w, j, xq, rows);
+                (0..2).for_each(|r| (0..4).for_each(|c| put(rows[c], j + r, v[r][c])));
+                j += 2;
+            }
+            for j in j..j1 {
+                rows.into_iter().for_each(|row| put(row, j, (ks.w1x1)(w, j, xq, [row])[0][0]));
+            }
+            i += 4;
+        }
+        for i in i..i1 {
+            let mut j = j0;
+            while j + 4 <= j1 {
+                let v = (ks.w4x1)(w, j, xq, [i]);
+                (0..4).for_each(|r| put(i, j + r, v[r][0]));
+                j += 4;
+            }
+            for j in j..j1 {
+                put(i, j, (ks.w1x1)(w, j, xq, [i])[0][0]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use super::super::test_values as rand_vec;
+
+    /// Against the dequantized weight times the quantized input (what the kernels compute,
+    /// to float rounding), and against the f32 input (the input's 8-bit rounding included).
+    #[test]
+    fn quantized_matmul_matches_dequantize_then_multiply_under_every_family() {
+        for family in Family::all_supported() {
+            for format in QuantFormat::ALL {
+                for &(m, n, k) in &[(1, 17, 64), (3, 100, 96), (5, 64, 576), (9, 33, 1536), (70, 12, 32)] {
+                    let wf = rand_vec(n * k, 2);
+                    let blocks = format.quantize(&wf);
+                    let w = QuantWeight::from_blocks(format, &blocks, n, k);
+                    let mut dense = Vec::new();
+                    format.dequantize(&blocks, &mut dense);
+                    let mut row = vec![0f32; k];
+                    w.row_f32(n - 1, &mut row);
+                    assert_eq!(row, dense[(n - 1) * k..]);
+
+                    let x = rand_vec(m * k, 1);
+                    let xq = quantize_rows(&x, m, k);
+                    let xd: Vec<f32> =
+                        xq.q.iter().enumerate().map(|(t, &q)| q as f32 * xq.d[t / QK]).collect();
+                    let mut out = vec![f32::NAN; m * n];
+                    matmul(family, &x, m, &w, &mut out);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let dot = |x: &[f32]| -> f64 {
+                                (0..k).map(|t| x[i * k + t] as f64 * dense[j * k + t] as f64).sum()
+                            };
+                            let got = out[i * n + j] as f64;
+                            let (exact, true_x) = (dot(&xd), dot(&x));
+                            let what = format!("{} {format} m={m} n={n} k={k} [{i},{j}]", family.name());
+                            assert!(
+                                (got - exact).abs() < 1e-5 * (k as f64).sqrt(),
+                                "{what}: {got} vs {exact}"
+                            );
+                            assert!(
+                                (got - true_x).abs() < 4e-3 * (k as f64).sqrt(),
+                                "{what}: {got} vs {true_x} with the f32 input"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

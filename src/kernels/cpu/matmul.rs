@@ -73,16 +73,27 @@ fn blocked(x: &[f32], m: usize, k: usize, w: &WeightData, n: usize, out: &mut [f
     match w {
         WeightData::F32(w) => gemm_f32(x, m, k, w, n, Dst { out, ld: n, col0: 0 }),
         WeightData::Bf16(_) | WeightData::F16(_) => {
-            let mut panel = vec![0f32; PANEL_ROWS.min(n) * k];
-            let mut r0 = 0;
-            while r0 < n {
-                let rows = PANEL_ROWS.min(n - r0);
-                let dst = &mut panel[..rows * k];
-                dst.par_chunks_mut(k).enumerate().for_each(|(i, row)| widen_row(w, (r0 + i) * k, row));
-                gemm_f32(x, m, k, dst, rows, Dst { out: &mut *out, ld: n, col0: r0 });
-                r0 += rows;
-            }
+            widened(x, (m, k, n), out, |r, row| widen_row(w, r * k, row))
         }
+    }
+}
+
+/// `out[m, n] = x[m, k] · Wᵀ` for a weight whose row r `widen(r, row)` writes in f32: rows
+/// widened a panel at a time (so that the copy stays in cache), each panel one GEMM.
+pub fn widened(
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    widen: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let mut panel = vec![0f32; PANEL_ROWS.min(n) * k];
+    let mut r0 = 0;
+    while r0 < n {
+        let rows = PANEL_ROWS.min(n - r0);
+        let dst = &mut panel[..rows * k];
+        dst.par_chunks_mut(k).enumerate().for_each(|(i, row)| widen(r0 + i, row));
+        gemm_f32(x, m, k, dst, rows, Dst { out: &mut *out, ld: n, col0: r0 });
+        r0 += rows;
     }
 }
 

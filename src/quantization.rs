@@ -2,7 +2,7 @@
 //! quantized (config.json's `quantization_config`): what the engine serves, and a refusal
 //! that names the method for what it does not. GGUF files (llama.cpp's quantized formats)
 //! are served by dequantizing them once at import (`gguf::import::imported`), or on the CPU
-//! with their Q4_0, Q4_1 and Q8_0 blocks kept (`--keep-quantized`); other quantized
+//! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks kept (`--keep-quantized`); other quantized
 //! checkpoints are refused before any weight is read.
 
 use serde_json::Value as Json;
@@ -40,7 +40,7 @@ pub const VLLM_METHODS: &[&str] = &[
 
 /// What the engine serves.
 const SERVED: &str = "float32, float16 and bfloat16 checkpoints, and GGUF files (--quantization gguf, \
-                      dequantized once at import, or on the CPU kept in their Q4_0, Q4_1 and Q8_0 blocks \
+                      dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks \
                       with --keep-quantized)";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

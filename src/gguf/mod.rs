@@ -18,6 +18,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
+use crate::kernels::quant::{QuantFormat, five_bits, k_quant_4_5};
 use crate::mapped::FileBytes;
 
 #[derive(Debug, thiserror::Error)]
@@ -137,12 +138,14 @@ impl GgmlType {
         })
     }
     /// The format `--keep-quantized` keeps this type in, if it keeps it.
-    pub fn kept(self) -> Option<crate::kernels::quant::QuantFormat> {
-        use crate::kernels::quant::QuantFormat;
+    pub fn kept(self) -> Option<QuantFormat> {
         match self {
             Self::Q4_0 => Some(QuantFormat::Q4_0),
             Self::Q4_1 => Some(QuantFormat::Q4_1),
+            Self::Q5_0 => Some(QuantFormat::Q5_0),
             Self::Q8_0 => Some(QuantFormat::Q8_0),
+            Self::Q4_K => Some(QuantFormat::Q4_K),
+            Self::Q6_K => Some(QuantFormat::Q6_K),
             _ => None,
         }
     }
@@ -421,18 +424,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
         GgmlType::BF16 => {
             out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()))
         }
-        // The formats `--keep-quantized` keeps, defined beside their CPU kernels.
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+        // Formats `--keep-quantized` keeps, defined beside their CPU kernels.
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
             if let Some(f) = ty.kept() {
                 f.dequantize(bytes, &mut out)
-            }
-        }
-        GgmlType::Q5_0 => {
-            // w = d·(q − 16) with a fifth bit per element: bit j of the 32-bit qh for
-            // element j, low nibbles 0..16 and high nibbles 16..32 as in Q4_0.
-            for blk in bytes.chunks_exact(22) {
-                let (d, qh) = (h(blk, 0), u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]));
-                out.extend(five_bits(&blk[6..22], qh).map(|q| d * (q as f32 - 16.0)));
             }
         }
         GgmlType::Q5_1 => {
@@ -443,79 +438,15 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
                 out.extend(five_bits(&blk[8..24], qh).map(|q| d * q as f32 + m));
             }
         }
-        GgmlType::Q4_K => {
-            for blk in bytes.chunks_exact(144) {
-                k_quant_4_5(blk, None, &blk[16..144], &mut out);
-            }
-        }
+        GgmlType::Q4_K => QuantFormat::Q4_K.dequantize(bytes, &mut out),
         GgmlType::Q5_K => {
             for blk in bytes.chunks_exact(176) {
                 k_quant_4_5(blk, Some(&blk[16..48]), &blk[48..176], &mut out);
             }
         }
-        GgmlType::Q6_K => {
-            // 128 bytes of low nibbles, 64 of high bit pairs, 16 signed 8-bit scales (one a
-            // 16 elements), d last. Each half of 128 elements: 64 bytes of ql, 32 of qh.
-            for blk in bytes.chunks_exact(210) {
-                let (ql, qh, sc, d) = (&blk[0..128], &blk[128..192], &blk[192..208], h(blk, 208));
-                for half in 0..2 {
-                    let (ql, qh, sc) = (&ql[64 * half..], &qh[32 * half..], &sc[8 * half..]);
-                    let mut vals = [0f32; 128];
-                    for l in 0..32 {
-                        let q = [
-                            (ql[l] & 0x0f) | ((qh[l] & 3) << 4),
-                            (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4),
-                            (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
-                            (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
-                        ];
-                        for (quarter, q) in q.into_iter().enumerate() {
-                            let scale = d * (sc[l / 16 + 2 * quarter] as i8) as f32;
-                            vals[32 * quarter + l] = scale * (q as i32 - 32) as f32;
-                        }
-                    }
-                    out.extend(vals);
-                }
-            }
-        }
+        GgmlType::Q6_K => QuantFormat::Q6_K.dequantize(bytes, &mut out),
     }
     out
-}
-
-/// The 32 five-bit values of a Q5_0/Q5_1 block, in order: nibbles of `qs` (low ones for
-/// elements 0..16, high ones for 16..32) with bit j of `qh` as element j's fifth bit.
-fn five_bits(qs: &[u8], qh: u32) -> impl Iterator<Item = u8> + '_ {
-    let low = qs.iter().enumerate().map(move |(j, &q)| (q & 0x0f) | ((((qh >> j) & 1) as u8) << 4));
-    let high = qs.iter().enumerate().map(move |(j, &q)| (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4));
-    low.chain(high)
-}
-
-/// One Q4_K or Q5_K super-block: d, dmin, 12 bytes of 6-bit scales and mins for 8
-/// sub-blocks of 32, then `qs`, 128 bytes of nibbles (each 32 bytes hold two sub-blocks, low
-/// nibbles first). Q5_K's `qh` gives a fifth bit: bit j of qh[l] for element l of sub-block j.
-fn k_quant_4_5(blk: &[u8], qh: Option<&[u8]>, qs: &[u8], out: &mut Vec<f32>) {
-    let h = |i: usize| f16::from_le_bytes([blk[i], blk[i + 1]]).to_f32();
-    let (d, dmin, scales) = (h(0), h(2), &blk[4..16]);
-    for (pair, qs) in qs.chunks_exact(32).enumerate() {
-        for (half, shift) in [(0, 0), (1, 4)] {
-            let j = 2 * pair + half;
-            let (sc, m) = scale_min_k4(j, scales);
-            let (scale, min) = (d * sc as f32, dmin * m as f32);
-            out.extend(qs.iter().enumerate().map(|(l, &q)| {
-                let high = qh.map_or(0, |qh| ((qh[l] >> j) & 1) << 4);
-                scale * (((q >> shift) & 0x0f) | high) as f32 - min
-            }));
-        }
-    }
-}
-
-/// Sub-block `j`'s 6-bit scale and min of a Q4_K/Q5_K super-block: sub-blocks 0–3 in the
-/// low six bits of bytes j and j + 4; 4–7 in the nibbles of bytes j + 4 with their top two
-/// bits in the top bits of bytes j − 4 and j.
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
-    match j < 4 {
-        true => (s[j] & 63, s[j + 4] & 63),
-        false => ((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)),
-    }
 }
 
 #[cfg(test)]

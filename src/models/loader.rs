@@ -11,7 +11,7 @@ use memmap2::Mmap;
 use crate::mapped::FileBytes;
 
 use super::ModelError;
-use crate::kernels::quant::{QK, QuantFormat};
+use crate::kernels::quant::QuantFormat;
 use crate::kernels::{DType, HostTensor};
 
 /// One stacked parameter entry: checkpoint tensors named `*.{shard}.*` are loaded as shard
@@ -86,7 +86,7 @@ fn dtype_of(
                 f.block_bytes()
             )));
         }
-        return Ok((DType::Quant(f), vec![rows, bytes / f.block_bytes() * QK]));
+        return Ok((DType::Quant(f), vec![rows, bytes / f.block_bytes() * f.block_elems()]));
     }
     let d = info.dtype;
     Ok((
@@ -375,8 +375,10 @@ impl<'s, 'a> ParamView<'s, 'a> {
     /// rows already in the dtype it loads in, else converted. It loads in the store's dtype,
     /// except that blocks stay blocks with `keep_blocks` where the part is whole blocks.
     fn convert(&self, t: &TensorRef<'a>, shape: &[usize], part: Part, keep_blocks: bool) -> HostTensor<'a> {
-        let whole_blocks = match &part {
-            Part::Cols(c) => c.start.is_multiple_of(QK) && c.end.is_multiple_of(QK),
+        let whole_blocks = match (&part, t.dtype) {
+            (Part::Cols(c), DType::Quant(f)) => {
+                c.start.is_multiple_of(f.block_elems()) && c.end.is_multiple_of(f.block_elems())
+            }
             _ => true,
         };
         let dtype = match t.dtype {
@@ -443,7 +445,7 @@ fn check_tensor(name: &str, expected: &[usize], t: &TensorRef) -> Result<(), Mod
         DType::F32 => t.bytes.chunks_exact(4).position(|b| b[3] & 0x7f == 0x7f && b[2] & 0x80 != 0),
         DType::BF16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7f == 0x7f && b[0] & 0x80 != 0),
         DType::F16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7c == 0x7c),
-        DType::Quant(f) => f.bad_scale(t.bytes).map(|b| b * crate::kernels::quant::QK),
+        DType::Quant(f) => f.bad_scale(t.bytes).map(|b| b * f.block_elems()),
     };
     match bad {
         Some(i) => {

@@ -465,3 +465,46 @@ fn check_shape(name: &str, expected: &[usize], got: &[usize]) -> Result<(), Mode
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A safetensors file of one U8 tensor `w` of `shape`, marked as `format` blocks when
+    /// given.
+    fn file(shape: [usize; 2], format: Option<&str>, bytes: &[u8]) -> Result<Checkpoint, ModelError> {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, shape.to_vec(), bytes).unwrap();
+        let meta = format.map(|f| HashMap::from([(quant_key("w"), f.to_string())]));
+        let data = safetensors::tensor::serialize([("w", view)], &meta).unwrap();
+        Checkpoint::from_bytes("test.safetensors", data)
+    }
+
+    /// Blocks are read by the format the metadata names, in elements; rows split at block
+    /// boundaries stay blocks, and rows split inside a block are dequantized.
+    #[test]
+    fn marked_byte_tensors_load_as_blocks_and_split_by_whole_blocks() {
+        let values: Vec<f32> = (0..2 * 64).map(|i| (i as f32 - 60.0) / 16.0).collect();
+        let blocks = QuantFormat::Q4_1.quantize(&values);
+        let c = file([2, 40], Some("Q4_1"), &blocks).unwrap();
+        let (_, t) = c.tensors().next().unwrap();
+        assert_eq!((t.dtype, t.shape), (DType::Quant(QuantFormat::Q4_1), &[2, 64][..]));
+
+        let store = WeightStore::load_weights(c.tensors(), &[], |_| false, DType::F32);
+        let whole = store.root().get_part("w", &[2, 64], Part::Cols(32..64)).unwrap();
+        assert_eq!((whole.dtype, whole.shape.clone()), (DType::Quant(QuantFormat::Q4_1), vec![2, 32]));
+        assert_eq!(&whole.data[..], [&blocks[20..40], &blocks[60..80]].concat());
+        let inside = store.root().get_part("w", &[2, 64], Part::Cols(16..48)).unwrap();
+        assert_eq!((inside.dtype, inside.shape.clone()), (DType::F32, vec![2, 32]));
+        let mut dense = Vec::new();
+        QuantFormat::Q4_1.dequantize(&blocks, &mut dense);
+        let got: Vec<f32> = bytemuck::pod_collect_to_vec(&inside.data);
+        assert_eq!(got, [&dense[16..48], &dense[80..112]].concat());
+
+        let refused = |r: Result<Checkpoint, ModelError>| r.err().expect("refused").to_string();
+        assert!(refused(file([2, 40], Some("Q9_9"), &blocks)).contains("unknown format Q9_9"));
+        assert!(refused(file([4, 20], None, &blocks)).contains("has dtype U8"));
+        let e = refused(file([5, 16], Some("Q4_1"), &blocks));
+        assert!(e.contains("rows of 16 bytes, not whole blocks of 20"), "{e}");
+    }
+}

@@ -237,10 +237,10 @@ pub fn is_gguf_file(model: &Path) -> bool {
 }
 
 /// The model directory a GGUF file imports to, importing it the first time: under `root`
-/// (`hub::import_cache`), one directory per file path, size, modification time and dtype,
-/// so that a changed file is imported again and an unchanged one never is. The import goes
-/// to a directory of this process's own, renamed into place when whole: a server started
-/// beside this one either finds the finished directory or imports its own.
+/// (`hub::import_cache`), one directory per file path, size, modification time, dtype and
+/// the formats kept, so that a changed file is imported again and an unchanged one never
+/// is. The import goes to a directory of this process's own, renamed into place when whole:
+/// a server started beside this one either finds the finished directory or imports its own.
 pub fn imported(gguf: &Path, root: &Path, options: ImportOptions) -> Result<std::path::PathBuf, ImportError> {
     use std::hash::{Hash, Hasher};
     let meta = std::fs::metadata(gguf)
@@ -251,6 +251,10 @@ pub fn imported(gguf: &Path, root: &Path, options: ImportOptions) -> Result<std:
     meta.modified().ok().hash(&mut h);
     (options.dtype as u8).hash(&mut h);
     options.keep_quantized.hash(&mut h);
+    if options.keep_quantized {
+        // A build that keeps more formats imports again rather than serve them dequantized.
+        crate::kernels::quant::QuantFormat::ALL.hash(&mut h);
+    }
     let stem = gguf.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let dir = root.join(format!("{stem}-{:016x}", h.finish()));
     if dir.join("config.json").is_file() {

@@ -1,14 +1,16 @@
 //! Matmuls over weights kept in llama.cpp's block formats (`--keep-quantized`; the formats
 //! are in [`crate::kernels::quant`]), multiplied as llama.cpp multiplies them: each input
 //! row is quantized to 8 bits per block of 32 (an f32 scale, and the scaled sum of its
-//! quants), a block's 32 products are an integer dot product, and the block's scales are
-//! applied once to that sum. Q4_1's offset m (and Q4_0's −8·d) multiplies the row block's
-//! sum instead of every element.
+//! quants), a sub-block's 32 products are an integer dot product, and its scales are
+//! applied once to that sum. Offsets (Q4_1's m, Q4_0's −8·d, Q5_0's −16·d, Q4_K's
+//! −dmin·min) multiply the input block's sum instead of every element. Above
+//! [`WIDEN_ROWS`] input rows (a prompt) the blocks are widened to f32 for the GEMM instead.
 //!
 //! Weights are held as the file's blocks pulled apart, not changed: the quants of a row
-//! end to end, and the f16 scales beside them (so that a block's quants load as one
-//! vector). x86 CPUs with AVX2 (every AVX-512 one included) run `vpmaddubsw` dot products,
-//! 32 products an instruction; other CPUs run the portable loop.
+//! end to end, and the scales beside them (Q4_K's 6-bit ones unpacked to a byte each), so
+//! that a block's quants load as one vector. x86 CPUs with AVX2 (every AVX-512 one
+//! included) run `vpmaddubsw` dot products, 32 products an instruction, or VNNI's
+//! `vpdpbusd` where the AVX-512 family has it; other CPUs run the portable loops.
 
 use half::f16;
 use rayon::prelude::*;

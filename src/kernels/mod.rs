@@ -35,7 +35,8 @@ pub enum DType {
     F32,
     F16,
     BF16,
-    /// llama.cpp's blocks of 32 elements, kept by `--keep-quantized` (CPU only).
+    /// llama.cpp's blocks (of 32 elements, or K-quant super-blocks of 256), kept by
+    /// `--keep-quantized` (CPU only).
     Quant(quant::QuantFormat),
 }
 

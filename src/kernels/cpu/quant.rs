@@ -174,16 +174,18 @@ struct QuantRows {
     q: Vec<i8>,
     /// The same quants with each pair of blocks (2p, 2p + 1) as the nibbles of a Q4 pair
     /// split: the first 16 of each block, then the last 16 of each (an odd last block as
-    /// it is). 32 bytes of Q4 quants widen to two such halves with one shift.
+    /// it is). 32 bytes of Q4 quants widen to two such halves with one shift. Empty for the
+    /// formats that do not read it.
     pairs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
 }
 
-fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantRows {
+/// `x`'s rows rounded to 8 bits a block; with `pairs`, also laid out for Q4 pairs.
+fn quantize_rows(x: &[f32], m: usize, k: usize, pairs: bool) -> QuantRows {
     let nb = k / QK;
     let mut rows =
-        QuantRows { k, q: vec![0; m * k], pairs: vec![0; m * k], d: vec![0.0; m * nb], s: vec![0.0; m * nb] };
+        QuantRows { k, q: vec![0; m * k], pairs: Vec::new(), d: vec![0.0; m * nb], s: vec![0.0; m * nb] };
     // On the calling thread: at most WIDEN_ROWS rows come here, a few microseconds of work,
     // less than handing it to the pool and back.
     let blocks = rows.q.chunks_exact_mut(QK).zip(&mut rows.d).zip(&mut rows.s);
@@ -200,7 +202,10 @@ fn quantize_rows(x: &[f32], m: usize, k: usize) -> QuantRows {
         }
         *s = *d * sum as f32;
     }
-    rows.pairs.copy_from_slice(&rows.q);
+    if !pairs {
+        return rows;
+    }
+    rows.pairs = rows.q.clone();
     for (pairs, q) in rows.pairs.chunks_exact_mut(k).zip(rows.q.chunks_exact(k)) {
         for (p, q) in pairs.chunks_exact_mut(2 * QK).zip(q.chunks_exact(2 * QK)) {
             p[..16].copy_from_slice(&q[..16]);
@@ -334,6 +339,25 @@ mod avx2 {
         }
     }
 
+    /// Four consecutive blocks' integer dot products folded into one vector: block t's
+    /// partial sums in lanes t and 4 + t (halves of 16 elements, for Q6_K's two scales).
+    #[inline(always)]
+    unsafe fn fold4<const VNNI: bool>(
+        f: QuantFormat,
+        wu: [__m256i; 4],
+        wq: [__m256i; 4],
+        x: *const i8,
+    ) -> __m256i {
+        // SAFETY: x holds four blocks (the callers' contract); AVX2 (and VNNI where VNNI)
+        // are the callers' target features.
+        unsafe {
+            let p: [__m256i; 4] = std::array::from_fn(|t| {
+                block_dot::<VNNI>(f, wu[t], wq[t], _mm256_loadu_si256(x.add(t * QK).cast()))
+            });
+            _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]))
+        }
+    }
+
     /// Two blocks' integer dot products from their nibbles split into halves (see
     /// `QuantRows::pairs`): block 2p's partial sums in lanes 0..4, 2p + 1's in 4..8.
     #[inline(always)]
@@ -409,9 +433,12 @@ mod avx2 {
             let xq: [*const i8; MR] = std::array::from_fn(|c| x.q.as_ptr().add(rows[c] * x.k));
             let xd: [*const f32; MR] = std::array::from_fn(|c| x.d.as_ptr().add(rows[c] * nb));
             let quads = nb / 4;
-            let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs.as_ptr().add(rows[c] * x.k));
+            if f != QuantFormat::Q8_0 && quads > 0 {
+                assert!(rows.iter().all(|&r| (r + 1) * x.k <= x.pairs.len()), "inputs laid out in pairs");
+            }
             for g in (0..quads).filter(|_| f != QuantFormat::Q8_0) {
                 let b = g * 4;
+                let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs.as_ptr().add(rows[c] * x.k));
                 // Two pairs of blocks: their x halves, and their scale products in the
                 // lanes the sums land in (below).
                 let xv: [[__m256i; 4]; MR] = std::array::from_fn(|c| {
@@ -455,19 +482,13 @@ mod avx2 {
             }
             for g in (0..quads).filter(|_| f == QuantFormat::Q8_0) {
                 let b = g * 4;
-                let xv: [[__m256i; 4]; MR] = std::array::from_fn(|c| {
-                    std::array::from_fn(|i| _mm256_loadu_si256(xq[c].add((b + i) * QK).cast()))
-                });
                 let dx: [__m128; MR] = std::array::from_fn(|c| _mm_loadu_ps(xd[c].add(b)));
                 for r in 0..NR {
                     let wb: [(__m256i, __m256i); 4] =
                         std::array::from_fn(|i| weight_block(w, qs[r], b + i, (j0 + r) * nb + b + i));
                     let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd[r].add(b).cast()));
                     for c in 0..MR {
-                        let p: [__m256i; 4] =
-                            std::array::from_fn(|i| block_dot::<VNNI>(f, wb[i].0, wb[i].1, xv[c][i]));
-                        let sums =
-                            _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+                        let sums = fold4::<VNNI>(f, wb.map(|p| p.0), wb.map(|p| p.1), xq[c].add(b * QK));
                         let s = _mm_mul_ps(dw, dx[c]);
                         let scale = _mm256_set_m128(s, s);
                         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
@@ -540,14 +561,7 @@ mod avx2 {
                         let sc = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(sc)), _mm_set1_ps(d));
                         for c in 0..MR {
                             let xb = rows[c] * nb + b * 8 + q * 4;
-                            let p: [__m256i; 4] = std::array::from_fn(|t| {
-                                let xv = _mm256_loadu_si256(x.q.as_ptr().add((xb + t) * QK).cast());
-                                block_dot::<VNNI>(QuantFormat::Q4_K, ws[t], ws[t], xv)
-                            });
-                            let sums = _mm256_hadd_epi32(
-                                _mm256_hadd_epi32(p[0], p[1]),
-                                _mm256_hadd_epi32(p[2], p[3]),
-                            );
+                            let sums = fold4::<VNNI>(QuantFormat::Q4_K, ws, ws, x.q.as_ptr().add(xb * QK));
                             let s4 = _mm_mul_ps(sc, _mm_loadu_ps(x.d.as_ptr().add(xb)));
                             acc[r][c] =
                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(s4, s4), acc[r][c]);
@@ -612,14 +626,7 @@ mod avx2 {
                         let sc = _mm256_mul_ps(_mm256_permutevar8x32_ps(sc, order), _mm256_set1_ps(d));
                         for c in 0..MR {
                             let xb = rows[c] * nb + b * 8 + half * 4;
-                            let p: [__m256i; 4] = std::array::from_fn(|t| {
-                                let xv = _mm256_loadu_si256(x.q.as_ptr().add((xb + t) * QK).cast());
-                                block_dot::<VNNI>(QuantFormat::Q6_K, wu[t], wq[t], xv)
-                            });
-                            let sums = _mm256_hadd_epi32(
-                                _mm256_hadd_epi32(p[0], p[1]),
-                                _mm256_hadd_epi32(p[2], p[3]),
-                            );
+                            let sums = fold4::<VNNI>(QuantFormat::Q6_K, wu, wq, x.q.as_ptr().add(xb * QK));
                             let xd = _mm_loadu_ps(x.d.as_ptr().add(xb));
                             let scale = _mm256_mul_ps(sc, _mm256_set_m128(xd, xd));
                             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
@@ -711,7 +718,8 @@ pub fn matmul(family: Family, x: &[f32], m: usize, w: &QuantWeight, out: &mut [f
     if m > WIDEN_ROWS {
         return super::matmul::widened(x, (m, k, n), out, |r, row| w.row_f32(r, row));
     }
-    let xq = quantize_rows(x, m, k);
+    let pairs = matches!(w.format, QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0);
+    let xq = quantize_rows(x, m, k, pairs);
     let ks = kernels(family);
     // Whole groups of 4 weight rows a task, enough tasks to balance the threads.
     let chunk = n.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(4);
@@ -832,7 +840,7 @@ mod tests {
                     assert_eq!(row, dense[(n - 1) * k..]);
 
                     let x = rand_vec(m * k, 1);
-                    let xq = quantize_rows(&x, m, k);
+                    let xq = quantize_rows(&x, m, k, false);
                     let xd: Vec<f32> =
                         xq.q.iter().enumerate().map(|(t, &q)| q as f32 * xq.d[t / QK]).collect();
                     let mut out = vec![f32::NAN; m * n];

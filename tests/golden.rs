@@ -327,7 +327,7 @@ async fn a_gguf_kept_quantized_stays_within_its_rounding_of_the_dequantized_mode
     let mut cases: Vec<Vec<u32>> =
         g.prompts.iter().map(|p| [p.prompt_ids.clone(), p.output_ids.clone()].concat()).collect();
     cases.extend(g.chats.iter().map(|c| [c.prompt_ids.clone(), c.output_ids.clone()].concat()));
-    let dequantized = prompt_logprobs(common::args(common::default_model()), &cases).await;
+    let (dequantized, widened) = prompt_logprobs(common::args(common::default_model()), &cases).await;
     let kept = |cpu_kernels, tensor_parallel_size| EngineArgs {
         keep_quantized: true,
         cpu_kernels,
@@ -341,7 +341,13 @@ async fn a_gguf_kept_quantized_stays_within_its_rounding_of_the_dequantized_mode
         .collect();
     configs.push(("3 ranks".into(), kept(Default::default(), 3)));
     for (name, args) in configs {
-        let kept = prompt_logprobs(args, &cases).await;
+        let (kept, held) = prompt_logprobs(args, &cases).await;
+        // Blocks held as blocks, on every rank: 4.5 bits a weight of the layers (a loader
+        // that widened them would hold the dequantized model's 269 MB of bf16 or more).
+        assert!(
+            held < 100_000_000 && held * 2 < widened,
+            "{name}: {held} bytes of weights held, the dequantized model {widened}"
+        );
         let (mut sum, mut n) = (0f32, 0);
         for (case, (got, want)) in kept.iter().zip(&dequantized).enumerate() {
             for (pos, (got, want)) in got.iter().zip(want).enumerate().skip(1) {
@@ -390,13 +396,15 @@ async fn a_gguf_kept_quantized_stays_within_its_rounding_of_the_dequantized_mode
 type PromptLogprobs = Vec<Vec<Option<actorllm::request::PromptLogprob>>>;
 
 /// Each prompt's logprobs (top 2) from an engine started with `args`.
-async fn prompt_logprobs(args: EngineArgs, prompts: &[Vec<u32>]) -> PromptLogprobs {
+/// Each prompt's logprobs, and the bytes of weights the engine holds.
+async fn prompt_logprobs(args: EngineArgs, prompts: &[Vec<u32>]) -> (PromptLogprobs, usize) {
     let engine = Engine::start(args).await.unwrap();
     let asked = SamplingParams { prompt_logprobs: Some(2), ..common::greedy(1) };
     let runs = prompts.iter().map(|ids| common::run(&engine, ids.clone(), asked.clone()));
-    futures::future::join_all(runs)
+    let logprobs = futures::future::join_all(runs)
         .await
         .into_iter()
         .map(|o| o.prompt_logprobs.expect("prompt logprobs"))
-        .collect()
+        .collect();
+    (logprobs, engine.weight_bytes())
 }

@@ -302,10 +302,6 @@ impl<D: Device> Gemma2ForCausalLM<D> {
             .map(|i| Gemma2DecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, a, i, opts))
             .collect::<Result<Vec<_>, _>>()?;
         let tied = cfg.tie_word_embeddings || !root.contains("lm_head.weight");
-        let per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            + cfg.num_heads * cfg.head_dim * h
-            + 3 * h * a.intermediate_size;
-        let params = v * h * if tied { 1 } else { 2 } + cfg.num_layers * per_layer;
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens: VocabParallelEmbedding::load(dev, &w.pp("embed_tokens"), v, h)?,
@@ -316,7 +312,8 @@ impl<D: Device> Gemma2ForCausalLM<D> {
             rope_full: RotaryEmbedding::new(&a.rope_full, cfg.head_dim),
             rope_local: RotaryEmbedding::new(&a.rope_local, cfg.head_dim),
             final_softcap: a.final_softcap,
-            weight_bytes: params * store.dtype.size() / dev.tp().world,
+            // Evaluated last: every parameter above is loaded.
+            weight_bytes: store.served_bytes(),
         })
     }
 }

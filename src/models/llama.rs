@@ -450,9 +450,9 @@ impl<D: Device> LlamaForCausalLM<D> {
             norm: load_norm(dev, &w.pp("norm"), h, a)?,
             lm_head: ParallelLMHead::load(dev, &root.pp("lm_head"), v, h, tied)?,
             rotary_emb: RotaryEmbedding::new(&a.rope, cfg.head_dim),
-            // Per rank: everything but the norms is split over the ranks.
-            weight_bytes: params * store.dtype.size() / dev.tp().world,
-            active_weight_bytes: active * store.dtype.size() / dev.tp().world,
+            // Evaluated last: every parameter above is loaded (this rank's parts).
+            weight_bytes: store.served_bytes(),
+            active_weight_bytes: store.served_share(active, params),
         })
     }
 }

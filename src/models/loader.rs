@@ -202,6 +202,8 @@ pub struct WeightStore<'a> {
     /// `--load-format dummy`: no checkpoint; every parameter the model asks for is made of
     /// deterministic values of its kind (see [`super::random::param_bytes`]).
     dummy: bool,
+    /// Bytes of every parameter handed out so far, as loaded (blocks kept as blocks).
+    served: std::sync::atomic::AtomicUsize,
 }
 
 impl<'a> WeightStore<'a> {
@@ -225,14 +227,14 @@ impl<'a> WeightStore<'a> {
             let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
             params.entry(param).or_default().insert(index, t);
         }
-        Self { params, dtype, dummy: false }
+        Self { params, dtype, dummy: false, served: Default::default() }
     }
 
     /// A store without a checkpoint (vLLM's `--load-format dummy`): each parameter is made
     /// when the model loads it, of the shape it asks for, so that benchmarks of a model's
     /// shapes need its config.json and tokenizer only.
     pub fn dummy(dtype: DType) -> Self {
-        Self { params: HashMap::new(), dtype, dummy: true }
+        Self { params: HashMap::new(), dtype, dummy: true, served: Default::default() }
     }
 
     pub fn root(&self) -> ParamView<'_, 'a> {
@@ -241,6 +243,24 @@ impl<'a> WeightStore<'a> {
 
     pub fn contains(&self, name: &str) -> bool {
         self.dummy || self.params.contains_key(name)
+    }
+
+    /// The bytes of the parameters the model has loaded from this store: its weights as
+    /// they are held (a kept GGUF block format at its own size, a tensor-parallel rank's
+    /// part alone).
+    pub fn served_bytes(&self) -> usize {
+        self.served.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// [`Self::served_bytes`] in the share `part / whole` of the parameters (what one
+    /// token reads of a mixture of experts).
+    pub fn served_share(&self, part: usize, whole: usize) -> usize {
+        (self.served_bytes() as u128 * part as u128 / whole.max(1) as u128) as usize
+    }
+
+    fn serve(&self, t: HostTensor<'a>) -> HostTensor<'a> {
+        self.served.fetch_add(t.data.len(), std::sync::atomic::Ordering::Relaxed);
+        t
     }
 }
 
@@ -290,12 +310,12 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 Part::Rows(r) => out[0] = r.len(),
                 Part::Cols(c) => out[1] = c.len(),
             }
-            return Ok(self.made(name, out));
+            return Ok(self.store.serve(self.made(name, out)));
         }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;
-        Ok(self.convert(t, shape, part, true))
+        Ok(self.store.serve(self.convert(t, shape, part, true)))
     }
 
     /// A stacked parameter: the shards' rows concatenated in order. `rows[i]` is shard i's
@@ -311,7 +331,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
     ) -> Result<HostTensor<'a>, ModelError> {
         if self.store.dummy {
             let total = picks.iter().map(|p| p.len()).sum();
-            return Ok(self.made(name, cols.map_or(vec![total], |c| vec![total, c])));
+            return Ok(self.store.serve(self.made(name, cols.map_or(vec![total], |c| vec![total, c]))));
         }
         let (full, shards) = self.shards(name)?;
         // Blocks stay blocks when every shard is in the same format (q, k and v of one
@@ -341,7 +361,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
             Some(c) => vec![total, c],
             None => vec![total],
         };
-        Ok(HostTensor { dtype, shape, data: data.into() })
+        Ok(self.store.serve(HostTensor { dtype, shape, data: data.into() }))
     }
 
     /// Rows `picks` of one parameter of `shape`, concatenated in order (a fused
@@ -355,7 +375,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         if self.store.dummy {
             let mut out = shape.to_vec();
             out[0] = picks.iter().map(|p| p.len()).sum();
-            return Ok(self.made(name, out));
+            return Ok(self.store.serve(self.made(name, out)));
         }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
@@ -368,7 +388,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         }
         let mut out_shape = shape.to_vec();
         out_shape[0] = picks.iter().map(|p| p.len()).sum();
-        Ok(HostTensor { dtype, shape: out_shape, data: data.into() })
+        Ok(self.store.serve(HostTensor { dtype, shape: out_shape, data: data.into() }))
     }
 
     /// `part` of a checked tensor of `shape`: borrowed from the mapped file when it is whole

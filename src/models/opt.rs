@@ -222,8 +222,6 @@ impl<D: Device> OptForCausalLM<D> {
         let layers = (0..cfg.num_layers)
             .map(|i| OptDecoderLayer::load(dev, &w.pp("layers").pp(i), cfg, &a, opts))
             .collect::<Result<Vec<_>, _>>()?;
-        let per_layer = 4 * h * h + 2 * h * a.ffn_dim;
-        let params = v * e + cfg.num_layers * per_layer + 2 * e * h * usize::from(e != h);
         Ok(Self {
             embed_tokens: VocabParallelEmbedding::load(dev, &w.pp("embed_tokens"), v, e)?,
             embed_positions: LearnedPositions::load(
@@ -242,7 +240,8 @@ impl<D: Device> OptForCausalLM<D> {
             },
             lm_head: ParallelLMHead::load(dev, &root.pp("lm_head"), v, e, true)?,
             rope: RotaryEmbedding::none(cfg.head_dim),
-            weight_bytes: params * store.dtype.size() / dev.tp().world,
+            // Evaluated last: every parameter above is loaded.
+            weight_bytes: store.served_bytes(),
             cfg: cfg.clone(),
             arch: a,
         })

@@ -251,6 +251,24 @@ mod avx2 {
 
     use super::{QK, QK_K, QuantFormat, QuantRows, QuantWeight};
 
+    /// `[e(0), .., e(N - 1)]` for an expression of `i`, written out in the caller's body.
+    /// Not `std::array::from_fn`: a closure is a function of its own, without the target
+    /// features of `dot` and `dot_vnni` (the helpers below have none; they are inlined), so
+    /// the intrinsics in it stay calls wherever LLVM leaves the closure out of line, as it
+    /// did for the Q8_0 LM head, halving the batch-1 decode rate.
+    macro_rules! each {
+        ($n:expr, |$i:ident| $e:expr) => {{
+            // SAFETY: the elements are SIMD vectors, floats or arrays of them, of which all
+            // zeros is a value; every one is written below.
+            #[allow(unused_unsafe)]
+            let mut out: [_; $n] = unsafe { std::mem::zeroed() };
+            for $i in 0..$n {
+                out[$i] = $e;
+            }
+            out
+        }};
+    }
+
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
         // SAFETY: AVX is there (the callers' target features).
@@ -351,9 +369,8 @@ mod avx2 {
         // SAFETY: x holds four blocks (the callers' contract); AVX2 (and VNNI where VNNI)
         // are the callers' target features.
         unsafe {
-            let p: [__m256i; 4] = std::array::from_fn(|t| {
-                block_dot::<VNNI>(f, wu[t], wq[t], _mm256_loadu_si256(x.add(t * QK).cast()))
-            });
+            let p: [__m256i; 4] =
+                each!(4, |t| block_dot::<VNNI>(f, wu[t], wq[t], _mm256_loadu_si256(x.add(t * QK).cast())));
             _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]))
         }
     }
@@ -441,10 +458,9 @@ mod avx2 {
                 let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs.as_ptr().add(rows[c] * x.k));
                 // Two pairs of blocks: their x halves, and their scale products in the
                 // lanes the sums land in (below).
-                let xv: [[__m256i; 4]; MR] = std::array::from_fn(|c| {
-                    std::array::from_fn(|i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast()))
-                });
-                let dx: [__m128; MR] = std::array::from_fn(|c| _mm_loadu_ps(xd[c].add(b)));
+                let xv: [[__m256i; 4]; MR] =
+                    each!(MR, |c| each!(4, |i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast())));
+                let dx: [__m128; MR] = each!(MR, |c| _mm_loadu_ps(xd[c].add(b)));
                 let lanes = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
                 let low = _mm256_set1_epi8(0x0f);
                 for r in 0..NR {
@@ -482,13 +498,14 @@ mod avx2 {
             }
             for g in (0..quads).filter(|_| f == QuantFormat::Q8_0) {
                 let b = g * 4;
-                let dx: [__m128; MR] = std::array::from_fn(|c| _mm_loadu_ps(xd[c].add(b)));
+                let dx: [__m128; MR] = each!(MR, |c| _mm_loadu_ps(xd[c].add(b)));
                 for r in 0..NR {
                     let wb: [(__m256i, __m256i); 4] =
-                        std::array::from_fn(|i| weight_block(w, qs[r], b + i, (j0 + r) * nb + b + i));
+                        each!(4, |i| weight_block(w, qs[r], b + i, (j0 + r) * nb + b + i));
+                    let (wu, wq) = (each!(4, |i| wb[i].0), each!(4, |i| wb[i].1));
                     let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd[r].add(b).cast()));
                     for c in 0..MR {
-                        let sums = fold4::<VNNI>(f, wb.map(|p| p.0), wb.map(|p| p.1), xq[c].add(b * QK));
+                        let sums = fold4::<VNNI>(f, wu, wq, xq[c].add(b * QK));
                         let s = _mm_mul_ps(dw, dx[c]);
                         let scale = _mm256_set_m128(s, s);
                         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
@@ -537,8 +554,7 @@ mod avx2 {
             let mut acc = [[_mm256_setzero_ps(); MR]; NR];
             let mut mins = [[_mm256_setzero_ps(); MR]; NR];
             for b in 0..nsb {
-                let xs: [__m256; MR] =
-                    std::array::from_fn(|c| _mm256_loadu_ps(x.s.as_ptr().add(rows[c] * nb + b * 8)));
+                let xs: [__m256; MR] = each!(MR, |c| _mm256_loadu_ps(x.s.as_ptr().add(rows[c] * nb + b * 8)));
                 for r in 0..NR {
                     let i = (j0 + r) * nsb + b;
                     let (d, dmin) = (h2f(*w.d.get_unchecked(i)), h2f(*w.m.get_unchecked(i)));
@@ -569,7 +585,7 @@ mod avx2 {
                     }
                 }
             }
-            std::array::from_fn(|r| std::array::from_fn(|c| hsum(acc[r][c]) - hsum(mins[r][c])))
+            each!(NR, |r| each!(MR, |c| hsum(acc[r][c]) - hsum(mins[r][c])))
         }
     }
 
@@ -603,23 +619,23 @@ mod avx2 {
                         let ql0 = _mm256_loadu_si256(qs.add(64 * half).cast());
                         let ql1 = _mm256_loadu_si256(qs.add(64 * half + 32).cast());
                         let qh = _mm256_loadu_si256(qs.add(128 + 32 * half).cast());
-                        let high = |shift: i32| {
-                            let bits = match shift {
-                                0 => qh,
-                                2 => _mm256_srli_epi16(qh, 2),
-                                4 => _mm256_srli_epi16(qh, 4),
-                                _ => _mm256_srli_epi16(qh, 6),
-                            };
-                            _mm256_slli_epi16(_mm256_and_si256(bits, m2), 4)
-                        };
-                        let q = [
-                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high(0)),
-                            _mm256_or_si256(_mm256_and_si256(ql1, m4), high(2)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high(4)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high(6)),
+                        // The high 2 bits of each quarter, in place above its nibbles.
+                        let high = [
+                            qh,
+                            _mm256_srli_epi16(qh, 2),
+                            _mm256_srli_epi16(qh, 4),
+                            _mm256_srli_epi16(qh, 6),
                         ];
-                        let wq = q.map(|v| _mm256_sub_epi8(v, c32));
-                        let wu = wq.map(|v| _mm256_sign_epi8(v, v));
+                        let high: [__m256i; 4] =
+                            each!(4, |i| _mm256_slli_epi16(_mm256_and_si256(high[i], m2), 4));
+                        let q = [
+                            _mm256_or_si256(_mm256_and_si256(ql0, m4), high[0]),
+                            _mm256_or_si256(_mm256_and_si256(ql1, m4), high[1]),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), high[2]),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), high[3]),
+                        ];
+                        let wq: [__m256i; 4] = each!(4, |i| _mm256_sub_epi8(q[i], c32));
+                        let wu: [__m256i; 4] = each!(4, |i| _mm256_sign_epi8(wq[i], wq[i]));
                         let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                             sub.add(8 * half).cast(),
                         )));
@@ -634,7 +650,7 @@ mod avx2 {
                     }
                 }
             }
-            std::array::from_fn(|r| std::array::from_fn(|c| hsum(acc[r][c])))
+            each!(NR, |r| each!(MR, |c| hsum(acc[r][c])))
         }
     }
 

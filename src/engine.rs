@@ -145,6 +145,7 @@ impl Engine {
         args.model = located.dir;
         log_inapplicable(&args);
         let model_config = registry.read_config(&args.model)?;
+        crate::quantization::check_flag(&model_config.hf, args.quantization.as_deref())?;
         // A device that reports its memory (a GPU) sizes the KV cache from it after a
         // profiling step, and checks --max-model-len then.
         let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();

@@ -2,8 +2,11 @@
 //! quantized (config.json's `quantization_config`): what the engine serves, and a refusal
 //! that names the method for what it does not. GGUF files (llama.cpp's quantized formats)
 //! are served by dequantizing them once at import (`gguf::import::imported`), or on the CPU
-//! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks kept (`--keep-quantized`); other quantized
-//! checkpoints are refused before any weight is read.
+//! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks kept (`--keep-quantized`). FP8
+//! (e4m3) checkpoints, vLLM's `fp8` and compressed-tensors' `float-quantized`, load with each
+//! weight times its scales (per tensor, per output channel or per block), in the dtype of
+//! the checkpoint's other weights (`models::loader`). Other quantized checkpoints are
+//! refused before any weight is read.
 
 use serde_json::Value as Json;
 
@@ -39,9 +42,10 @@ pub const VLLM_METHODS: &[&str] = &[
 ];
 
 /// What the engine serves.
-const SERVED: &str = "float32, float16 and bfloat16 checkpoints, and GGUF files (--quantization gguf, \
-                      dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks \
-                      with --keep-quantized)";
+const SERVED: &str = "float32, float16 and bfloat16 checkpoints, FP8 (e4m3) checkpoints (fp8 and \
+                      compressed-tensors float-quantized, their weights scaled back at load), and GGUF files \
+                      (--quantization gguf, dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, \
+                      Q5_0, Q8_0, Q4_K and Q6_K blocks with --keep-quantized)";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
@@ -56,6 +60,17 @@ pub enum QuantError {
          file is then dequantized at import), or serve with --device cpu"
     )]
     KeepOnGpu,
+    #[error(
+        "--quantization {method} quantizes a 16-bit checkpoint at load in vLLM; actorllm loads checkpoints \
+         already quantized with {method} (their config.json says so) and does not quantize at load: leave \
+         the flag out, or serve an FP8 checkpoint"
+    )]
+    OnlineFp8 { method: String },
+    #[error(
+        "the checkpoint is quantized with {method} (its config.json's quantization_config), not \
+         --quantization {given}: leave the flag out, or give {method}"
+    )]
+    Mismatch { method: String, given: String },
     #[error("--quantization gguf takes a .gguf file as --model, got {model}")]
     GgufNeedsFile { model: String },
     #[error(
@@ -69,8 +84,12 @@ pub enum QuantError {
     Checkpoint { file: String, method: String },
 }
 
-/// Checks `--quantization` against the model given: a GGUF file takes `gguf` or nothing, and
-/// anything else takes nothing (16-bit and f32 checkpoints).
+/// The `--quantization` names of the FP8 checkpoints the loader reads.
+const FP8_METHODS: [&str; 2] = ["fp8", "compressed-tensors"];
+
+/// Checks `--quantization` against the model given: a GGUF file takes `gguf` or nothing;
+/// a checkpoint takes nothing, or the FP8 method its config.json names (checked against the
+/// config by [`check_config`]).
 pub fn check_arg(given: Option<&str>, model: &std::path::Path, is_gguf: bool) -> Result<(), QuantError> {
     let Some(given) = given else { return Ok(()) };
     let given = given.to_ascii_lowercase();
@@ -81,6 +100,7 @@ pub fn check_arg(given: Option<&str>, model: &std::path::Path, is_gguf: bool) ->
         (true, true) => Ok(()),
         (true, false) => Err(QuantError::GgufNeedsFile { model: model.display().to_string() }),
         (false, true) => Err(QuantError::NotGguf { given }),
+        (false, false) if FP8_METHODS.contains(&given.as_str()) => Ok(()),
         (false, false) => Err(QuantError::UnsupportedArg { method: given }),
     }
 }
@@ -93,13 +113,47 @@ pub fn config_method(hf: &Json) -> Option<String> {
     Some(method.to_string())
 }
 
-/// Refuses a checkpoint whose config.json says it is quantized, naming the method.
-/// (`check_arg` has refused every `--quantization` but gguf for a GGUF file by then, so
-/// there is no flag left to disagree with the config.)
+/// Whether a `quantization_config` describes e4m3 weights the loader scales back: vLLM's
+/// `fp8` (per-tensor `weight_scale`, or `weight_block_size` blocks with `weight_scale_inv`),
+/// or compressed-tensors' `float-quantized` whose every weight group is 8-bit float.
+fn is_fp8_weights(q: &Json, method: &str) -> bool {
+    match method {
+        "fp8" => q.get("fmt").and_then(Json::as_str).is_none_or(|f| f == "e4m3"),
+        "compressed-tensors" => {
+            let groups = q.get("config_groups").and_then(Json::as_object);
+            q.get("format").and_then(Json::as_str) == Some("float-quantized")
+                && groups.is_some_and(|g| {
+                    !g.is_empty()
+                        && g.values().all(|group| {
+                            let w = &group["weights"];
+                            w["type"] == "float" && w["num_bits"] == 8
+                        })
+                })
+        }
+        _ => false,
+    }
+}
+
+/// Refuses a checkpoint whose config.json says it is quantized in a way the loader does
+/// not read, naming the method. FP8 checkpoints pass.
 pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
     match config_method(hf) {
-        Some(method) => Err(QuantError::Checkpoint { file: source.to_string(), method }),
-        None => Ok(()),
+        Some(method) if !is_fp8_weights(&hf["quantization_config"], &method) => {
+            Err(QuantError::Checkpoint { file: source.to_string(), method })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a `--quantization` (checked by [`check_arg`]) that the checkpoint's config.json
+/// does not bear out: vLLM quantizes a 16-bit checkpoint at load for `fp8`, which this
+/// engine does not, and a checkpoint quantized one way is not served as another.
+pub fn check_flag(hf: &Json, given: Option<&str>) -> Result<(), QuantError> {
+    let Some(given) = given.map(str::to_ascii_lowercase).filter(|g| g != "gguf") else { return Ok(()) };
+    match config_method(hf) {
+        None => Err(QuantError::OnlineFp8 { method: given }),
+        Some(method) if method != given => Err(QuantError::Mismatch { method, given }),
+        Some(_) => Ok(()),
     }
 }
 
@@ -137,5 +191,33 @@ mod tests {
         );
         let ct = serde_json::json!({"quantization_config": {"format": "float-quantized"}});
         assert!(check_config(&ct, "c").unwrap_err().to_string().contains("quantized with an unnamed method"));
+        // FP8 weights load; integer or 4-bit compressed-tensors groups, and e5m2, do not.
+        let fp8 = serde_json::json!({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}});
+        assert_eq!(check_config(&fp8, "m"), Ok(()));
+        let e5m2 = serde_json::json!({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}});
+        assert!(check_config(&e5m2, "m").is_err());
+        let group = |ty: &str, bits: u32| {
+            serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"g": {"weights": {"type": ty, "num_bits": bits}}}}})
+        };
+        assert_eq!(check_config(&group("float", 8), "m"), Ok(()));
+        assert!(
+            check_config(&group("int", 4), "m").unwrap_err().to_string().contains("with compressed-tensors")
+        );
+    }
+
+    #[test]
+    fn the_flag_must_name_the_checkpoints_own_method() {
+        let plain = serde_json::json!({"architectures": ["LlamaForCausalLM"]});
+        let fp8 = serde_json::json!({"quantization_config": {"quant_method": "fp8"}});
+        assert_eq!(check_flag(&plain, None), Ok(()));
+        assert_eq!(check_flag(&plain, Some("gguf")), Ok(()));
+        assert_eq!(check_flag(&fp8, Some("FP8")), Ok(()));
+        assert!(
+            check_flag(&plain, Some("fp8")).unwrap_err().to_string().contains("does not quantize at load")
+        );
+        let e = check_flag(&fp8, Some("compressed-tensors")).unwrap_err().to_string();
+        assert!(e.contains("quantized with fp8") && e.contains("give fp8"), "{e}");
+        assert_eq!(check_arg(Some("fp8"), std::path::Path::new("m"), false), Ok(()));
     }
 }

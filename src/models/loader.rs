@@ -44,11 +44,19 @@ struct MappedFile {
     mmap: FileBytes,
     header_len: usize,
     tensors: Vec<Entry>,
+    /// FP8 (e4m3) tensors: name, shape, byte range (`Checkpoint::scale_fp8` reads them).
+    fp8: Vec<(String, Vec<usize>, (usize, usize))>,
 }
 
 /// The memory-mapped safetensors files of a model directory.
 pub struct Checkpoint {
     files: Vec<MappedFile>,
+    /// FP8 weights times their scales, in the dtype of the checkpoint's other weights:
+    /// name, dtype, shape, bytes.
+    scaled: Vec<(String, DType, Vec<usize>, Vec<u8>)>,
+    /// Tensors of the FP8 format not to hand out: the weights' scales (read into
+    /// `scaled`) and the activation and KV cache scales.
+    fp8_scales: std::collections::HashSet<String>,
 }
 
 /// The safetensors metadata key that marks tensor `name` as llama.cpp blocks (the value
@@ -133,17 +141,65 @@ impl Checkpoint {
             vec![single]
         };
         let files = paths.into_iter().map(Self::map_file).collect::<Result<_, _>>()?;
-        Ok(Self { files })
+        Self::scale_fp8(files)
     }
 
     /// Opens one safetensors file (a LoRA adapter's).
     pub fn open_file(path: &Path) -> Result<Self, ModelError> {
-        Ok(Self { files: vec![Self::map_file(path.to_path_buf())?] })
+        Self::scale_fp8(vec![Self::map_file(path.to_path_buf())?])
     }
 
     /// One safetensors file held in memory, named `name` in errors.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Self, ModelError> {
-        Ok(Self { files: vec![Self::read_file(PathBuf::from(name), FileBytes::Owned(bytes))?] })
+        Self::scale_fp8(vec![Self::read_file(PathBuf::from(name), FileBytes::Owned(bytes))?])
+    }
+
+    /// The checkpoint of `files`, its FP8 weights (if any) times their scales: `X.weight`'s
+    /// from `X.weight_scale_inv` or `X.weight_scale` (see [`super::fp8`]).
+    fn scale_fp8(files: Vec<MappedFile>) -> Result<Self, ModelError> {
+        let mut this = Self { files, scaled: Vec::new(), fp8_scales: Default::default() };
+        if this.files.iter().all(|f| f.fp8.is_empty()) {
+            return Ok(this);
+        }
+        let is_scale = |n: &str| {
+            ["weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale"]
+                .iter()
+                .any(|s| n.strip_suffix(s).is_some_and(|p| p.is_empty() || p.ends_with('.')))
+        };
+        let found: HashMap<&str, TensorRef<'_>> = this.stored().collect();
+        // The unquantized weights' dtype (norms, embeddings, an ignored LM head), else f32.
+        let dtype = this.stored().find(|(n, _)| !is_scale(n)).map_or(DType::F32, |(_, t)| t.dtype);
+        let dtype = if matches!(dtype, DType::Quant(_)) { DType::F32 } else { dtype };
+        let mut scaled = Vec::new();
+        for f in &this.files {
+            for (name, shape, (start, end)) in &f.fp8 {
+                let scale = [format!("{name}_scale_inv"), format!("{name}_scale")]
+                    .into_iter()
+                    .find_map(|s| found.get(s.as_str()).copied())
+                    .ok_or_else(|| {
+                        ModelError::Weights(format!(
+                            "{}: FP8 tensor {name} has no {name}_scale or {name}_scale_inv beside it",
+                            f.path.display()
+                        ))
+                    })?;
+                let mut values = Vec::new();
+                DType::F32.convert_from(scale.dtype, scale.bytes, &mut values);
+                let (rows, cols) = match &shape[..] {
+                    [rows, rest @ ..] if !rest.is_empty() => (*rows, rest.iter().product()),
+                    _ => (1, shape.iter().product()),
+                };
+                let values: Vec<f32> = bytemuck::pod_collect_to_vec(&values);
+                let scales = super::fp8::Scales::of((rows, cols), scale.shape, values)
+                    .map_err(|e| ModelError::Weights(format!("{}: {name}: {e}", f.path.display())))?;
+                let bytes = &f.mmap[f.header_len + start..f.header_len + end];
+                let data = super::fp8::dequantize(bytes, (rows, cols), &scales, dtype);
+                scaled.push((name.clone(), dtype, shape.clone(), data));
+            }
+        }
+        let fp8_scales = this.stored().map(|(n, _)| n).filter(|n| is_scale(n)).map(str::to_string).collect();
+        this.scaled = scaled;
+        this.fp8_scales = fp8_scales;
+        Ok(this)
     }
 
     fn map_file(path: PathBuf) -> Result<MappedFile, ModelError> {
@@ -158,9 +214,23 @@ impl Checkpoint {
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
         let mut tensors = Vec::new();
         let data_len = mmap.len().saturating_sub(header_len + 8);
+        let mut fp8 = Vec::new();
         for (name, info) in meta.tensors() {
-            let (dtype, shape) = dtype_of(info, &name, meta.metadata().as_ref(), &path)?;
             let (start, end) = info.data_offsets;
+            if info.dtype == safetensors::Dtype::F8_E4M3 {
+                let n = info.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+                if start > end || end > data_len || n != Some(end - start) {
+                    return Err(ModelError::Weights(format!(
+                        "{}: FP8 tensor {name} has offsets {start}..{end} for shape {:?} in a data section of \
+                         {data_len} bytes",
+                        path.display(),
+                        info.shape
+                    )));
+                }
+                fp8.push((name, info.shape.clone(), (start, end)));
+                continue;
+            }
+            let (dtype, shape) = dtype_of(info, &name, meta.metadata().as_ref(), &path)?;
             let want =
                 info.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).and_then(|n| {
                     n.checked_mul(if matches!(dtype, DType::Quant(_)) { 1 } else { dtype.size() })
@@ -175,11 +245,20 @@ impl Checkpoint {
             }
             tensors.push(Entry { name, dtype, shape, range: info.data_offsets });
         }
-        Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors })
+        Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors, fp8 })
     }
 
     /// Every tensor of every file: (checkpoint name, tensor).
     pub fn tensors(&self) -> impl Iterator<Item = (&str, TensorRef<'_>)> {
+        let stored = self.stored().filter(|(n, _)| !self.fp8_scales.contains(*n));
+        let scaled = self.scaled.iter().map(|(n, dtype, shape, data)| {
+            (n.as_str(), TensorRef { dtype: *dtype, shape: shape.as_slice(), bytes: data.as_slice() })
+        });
+        stored.chain(scaled)
+    }
+
+    /// The tensors of the files as stored (FP8 weights aside), scales of FP8 ones included.
+    fn stored(&self) -> impl Iterator<Item = (&str, TensorRef<'_>)> {
         self.files.iter().flat_map(|f| {
             f.tensors.iter().map(move |e| {
                 let bytes = &f.mmap[f.header_len + e.range.0..f.header_len + e.range.1];

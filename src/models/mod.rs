@@ -2,6 +2,7 @@
 //! checkpoint loader, the shared layers and the registry of architectures.
 
 pub mod config;
+pub mod fp8;
 pub mod gemma;
 pub mod gemma2;
 pub mod gemma3;

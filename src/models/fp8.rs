@@ -1,0 +1,142 @@
+//! FP8 checkpoints: weights stored as e4m3 bytes beside their scales, as vLLM's `fp8`
+//! format (a per-tensor `weight_scale`, or `weight_scale_inv` over blocks of
+//! `weight_block_size`) and compressed-tensors' `float-quantized` one (`weight_scale` per
+//! tensor, per output channel or per block) write them. The loader turns each into its
+//! values, byte times scale in f32, in the dtype of the checkpoint's other weights; the
+//! activation scales (`input_scale`) and KV cache scales are for FP8 arithmetic, which the
+//! kernels do not do, and are not read.
+
+use crate::kernels::DType;
+
+/// One e4m3 byte's value (OCP FP8 E4M3, the `float8_e4m3fn` of PyTorch and safetensors'
+/// `F8_E4M3`): sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, and
+/// 0x7f / 0xff are NaN.
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0x0f, b & 0x07);
+    let v = match (e, m) {
+        (0x0f, 0x07) => f32::NAN,
+        (0, _) => m as f32 / 8.0 * 2f32.powi(-6),
+        _ => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
+    };
+    sign * v
+}
+
+/// Block edges a block-scaled checkpoint may use, most common first: a scale tensor of
+/// `[⌈rows / b⌉, ⌈cols / b'⌉]` names its block by its own shape only.
+const BLOCKS: [usize; 6] = [128, 64, 32, 256, 16, 512];
+
+/// How one weight's scales cover it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scales {
+    Tensor(f32),
+    /// One a row (output channel).
+    Channel(Vec<f32>),
+    /// One a `rows × cols` block, `per_row` blocks a row of blocks.
+    Block {
+        rows: usize,
+        cols: usize,
+        per_row: usize,
+        values: Vec<f32>,
+    },
+}
+
+impl Scales {
+    /// The scales of a `[rows, cols]` weight from its scale tensor's shape and values, or
+    /// why they do not fit it.
+    pub fn of((rows, cols): (usize, usize), shape: &[usize], values: Vec<f32>) -> Result<Self, String> {
+        let n = values.len();
+        if n == 1 {
+            return Ok(Self::Tensor(values[0]));
+        }
+        if n == rows && shape.iter().filter(|&&d| d != 1).count() <= 1 {
+            return Ok(Self::Channel(values));
+        }
+        if let &[a, b] = shape {
+            let edge = |count: usize, len: usize| BLOCKS.into_iter().find(|&e| len.div_ceil(e) == count);
+            if let (Some(br), Some(bc)) = (edge(a, rows), edge(b, cols)) {
+                return Ok(Self::Block { rows: br, cols: bc, per_row: b, values });
+            }
+        }
+        Err(format!(
+            "scales of shape {shape:?} fit a [{rows}, {cols}] weight neither per tensor, per channel nor in \
+             blocks of {BLOCKS:?}"
+        ))
+    }
+
+    fn at(&self, r: usize, c: usize) -> f32 {
+        match self {
+            Self::Tensor(s) => *s,
+            Self::Channel(v) => v[r],
+            Self::Block { rows, cols, per_row, values } => values[(r / rows) * per_row + c / cols],
+        }
+    }
+}
+
+/// A `[rows, cols]` weight's e4m3 bytes as values, each byte's value times its scale (in
+/// f32), encoded in `dtype` (a float dtype).
+pub fn dequantize(bytes: &[u8], (rows, cols): (usize, usize), scales: &Scales, dtype: DType) -> Vec<u8> {
+    assert_eq!(bytes.len(), rows * cols, "one byte an element");
+    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+    let values: Vec<f32> = bytes
+        .chunks_exact(cols.max(1))
+        .enumerate()
+        .flat_map(|(r, row)| row.iter().enumerate().map(move |(c, &b)| (r, c, b)))
+        .map(|(r, c, b)| table[b as usize] * scales.at(r, c))
+        .collect();
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    dtype.convert_from(DType::F32, bytemuck::cast_slice(&values), &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_bytes_have_the_formats_values() {
+        // The OCP FP8 specification's landmarks.
+        for (b, v) in [
+            (0x00, 0.0),
+            (0x80, -0.0),
+            (0x38, 1.0),
+            (0xb8, -1.0),
+            (0x40, 2.0),
+            (0x39, 1.125),
+            (0x7e, 448.0),
+            (0xfe, -448.0),
+            (0x08, 2f32.powi(-6)),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+        ] {
+            assert_eq!(e4m3_to_f32(b), v, "{b:#04x}");
+        }
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        assert!((0..=255u8).filter(|b| b & 0x7f != 0x7f).all(|b| e4m3_to_f32(b).is_finite()));
+    }
+
+    #[test]
+    fn scales_are_told_apart_by_their_shape() {
+        assert_eq!(Scales::of((4, 8), &[], vec![0.5]), Ok(Scales::Tensor(0.5)));
+        assert_eq!(Scales::of((4, 8), &[1], vec![0.5]), Ok(Scales::Tensor(0.5)));
+        assert_eq!(
+            Scales::of((3, 8), &[3, 1], vec![1.0, 2.0, 3.0]),
+            Ok(Scales::Channel(vec![1.0, 2.0, 3.0]))
+        );
+        // 300 × 200 in blocks of 128: 3 × 2 scales.
+        let b = Scales::of((300, 200), &[3, 2], (0..6).map(|i| i as f32).collect()).unwrap();
+        assert_eq!(b.at(0, 0), 0.0);
+        assert_eq!(b.at(127, 128), 1.0);
+        assert_eq!(b.at(128, 0), 2.0);
+        assert_eq!(b.at(299, 199), 5.0);
+        assert!(Scales::of((300, 200), &[4, 3], vec![1.0; 12]).unwrap_err().contains("[300, 200]"));
+    }
+
+    #[test]
+    fn a_weight_is_each_byte_times_its_scale() {
+        let bytes = [0x38, 0x40, 0xb8, 0x39];
+        let out = dequantize(&bytes, (2, 2), &Scales::Channel(vec![0.5, 3.0]), DType::F32);
+        let got: &[f32] = bytemuck::cast_slice(&out);
+        assert_eq!(got, [0.5, 1.0, -3.0, 3.375]);
+    }
+}

@@ -1,0 +1,262 @@
+//! FP8 checkpoints, written here in the layouts of vLLM's `fp8` format (per-tensor scales;
+//! `weight_block_size` blocks) and compressed-tensors' `float-quantized` one (per-channel
+//! scales in bf16) from the tiny Llama of tests/fixtures/models/llama.json: each serves the
+//! greedy tokens and logprobs of the same model with its weights dequantized (each byte's
+//! e4m3 value times its scale, in f32) and stored in f32. Then the `--quantization` flags
+//! vLLM takes for them, and the refusal of FP8 arithmetic this engine does not do.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use actorllm::config::EngineArgs;
+use actorllm::request::TokenEvent;
+use actorllm::{Engine, SamplingParams};
+use futures::StreamExt;
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use serde_json::{Value, json};
+
+/// e4m3's value of byte `b` (OCP FP8 E4M3: 4 exponent bits of bias 7, 3 mantissa bits),
+/// computed apart from the engine's decoder.
+fn value(b: u8) -> f32 {
+    let (e, m) = (((b & 0x7f) >> 3) as i32, (b & 7) as f32);
+    let v = if e == 0 { m * 2f32.powi(-9) } else { (8.0 + m) * 2f32.powi(e - 10) };
+    if b & 0x80 != 0 { -v } else { v }
+}
+
+/// The nearest e4m3 byte to x (ties to the even code, as PyTorch rounds), saturating at 448.
+fn encode(x: f32) -> u8 {
+    let a = x.abs().min(448.0);
+    let hi = (0..=0x7eu8).find(|&c| value(c) >= a).expect("448 is the last finite value");
+    let code = match hi {
+        0 => 0,
+        _ => {
+            let lo = hi - 1;
+            let (below, above) = (a - value(lo), value(hi) - a);
+            if below < above || (below == above && lo % 2 == 0) { lo } else { hi }
+        }
+    };
+    if x < 0.0 && code != 0 { code | 0x80 } else { code }
+}
+
+/// How a layout scales its weights.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// compressed-tensors, one bf16 scale an output channel (`weight_scale` [rows, 1]).
+    Channel,
+    /// vLLM's fp8 with `weight_block_size` [32, 32] (`weight_scale_inv`).
+    Blocks,
+    /// vLLM's fp8, one scale a tensor (`weight_scale` []), static activation scales beside.
+    Tensor,
+}
+
+impl Layout {
+    fn quantization_config(self) -> Value {
+        match self {
+            Layout::Channel => json!({
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": true, "dynamic": false},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": true},
+                }},
+                "ignore": ["lm_head"],
+            }),
+            Layout::Blocks => json!({
+                "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [32, 32],
+            }),
+            Layout::Tensor => json!({"quant_method": "fp8", "activation_scheme": "static"}),
+        }
+    }
+
+    /// Each weight element's group (the elements one scale covers) of a [rows, cols] weight,
+    /// and the scale tensor's shape.
+    fn groups(self, rows: usize, cols: usize) -> (Vec<usize>, Vec<usize>) {
+        let (g, shape) = match self {
+            Layout::Channel => ((0..rows * cols).map(|i| i / cols).collect(), vec![rows, 1]),
+            Layout::Blocks => {
+                let per_row = cols.div_ceil(32);
+                let g = (0..rows * cols).map(|i| (i / cols / 32) * per_row + (i % cols) / 32).collect();
+                (g, vec![rows.div_ceil(32), per_row])
+            }
+            Layout::Tensor => (vec![0; rows * cols], vec![]),
+        };
+        (g, shape)
+    }
+}
+
+struct Written {
+    fp8: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    dequantized: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+}
+
+/// The golden model's projections in `layout`, and the same model dequantized in f32.
+fn quantize(weights: &[u8], layout: Layout) -> Written {
+    let st = safetensors::SafeTensors::deserialize(weights).unwrap();
+    let (mut fp8, mut dequantized) = (BTreeMap::new(), BTreeMap::new());
+    for (name, t) in st.tensors() {
+        let shape = t.shape().to_vec();
+        assert_eq!(t.dtype(), Dtype::F32, "the golden model is f32");
+        let w: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
+        if !name.ends_with("proj.weight") {
+            fp8.insert(name.clone(), (Dtype::F32, shape.clone(), t.data().to_vec()));
+            dequantized.insert(name, (Dtype::F32, shape, t.data().to_vec()));
+            continue;
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let (group, scale_shape) = layout.groups(rows, cols);
+        let mut amax = vec![0f32; group.iter().max().unwrap() + 1];
+        for (v, &g) in w.iter().zip(&group) {
+            amax[g] = amax[g].max(v.abs());
+        }
+        let mut scales: Vec<f32> = amax.iter().map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 }).collect();
+        if let Layout::Channel = layout {
+            scales.iter_mut().for_each(|s| *s = half::bf16::from_f32(*s).to_f32());
+        }
+        let bytes: Vec<u8> = w.iter().zip(&group).map(|(v, &g)| encode(v / scales[g])).collect();
+        let values: Vec<f32> = bytes.iter().zip(&group).map(|(&b, &g)| value(b) * scales[g]).collect();
+        dequantized.insert(name.clone(), (Dtype::F32, shape.clone(), bytemuck::cast_slice(&values).to_vec()));
+        let (scale_name, scale_dtype, scale_bytes) = match layout {
+            Layout::Channel => (
+                "weight_scale",
+                Dtype::BF16,
+                scales.iter().flat_map(|s| half::bf16::from_f32(*s).to_le_bytes()).collect::<Vec<u8>>(),
+            ),
+            Layout::Blocks => ("weight_scale_inv", Dtype::F32, bytemuck::cast_slice(&scales).to_vec()),
+            Layout::Tensor => ("weight_scale", Dtype::F32, bytemuck::cast_slice(&scales).to_vec()),
+        };
+        let base = name.strip_suffix("weight").unwrap();
+        fp8.insert(format!("{base}{scale_name}"), (scale_dtype, scale_shape, scale_bytes));
+        if let Layout::Tensor = layout {
+            fp8.insert(format!("{base}input_scale"), (Dtype::F32, vec![], 0.02f32.to_le_bytes().to_vec()));
+        }
+        fp8.insert(name, (Dtype::F8_E4M3, shape, bytes));
+    }
+    Written { fp8, dequantized }
+}
+
+/// `golden` (a model directory) again in `dir`, with `tensors` and `quantization_config`.
+fn write_model(
+    golden: &Path,
+    dir: &Path,
+    tensors: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    q: Option<Value>,
+) {
+    for e in std::fs::read_dir(golden).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, (dt, shape, data))| (n.clone(), TensorView::new(*dt, shape.clone(), data).unwrap()))
+        .collect();
+    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, &None).unwrap()).unwrap();
+    if let Some(q) = q {
+        let path = dir.join("config.json");
+        let mut config: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        config["quantization_config"] = q;
+        std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+    }
+}
+
+/// Each prompt's greedy tokens with their top-5 logprobs.
+async fn greedy(dir: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
+    let engine = Engine::start(common::args(dir)).await.unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(16),
+        ignore_eos: true,
+        logprobs: Some(5),
+        ..Default::default()
+    };
+    let runs = prompts.iter().map(|p| {
+        let (engine, params) = (&engine, params.clone());
+        async move {
+            let mut s = engine.add_request(engine.next_request_id("fp8"), p.clone(), params).await.unwrap();
+            let mut out = Vec::new();
+            while let Some(ev) = s.next().await {
+                match ev {
+                    TokenEvent::Token { token_id, logprobs, .. } => {
+                        out.push((token_id, logprobs.unwrap().top))
+                    }
+                    TokenEvent::Error { message } => panic!("request failed: {message}"),
+                    TokenEvent::Done { .. } => break,
+                    _ => {}
+                }
+            }
+            out
+        }
+    });
+    futures::future::join_all(runs).await
+}
+
+#[actix_rt::test]
+async fn fp8_checkpoints_serve_their_dequantized_model() {
+    let g: Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("tests/fixtures/models/llama.json"))
+            .expect("the tiny Llama's golden file"),
+    )
+    .unwrap();
+    let golden = common::scratch("fp8-golden");
+    actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
+    let weights = std::fs::read(golden.path().join("model.safetensors")).unwrap();
+    let prompts: Vec<Vec<u32>> = g["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .collect();
+    for (what, layout) in [
+        ("compressed-tensors, per channel", Layout::Channel),
+        ("fp8, blocks of 32 × 32", Layout::Blocks),
+        ("fp8, per tensor", Layout::Tensor),
+    ] {
+        let written = quantize(&weights, layout);
+        let (fp8, reference) = (common::scratch("fp8-model"), common::scratch("fp8-reference"));
+        write_model(golden.path(), fp8.path(), &written.fp8, Some(layout.quantization_config()));
+        write_model(golden.path(), reference.path(), &written.dequantized, None);
+        let (got, want) = (greedy(fp8.path(), &prompts).await, greedy(reference.path(), &prompts).await);
+        assert_eq!(got.len(), prompts.len());
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+            let ids = |r: &[(u32, Vec<(u32, f32)>)]| r.iter().map(|s| s.0).collect::<Vec<_>>();
+            assert_eq!(ids(got), ids(want), "{what}: prompt {i}");
+            for (step, ((_, got), (_, want))) in got.iter().zip(want).enumerate() {
+                for ((gt, glp), (wt, wlp)) in got.iter().zip(want) {
+                    assert!(
+                        gt == wt && (glp - wlp).abs() <= 1e-6,
+                        "{what}: prompt {i} step {step}: {got:?} vs {want:?}"
+                    );
+                }
+            }
+        }
+        // The layout rounded the weights: the model served is not the f32 one unchanged.
+        let original = safetensors::SafeTensors::deserialize(&weights).unwrap();
+        assert!(
+            written
+                .dequantized
+                .iter()
+                .any(|(n, t)| n.ends_with("proj.weight") && t.2 != original.tensor(n).unwrap().data()),
+            "{what}: no weight moved"
+        );
+        if let Layout::Tensor = layout {
+            // vLLM's flag for such a checkpoint is taken; another method's, or fp8 on a
+            // 16-bit checkpoint (quantizing at load, which this engine does not), refused.
+            let with = |dir: &Path, q: &str| EngineArgs { quantization: Some(q.into()), ..common::args(dir) };
+            let refused =
+                |args: EngineArgs| async { Engine::start(args).await.err().expect("refused").to_string() };
+            Engine::start(with(fp8.path(), "fp8"))
+                .await
+                .expect("--quantization fp8 serves an fp8 checkpoint");
+            let e = refused(with(fp8.path(), "compressed-tensors")).await;
+            assert!(
+                e.contains("quantized with fp8") && e.contains("not --quantization compressed-tensors"),
+                "{e}"
+            );
+            let e = refused(with(reference.path(), "fp8")).await;
+            assert!(e.contains("does not quantize at load"), "{e}");
+        }
+    }
+}

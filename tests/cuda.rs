@@ -1871,12 +1871,7 @@ async fn every_architecture_on_the_gpu_gives_the_cpu_tokens() {
                 .unwrap();
         let model = common::scratch(&name);
         actorllm::models::random::write_golden_model(&g, &model).unwrap();
-        let prompts: Vec<Vec<u32>> = g["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-            .collect();
+        let prompts = common::golden_prompts(&g);
         let outputs = |engine: Engine| {
             let (prompts, params) = (prompts.clone(), params.clone());
             async move {

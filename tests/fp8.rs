@@ -10,10 +10,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use actorllm::Engine;
 use actorllm::config::EngineArgs;
-use actorllm::request::TokenEvent;
-use actorllm::{Engine, SamplingParams};
-use futures::StreamExt;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -162,53 +160,19 @@ fn write_model(
     }
 }
 
-/// Each prompt's greedy tokens with their top-5 logprobs.
+/// Each prompt's greedy tokens with their top-5 logprobs, from the model in `dir`.
 async fn greedy(dir: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
     let engine = Engine::start(common::args(dir)).await.unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: Some(16),
-        ignore_eos: true,
-        logprobs: Some(5),
-        ..Default::default()
-    };
-    let runs = prompts.iter().map(|p| {
-        let (engine, params) = (&engine, params.clone());
-        async move {
-            let mut s = engine.add_request(engine.next_request_id("fp8"), p.clone(), params).await.unwrap();
-            let mut out = Vec::new();
-            while let Some(ev) = s.next().await {
-                match ev {
-                    TokenEvent::Token { token_id, logprobs, .. } => {
-                        out.push((token_id, logprobs.unwrap().top))
-                    }
-                    TokenEvent::Error { message } => panic!("request failed: {message}"),
-                    TokenEvent::Done { .. } => break,
-                    _ => {}
-                }
-            }
-            out
-        }
-    });
-    futures::future::join_all(runs).await
+    futures::future::join_all(prompts.iter().map(|p| common::greedy_top5(&engine, p.clone(), 16))).await
 }
 
 #[actix_rt::test]
 async fn fp8_checkpoints_serve_their_dequantized_model() {
-    let g: Value = serde_json::from_str(
-        &std::fs::read_to_string(common::fixture("tests/fixtures/models/llama.json"))
-            .expect("the tiny Llama's golden file"),
-    )
-    .unwrap();
+    let g = common::model_golden("llama");
     let golden = common::scratch("fp8-golden");
     actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
     let weights = std::fs::read(golden.path().join("model.safetensors")).unwrap();
-    let prompts: Vec<Vec<u32>> = g["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-        .collect();
+    let prompts = common::golden_prompts(&g);
     for (what, layout) in [
         ("compressed-tensors, per channel", Layout::Channel),
         ("fp8, blocks of 32 × 32", Layout::Blocks),

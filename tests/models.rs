@@ -9,40 +9,11 @@ mod common;
 use actorllm::Engine;
 use actorllm::SamplingParams;
 use actorllm::config::EngineArgs;
-use actorllm::request::TokenEvent;
-use futures::StreamExt;
 use serde_json::Value;
-
-fn golden(name: &str) -> Value {
-    let path = format!("{}/tests/fixtures/models/{name}.json", env!("CARGO_MANIFEST_DIR"));
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
-}
-
-/// (token, top-5 logprobs) of each step of one greedy run.
-async fn greedy_run(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u32, Vec<(u32, f32)>)> {
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: Some(tokens),
-        ignore_eos: true,
-        logprobs: Some(5),
-        ..Default::default()
-    };
-    let mut s = engine.add_request(engine.next_request_id("t"), prompt, params).await.unwrap();
-    let mut out = Vec::new();
-    while let Some(ev) = s.next().await {
-        match ev {
-            TokenEvent::Token { token_id, logprobs, .. } => out.push((token_id, logprobs.unwrap().top)),
-            TokenEvent::Error { message } => panic!("request failed: {message}"),
-            TokenEvent::Done { .. } => break,
-            TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
-        }
-    }
-    out
-}
 
 /// Under every CPU kernel family this machine runs.
 async fn matches_transformers(name: &str) {
-    let g = golden(name);
+    let g = common::model_golden(name);
     let dir = common::scratch(name);
     actorllm::models::random::write_golden_model(&g, &dir).unwrap();
     for family in actorllm::kernels::cpu::Family::all_supported() {
@@ -57,9 +28,10 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
     let runs = g["runs"].as_array().unwrap();
     let ids =
         |v: &Value| v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
-    let got =
-        futures::future::join_all(runs.iter().map(|r| greedy_run(engine, ids(&r["prompt_ids"]), tokens)))
-            .await;
+    let got = futures::future::join_all(
+        runs.iter().map(|r| common::greedy_top5(engine, ids(&r["prompt_ids"]), tokens)),
+    )
+    .await;
     for (i, (run, got)) in runs.iter().zip(&got).enumerate() {
         let want = ids(&run["output_ids"]);
         let got_ids: Vec<u32> = got.iter().map(|g| g.0).collect();
@@ -161,7 +133,7 @@ async fn llama_with_dynamic_ntk_past_its_context() {
 #[actix_rt::test]
 async fn length_dependent_rope_survives_chunks_and_preemption() {
     for name in ["phi3-longrope", "llama-dynamic"] {
-        let g = golden(name);
+        let g = common::model_golden(name);
         let dir = common::scratch(&format!("{name}-chunked"));
         actorllm::models::random::write_golden_model(&g, &dir).unwrap();
         let args = EngineArgs {
@@ -197,7 +169,7 @@ async fn config_errors_name_the_field_the_architecture_and_the_choices() {
         std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
         Engine::start(common::args(&dir)).await.err().expect("refused").to_string()
     };
-    let mut gemma2 = golden("gemma2")["config"].clone();
+    let mut gemma2 = common::model_golden("gemma2")["config"].clone();
     // An unknown architecture, with its other fields missing too: the architecture is named.
     let e = start(serde_json::json!({"architectures": ["FalconForCausalLM"]})).await;
     for name in
@@ -208,7 +180,7 @@ async fn config_errors_name_the_field_the_architecture_and_the_choices() {
     gemma2.as_object_mut().unwrap().remove("intermediate_size");
     let e = start(gemma2).await;
     assert!(e.contains("Gemma2ForCausalLM") && e.contains("missing field `intermediate_size`"), "{e}");
-    let mut llama = golden("llama")["config"].clone();
+    let mut llama = common::model_golden("llama")["config"].clone();
     llama["hidden_act"] = serde_json::json!("gelu");
     let e = start(llama.clone()).await;
     assert!(e.contains("LlamaForCausalLM") && e.contains("hidden_act \"gelu\"") && e.contains("silu"), "{e}");
@@ -289,7 +261,7 @@ async fn malformed_models_are_refused_by_field_not_by_panic() {
 #[actix_rt::test]
 async fn adapters_on_moe_models_take_attention_and_refuse_the_experts() {
     use actorllm::config::LoraArgs;
-    let g = golden("qwen3-moe");
+    let g = common::model_golden("qwen3-moe");
     let dir = common::scratch("qwen3-moe-lora");
     actorllm::models::random::write_golden_model(&g, &dir).unwrap();
     let registry = actorllm::models::registry::ModelRegistry::<actorllm::kernels::cpu::CpuDevice>::default();
@@ -318,12 +290,7 @@ async fn adapters_on_moe_models_take_attention_and_refuse_the_experts() {
         ..Default::default()
     };
     let engine = Engine::start(EngineArgs { lora, ..common::args(&dir) }).await.unwrap();
-    let prompts: Vec<Vec<u32>> = g["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["prompt_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-        .collect();
+    let prompts = common::golden_prompts(&g);
     let run = |p: Vec<u32>, lora: Option<&'static str>| {
         let engine = &engine;
         async move {
@@ -350,7 +317,7 @@ async fn adapters_on_moe_models_take_attention_and_refuse_the_experts() {
 #[actix_rt::test]
 async fn dummy_weights_serve_a_config_without_a_checkpoint() {
     let dir = common::scratch("dummy-mixtral");
-    actorllm::models::random::write_golden_model(&golden("mixtral"), &dir).unwrap();
+    actorllm::models::random::write_golden_model(&common::model_golden("mixtral"), &dir).unwrap();
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
     assert!(Engine::start(common::args(&dir)).await.is_err(), "no checkpoint, no dummy: refused");
     let mut outputs = Vec::new();

@@ -217,33 +217,34 @@ impl Checkpoint {
         let mut fp8 = Vec::new();
         for (name, info) in meta.tensors() {
             let (start, end) = info.data_offsets;
-            if info.dtype == safetensors::Dtype::F8_E4M3 {
-                let n = info.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-                if start > end || end > data_len || n != Some(end - start) {
-                    return Err(ModelError::Weights(format!(
-                        "{}: FP8 tensor {name} has offsets {start}..{end} for shape {:?} in a data section of \
-                         {data_len} bytes",
-                        path.display(),
-                        info.shape
-                    )));
-                }
-                fp8.push((name, info.shape.clone(), (start, end)));
-                continue;
-            }
-            let (dtype, shape) = dtype_of(info, &name, meta.metadata().as_ref(), &path)?;
-            let want =
-                info.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).and_then(|n| {
-                    n.checked_mul(if matches!(dtype, DType::Quant(_)) { 1 } else { dtype.size() })
-                });
+            // FP8 weights (one byte an element) wait for their scales: `Checkpoint::scale_fp8`.
+            let fp8_weight = info.dtype == safetensors::Dtype::F8_E4M3;
+            let (dtype, shape) = match fp8_weight {
+                true => (None, info.shape.clone()),
+                false => dtype_of(info, &name, meta.metadata().as_ref(), &path).map(|(d, s)| (Some(d), s))?,
+            };
+            let size = match dtype {
+                None | Some(DType::Quant(_)) => 1,
+                Some(d) => d.size(),
+            };
+            let want = info
+                .shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .and_then(|n| n.checked_mul(size));
             if start > end || end > data_len || want != Some(end - start) {
                 return Err(ModelError::Weights(format!(
-                    "{}: tensor {name} has offsets {start}..{end} for shape {:?} of {dtype:?} in a data \
-                     section of {data_len} bytes",
+                    "{}: tensor {name} has offsets {start}..{end} for shape {:?} of {} in a data section of \
+                     {data_len} bytes",
                     path.display(),
-                    info.shape
+                    info.shape,
+                    dtype.map_or("F8_E4M3".to_string(), |d| format!("{d:?}"))
                 )));
             }
-            tensors.push(Entry { name, dtype, shape, range: info.data_offsets });
+            match dtype {
+                Some(dtype) => tensors.push(Entry { name, dtype, shape, range: info.data_offsets }),
+                None => fp8.push((name, shape, info.data_offsets)),
+            }
         }
         Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors, fp8 })
     }

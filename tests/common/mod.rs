@@ -99,6 +99,43 @@ pub async fn collect(mut s: RequestStream, n: usize) -> Outcome {
     o
 }
 
+/// A tiny model's transformers reference (tests/fixtures/models/NAME.json, made by
+/// scripts/make_model_goldens.py; `random::write_golden_model` rebuilds its weights).
+pub fn model_golden(name: &str) -> serde_json::Value {
+    let path = fixture(&format!("tests/fixtures/models/{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The prompt ids of each run of a [`model_golden`] file.
+pub fn golden_prompts(g: &serde_json::Value) -> Vec<Vec<u32>> {
+    let ids =
+        |v: &serde_json::Value| v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+    g["runs"].as_array().unwrap().iter().map(|r| ids(&r["prompt_ids"])).collect()
+}
+
+/// `tokens` greedy tokens of `prompt` (EOS ignored), each with its top-5 logprobs.
+pub async fn greedy_top5(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u32, Vec<(u32, f32)>)> {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(tokens),
+        ignore_eos: true,
+        logprobs: Some(5),
+        ..Default::default()
+    };
+    let mut s = engine.add_request(engine.next_request_id("t"), prompt, params).await.unwrap();
+    let mut out = Vec::new();
+    while let Some(ev) = s.next().await {
+        match ev {
+            TokenEvent::Token { token_id, logprobs, .. } => out.push((token_id, logprobs.unwrap().top)),
+            TokenEvent::Error { message } => panic!("request failed: {message}"),
+            TokenEvent::Done { .. } => break,
+            TokenEvent::Finished { .. } | TokenEvent::PromptLogprobs { .. } => {}
+        }
+    }
+    out
+}
+
 pub fn greedy(max_tokens: usize) -> SamplingParams {
     SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..SamplingParams::default() }
 }

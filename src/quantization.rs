@@ -5,10 +5,13 @@
 //! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks kept (`--keep-quantized`). FP8
 //! (e4m3) checkpoints, vLLM's `fp8` and compressed-tensors' `float-quantized`, load with each
 //! weight times its scales (per tensor, per output channel or per block), in the dtype of
-//! the checkpoint's other weights (`models::loader`). Other quantized checkpoints are
-//! refused before any weight is read.
+//! the checkpoint's other weights (`models::loader`). GPTQ and AWQ checkpoints load with
+//! their integer weights unpacked, `(q - zero) × scale` of each group (`models::packed`).
+//! Other quantized checkpoints are refused before any weight is read.
 
 use serde_json::Value as Json;
+
+use crate::models::packed::Packing;
 
 /// vLLM's `--quantization` choices (its `QuantizationMethods`).
 pub const VLLM_METHODS: &[&str] = &[
@@ -43,7 +46,8 @@ pub const VLLM_METHODS: &[&str] = &[
 
 /// What the engine serves.
 const SERVED: &str = "float32, float16 and bfloat16 checkpoints, FP8 (e4m3) checkpoints (fp8 and \
-                      compressed-tensors float-quantized, their weights scaled back at load), and GGUF files \
+                      compressed-tensors float-quantized, their weights scaled back at load), GPTQ (2, 4 and \
+                      8 bits) and AWQ (4 bits, gemm) checkpoints (their weights unpacked at load), and GGUF files \
                       (--quantization gguf, dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, \
                       Q5_0, Q8_0, Q4_K and Q6_K blocks with --keep-quantized)";
 
@@ -61,16 +65,18 @@ pub enum QuantError {
     )]
     KeepOnGpu,
     #[error(
-        "--quantization {method} quantizes a 16-bit checkpoint at load in vLLM; actorllm loads checkpoints \
-         already quantized with {method} (their config.json says so) and does not quantize at load: leave \
-         the flag out, or serve an FP8 checkpoint"
+        "the checkpoint is not quantized (its config.json has no quantization_config), and actorllm does \
+         not quantize at load as vLLM does for --quantization {method}: leave the flag out, or serve a \
+         checkpoint quantized with {method}"
     )]
-    OnlineFp8 { method: String },
+    NotQuantized { method: String },
     #[error(
         "the checkpoint is quantized with {method} (its config.json's quantization_config), not \
          --quantization {given}: leave the flag out, or give {method}"
     )]
     Mismatch { method: String, given: String },
+    #[error("{file}: the checkpoint's quantization_config asks for {what}, which actorllm does not load")]
+    Packing { file: String, what: String },
     #[error("--quantization gguf takes a .gguf file as --model, got {model}")]
     GgufNeedsFile { model: String },
     #[error(
@@ -84,8 +90,16 @@ pub enum QuantError {
     Checkpoint { file: String, method: String },
 }
 
-/// The `--quantization` names of the FP8 checkpoints the loader reads.
-const FP8_METHODS: [&str; 2] = ["fp8", "compressed-tensors"];
+/// The `--quantization` names of the checkpoints the loader reads: FP8 ones, and the
+/// integer ones with the names vLLM also takes for them (its Marlin kernels).
+const CHECKPOINT_METHODS: [&str; 6] =
+    ["fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin"];
+
+/// The method a checkpoint's config names, as `--quantization` may give it: vLLM takes
+/// `gptq_marlin` for a GPTQ checkpoint and `awq_marlin` for an AWQ one.
+fn same_method(config: &str, given: &str) -> bool {
+    config == given || given.strip_suffix("_marlin") == Some(config)
+}
 
 /// Checks `--quantization` against the model given: a GGUF file takes `gguf` or nothing;
 /// a checkpoint takes nothing, or the FP8 method its config.json names (checked against the
@@ -100,7 +114,7 @@ pub fn check_arg(given: Option<&str>, model: &std::path::Path, is_gguf: bool) ->
         (true, true) => Ok(()),
         (true, false) => Err(QuantError::GgufNeedsFile { model: model.display().to_string() }),
         (false, true) => Err(QuantError::NotGguf { given }),
-        (false, false) if FP8_METHODS.contains(&given.as_str()) => Ok(()),
+        (false, false) if CHECKPOINT_METHODS.contains(&given.as_str()) => Ok(()),
         (false, false) => Err(QuantError::UnsupportedArg { method: given }),
     }
 }
@@ -135,14 +149,22 @@ fn is_fp8_weights(q: &Json, method: &str) -> bool {
 }
 
 /// Refuses a checkpoint whose config.json says it is quantized in a way the loader does
-/// not read, naming the method. FP8 checkpoints pass.
+/// not read, naming the method (or the part of it). FP8, GPTQ and AWQ checkpoints pass.
 pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
-    match config_method(hf) {
-        Some(method) if !is_fp8_weights(&hf["quantization_config"], &method) => {
-            Err(QuantError::Checkpoint { file: source.to_string(), method })
-        }
-        _ => Ok(()),
+    let Some(method) = config_method(hf) else { return Ok(()) };
+    let q = &hf["quantization_config"];
+    match Packing::of(q, &method) {
+        Err(what) => Err(QuantError::Packing { file: source.to_string(), what }),
+        Ok(Some(_)) => Ok(()),
+        Ok(None) if is_fp8_weights(q, &method) => Ok(()),
+        Ok(None) => Err(QuantError::Checkpoint { file: source.to_string(), method }),
     }
+}
+
+/// How the checkpoint of config.json `hf` packs integer weights (GPTQ, AWQ), if it does
+/// (its config passed [`check_config`]).
+pub fn packing(hf: &Json) -> Option<Packing> {
+    Packing::of(&hf["quantization_config"], &config_method(hf)?).ok().flatten()
 }
 
 /// Refuses a `--quantization` (checked by [`check_arg`]) that the checkpoint's config.json
@@ -151,8 +173,8 @@ pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
 pub fn check_flag(hf: &Json, given: Option<&str>) -> Result<(), QuantError> {
     let Some(given) = given.map(str::to_ascii_lowercase).filter(|g| g != "gguf") else { return Ok(()) };
     match config_method(hf) {
-        None => Err(QuantError::OnlineFp8 { method: given }),
-        Some(method) if method != given => Err(QuantError::Mismatch { method, given }),
+        None => Err(QuantError::NotQuantized { method: given }),
+        Some(method) if !same_method(&method, &given) => Err(QuantError::Mismatch { method, given }),
         Some(_) => Ok(()),
     }
 }
@@ -170,8 +192,14 @@ mod tests {
         assert_eq!(check_arg(Some("GGUF"), Path::new("m.gguf"), true), Ok(()));
         let e = check_arg(Some("int3"), dir, false).unwrap_err().to_string();
         assert!(e.contains("\"int3\" is not a quantization method") && e.contains("awq, deepspeedfp"), "{e}");
-        let e = check_arg(Some("awq"), dir, false).unwrap_err().to_string();
-        assert!(e.starts_with("--quantization awq is not supported: actorllm serves float32"), "{e}");
+        for served in ["awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "compressed-tensors"] {
+            assert_eq!(check_arg(Some(served), dir, false), Ok(()), "{served}");
+        }
+        let e = check_arg(Some("bitsandbytes"), dir, false).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--quantization bitsandbytes is not supported: actorllm serves float32"),
+            "{e}"
+        );
         let e = check_arg(Some("gguf"), dir, false).unwrap_err().to_string();
         assert_eq!(e, "--quantization gguf takes a .gguf file as --model, got models/x");
         let e = check_arg(Some("fp8"), Path::new("m.gguf"), true).unwrap_err().to_string();
@@ -182,13 +210,28 @@ mod tests {
     fn a_quantized_checkpoint_is_refused_by_its_method() {
         let plain = serde_json::json!({"architectures": ["LlamaForCausalLM"]});
         assert_eq!(check_config(&plain, "m/config.json"), Ok(()));
-        let awq =
-            serde_json::json!({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128}});
-        let e = check_config(&awq, "m/config.json").unwrap_err().to_string();
+        let bnb = serde_json::json!({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true}});
+        let e = check_config(&bnb, "m/config.json").unwrap_err().to_string();
         assert!(
-            e.starts_with("m/config.json: the checkpoint is quantized with awq (quantization_config)"),
+            e.starts_with(
+                "m/config.json: the checkpoint is quantized with bitsandbytes (quantization_config)"
+            ),
             "{e}"
         );
+        // GPTQ and AWQ load as their packings are read; a part of them that is not, by name.
+        let q = |q: serde_json::Value| serde_json::json!({ "quantization_config": q });
+        let awq =
+            q(serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}));
+        assert_eq!(check_config(&awq, "m"), Ok(()));
+        assert_eq!(packing(&awq), Some(Packing::Awq { group_size: Some(128) }));
+        let gptq3 = q(serde_json::json!({"quant_method": "gptq", "bits": 3, "group_size": 128}));
+        let e = check_config(&gptq3, "m/config.json").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "m/config.json: the checkpoint's quantization_config asks for GPTQ with 3-bit weights (2, 4 and 8 \
+             are read), which actorllm does not load"
+        );
+        assert_eq!(packing(&plain), None);
         let ct = serde_json::json!({"quantization_config": {"format": "float-quantized"}});
         assert!(check_config(&ct, "c").unwrap_err().to_string().contains("quantized with an unnamed method"));
         // FP8 weights load; integer or 4-bit compressed-tensors groups, and e5m2, do not.
@@ -219,5 +262,11 @@ mod tests {
         let e = check_flag(&fp8, Some("compressed-tensors")).unwrap_err().to_string();
         assert!(e.contains("quantized with fp8") && e.contains("give fp8"), "{e}");
         assert_eq!(check_arg(Some("fp8"), std::path::Path::new("m"), false), Ok(()));
+        // vLLM's Marlin names serve their format's checkpoints.
+        let gptq = serde_json::json!({"quantization_config": {"quant_method": "gptq", "bits": 4}});
+        assert_eq!(check_flag(&gptq, Some("gptq_marlin")), Ok(()));
+        assert_eq!(check_flag(&gptq, Some("gptq")), Ok(()));
+        let e = check_flag(&gptq, Some("awq_marlin")).unwrap_err().to_string();
+        assert!(e.contains("quantized with gptq") && e.contains("not --quantization awq_marlin"), "{e}");
     }
 }

@@ -12,8 +12,8 @@ use std::path::Path;
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
+use common::quantized::{Tensors, assert_serves_reference, rounded, write_model};
 use safetensors::Dtype;
-use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
 
 /// e4m3's value of byte `b` (OCP FP8 E4M3: 4 exponent bits of bias 7, 3 mantissa bits),
@@ -87,8 +87,8 @@ impl Layout {
 }
 
 struct Written {
-    fp8: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
-    dequantized: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
+    fp8: Tensors,
+    dequantized: Tensors,
 }
 
 /// The golden model's projections in `layout`, and the same model dequantized in f32.
@@ -136,36 +136,6 @@ fn quantize(weights: &[u8], layout: Layout) -> Written {
     Written { fp8, dequantized }
 }
 
-/// `golden` (a model directory) again in `dir`, with `tensors` and `quantization_config`.
-fn write_model(
-    golden: &Path,
-    dir: &Path,
-    tensors: &BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>,
-    q: Option<Value>,
-) {
-    for e in std::fs::read_dir(golden).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-    }
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, (dt, shape, data))| (n.clone(), TensorView::new(*dt, shape.clone(), data).unwrap()))
-        .collect();
-    std::fs::write(dir.join("model.safetensors"), safetensors::serialize(views, &None).unwrap()).unwrap();
-    if let Some(q) = q {
-        let path = dir.join("config.json");
-        let mut config: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        config["quantization_config"] = q;
-        std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-    }
-}
-
-/// Each prompt's greedy tokens with their top-5 logprobs, from the model in `dir`.
-async fn greedy(dir: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
-    let engine = Engine::start(common::args(dir)).await.unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    futures::future::join_all(prompts.iter().map(|p| common::greedy_top5(&engine, p.clone(), 16))).await
-}
-
 #[actix_rt::test]
 async fn fp8_checkpoints_serve_their_dequantized_model() {
     let g = common::model_golden("llama");
@@ -182,29 +152,8 @@ async fn fp8_checkpoints_serve_their_dequantized_model() {
         let (fp8, reference) = (common::scratch("fp8-model"), common::scratch("fp8-reference"));
         write_model(golden.path(), fp8.path(), &written.fp8, Some(layout.quantization_config()));
         write_model(golden.path(), reference.path(), &written.dequantized, None);
-        let (got, want) = (greedy(fp8.path(), &prompts).await, greedy(reference.path(), &prompts).await);
-        assert_eq!(got.len(), prompts.len());
-        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
-            let ids = |r: &[(u32, Vec<(u32, f32)>)]| r.iter().map(|s| s.0).collect::<Vec<_>>();
-            assert_eq!(ids(got), ids(want), "{what}: prompt {i}");
-            for (step, ((_, got), (_, want))) in got.iter().zip(want).enumerate() {
-                for ((gt, glp), (wt, wlp)) in got.iter().zip(want) {
-                    assert!(
-                        gt == wt && (glp - wlp).abs() <= 1e-6,
-                        "{what}: prompt {i} step {step}: {got:?} vs {want:?}"
-                    );
-                }
-            }
-        }
-        // The layout rounded the weights: the model served is not the f32 one unchanged.
-        let original = safetensors::SafeTensors::deserialize(&weights).unwrap();
-        assert!(
-            written
-                .dequantized
-                .iter()
-                .any(|(n, t)| n.ends_with("proj.weight") && t.2 != original.tensor(n).unwrap().data()),
-            "{what}: no weight moved"
-        );
+        assert_serves_reference(what, fp8.path(), reference.path(), &prompts).await;
+        assert!(rounded(&written.dequantized, &weights), "{what}: no weight moved");
         if let Layout::Tensor = layout {
             // vLLM's flag for such a checkpoint is taken; another method's, or fp8 on a
             // 16-bit checkpoint (quantizing at load, which this engine does not), refused.

@@ -11,6 +11,7 @@ use memmap2::Mmap;
 use crate::mapped::FileBytes;
 
 use super::ModelError;
+use super::packed::Packing;
 use crate::kernels::quant::QuantFormat;
 use crate::kernels::{DType, HostTensor};
 
@@ -44,19 +45,28 @@ struct MappedFile {
     mmap: FileBytes,
     header_len: usize,
     tensors: Vec<Entry>,
-    /// FP8 (e4m3) tensors: name, shape, byte range (`Checkpoint::scale_fp8` reads them).
-    fp8: Vec<(String, Vec<usize>, (usize, usize))>,
+    /// Quantized tensors served only once rebuilt (`Checkpoint::rebuild`): FP8 (e4m3)
+    /// weights and GPTQ/AWQ's int32 words.
+    raw: Vec<Raw>,
+}
+
+/// A stored tensor the loader does not hand out as it is.
+struct Raw {
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    range: (usize, usize),
 }
 
 /// The memory-mapped safetensors files of a model directory.
 pub struct Checkpoint {
     files: Vec<MappedFile>,
-    /// FP8 weights times their scales, in the dtype of the checkpoint's other weights:
-    /// name, dtype, shape, bytes.
-    scaled: Vec<(String, DType, Vec<usize>, Vec<u8>)>,
-    /// Tensors of the FP8 format not to hand out: the weights' scales (read into
-    /// `scaled`) and the activation and KV cache scales.
-    fp8_scales: std::collections::HashSet<String>,
+    /// Quantized weights rebuilt, in the dtype of the checkpoint's other weights (FP8) or
+    /// of their scales (GPTQ, AWQ): name, dtype, shape, bytes.
+    rebuilt: Vec<(String, DType, Vec<usize>, Vec<u8>)>,
+    /// Stored tensors read into `rebuilt` (scales, zero points, group indices) or not
+    /// read at all (FP8's activation and KV cache scales): not handed out.
+    consumed: std::collections::HashSet<String>,
 }
 
 /// The safetensors metadata key that marks tensor `name` as llama.cpp blocks (the value
@@ -114,8 +124,9 @@ fn dtype_of(
 }
 
 impl Checkpoint {
-    /// Opens `model.safetensors`, or every shard listed in `model.safetensors.index.json`.
-    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+    /// Opens `model.safetensors`, or every shard listed in `model.safetensors.index.json`;
+    /// `packing` is how its config.json says integer weights are packed (GPTQ, AWQ).
+    pub fn open(dir: &Path, packing: Option<Packing>) -> Result<Self, ModelError> {
         let index = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
@@ -141,64 +152,105 @@ impl Checkpoint {
             vec![single]
         };
         let files = paths.into_iter().map(Self::map_file).collect::<Result<_, _>>()?;
-        Self::scale_fp8(files)
+        Self::rebuild(files, packing)
     }
 
     /// Opens one safetensors file (a LoRA adapter's).
     pub fn open_file(path: &Path) -> Result<Self, ModelError> {
-        Self::scale_fp8(vec![Self::map_file(path.to_path_buf())?])
+        Self::rebuild(vec![Self::map_file(path.to_path_buf())?], None)
     }
 
     /// One safetensors file held in memory, named `name` in errors.
     pub fn from_bytes(name: &str, bytes: Vec<u8>) -> Result<Self, ModelError> {
-        Self::scale_fp8(vec![Self::read_file(PathBuf::from(name), FileBytes::Owned(bytes))?])
+        Self::rebuild(vec![Self::read_file(PathBuf::from(name), FileBytes::Owned(bytes))?], None)
     }
 
-    /// The checkpoint of `files`, its FP8 weights (if any) times their scales: `X.weight`'s
-    /// from `X.weight_scale_inv` or `X.weight_scale` (see [`super::fp8`]).
-    fn scale_fp8(files: Vec<MappedFile>) -> Result<Self, ModelError> {
-        let mut this = Self { files, scaled: Vec::new(), fp8_scales: Default::default() };
-        if this.files.iter().all(|f| f.fp8.is_empty()) {
+    /// The checkpoint of `files` with its quantized weights rebuilt: FP8 ones, `X.weight`
+    /// times `X.weight_scale_inv` or `X.weight_scale` (see [`super::fp8`]); packed integer
+    /// ones, `X.weight` from `X.qweight` and the rest (see [`super::packed`]).
+    fn rebuild(files: Vec<MappedFile>, packing: Option<Packing>) -> Result<Self, ModelError> {
+        let mut this = Self { files, rebuilt: Vec::new(), consumed: Default::default() };
+        if this.files.iter().all(|f| f.raw.is_empty()) {
             return Ok(this);
         }
-        let is_scale = |n: &str| {
+        let is_fp8_scale = |n: &str| {
             ["weight_scale", "weight_scale_inv", "input_scale", "k_scale", "v_scale"]
                 .iter()
                 .any(|s| n.strip_suffix(s).is_some_and(|p| p.is_empty() || p.ends_with('.')))
         };
         let found: HashMap<&str, TensorRef<'_>> = this.stored().collect();
+        let raw: HashMap<&str, (&MappedFile, &Raw)> =
+            this.files.iter().flat_map(|f| f.raw.iter().map(move |r| (r.name.as_str(), (f, r)))).collect();
+        fn bytes<'f>(f: &'f MappedFile, r: &Raw) -> &'f [u8] {
+            &f.mmap[f.header_len + r.range.0..f.header_len + r.range.1]
+        }
         // The unquantized weights' dtype (norms, embeddings, an ignored LM head), else f32.
-        let dtype = this.stored().find(|(n, _)| !is_scale(n)).map_or(DType::F32, |(_, t)| t.dtype);
+        let dtype = this.stored().find(|(n, _)| !is_fp8_scale(n)).map_or(DType::F32, |(_, t)| t.dtype);
         let dtype = if matches!(dtype, DType::Quant(_)) { DType::F32 } else { dtype };
-        let mut scaled = Vec::new();
-        for f in &this.files {
-            for (name, shape, (start, end)) in &f.fp8 {
-                let scale = [format!("{name}_scale_inv"), format!("{name}_scale")]
-                    .into_iter()
-                    .find_map(|s| found.get(s.as_str()).copied())
-                    .ok_or_else(|| {
-                        ModelError::Weights(format!(
-                            "{}: FP8 tensor {name} has no {name}_scale or {name}_scale_inv beside it",
-                            f.path.display()
+        let (mut rebuilt, mut consumed) = (Vec::new(), Vec::new());
+        for (f, r) in raw.values() {
+            let name = &r.name;
+            let fail = |e: String| ModelError::Weights(format!("{}: {e}", f.path.display()));
+            let widened = |t: TensorRef| -> Vec<f32> {
+                let mut values = Vec::new();
+                DType::F32.convert_from(t.dtype, t.bytes, &mut values);
+                bytemuck::pod_collect_to_vec(&values)
+            };
+            match r.dtype {
+                safetensors::Dtype::F8_E4M3 => {
+                    let scale = [format!("{name}_scale_inv"), format!("{name}_scale")]
+                        .into_iter()
+                        .find_map(|s| found.get(s.as_str()).copied())
+                        .ok_or_else(|| {
+                            fail(format!(
+                                "FP8 tensor {name} has no {name}_scale or {name}_scale_inv beside it"
+                            ))
+                        })?;
+                    let (rows, cols) = match &r.shape[..] {
+                        [rows, rest @ ..] if !rest.is_empty() => (*rows, rest.iter().product()),
+                        _ => (1, r.shape.iter().product()),
+                    };
+                    let scales = super::fp8::Scales::of((rows, cols), scale.shape, widened(scale))
+                        .map_err(|e| fail(format!("{name}: {e}")))?;
+                    let data = super::fp8::dequantize(bytes(f, r), (rows, cols), &scales, dtype);
+                    rebuilt.push((name.clone(), dtype, r.shape.clone(), data));
+                }
+                _ if name.ends_with("qzeros") || name.ends_with("g_idx") => {}
+                _ => {
+                    let base = name.strip_suffix("qweight").filter(|_| packing.is_some()).ok_or_else(|| {
+                        fail(format!(
+                            "tensor {name} is {:?}: integer weights are read only as a GPTQ or AWQ checkpoint's \
+                             qweight, with config.json's quantization_config naming the method",
+                            r.dtype
                         ))
                     })?;
-                let mut values = Vec::new();
-                DType::F32.convert_from(scale.dtype, scale.bytes, &mut values);
-                let (rows, cols) = match &shape[..] {
-                    [rows, rest @ ..] if !rest.is_empty() => (*rows, rest.iter().product()),
-                    _ => (1, shape.iter().product()),
-                };
-                let values: Vec<f32> = bytemuck::pod_collect_to_vec(&values);
-                let scales = super::fp8::Scales::of((rows, cols), scale.shape, values)
-                    .map_err(|e| ModelError::Weights(format!("{}: {name}: {e}", f.path.display())))?;
-                let bytes = &f.mmap[f.header_len + start..f.header_len + end];
-                let data = super::fp8::dequantize(bytes, (rows, cols), &scales, dtype);
-                scaled.push((name.clone(), dtype, shape.clone(), data));
+                    let int = |suffix: &str| {
+                        raw.get(format!("{base}{suffix}").as_str())
+                            .map(|(f, r)| (r.shape.as_slice(), bytes(f, r)))
+                    };
+                    let need =
+                        |what: &str| fail(format!("packed weight {name} has no {base}{what} beside it"));
+                    let scales =
+                        *found.get(format!("{base}scales").as_str()).ok_or_else(|| need("scales"))?;
+                    let packed = super::packed::Packed {
+                        qweight: (&r.shape, bytes(f, r)),
+                        qzeros: int("qzeros").ok_or_else(|| need("qzeros"))?,
+                        scales: (scales.shape, widened(scales)),
+                        g_idx: int("g_idx"),
+                    };
+                    let packing = packing.expect("checked above");
+                    let (out, rows_in, w) =
+                        packing.unpack(&packed).map_err(|e| fail(format!("{name}: {e}")))?;
+                    let mut data = Vec::with_capacity(w.len() * scales.dtype.size());
+                    scales.dtype.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut data);
+                    rebuilt.push((format!("{base}weight"), scales.dtype, vec![out, rows_in], data));
+                    consumed.push(format!("{base}scales"));
+                }
             }
         }
-        let fp8_scales = this.stored().map(|(n, _)| n).filter(|n| is_scale(n)).map(str::to_string).collect();
-        this.scaled = scaled;
-        this.fp8_scales = fp8_scales;
+        consumed.extend(this.stored().map(|(n, _)| n).filter(|n| is_fp8_scale(n)).map(str::to_string));
+        this.rebuilt = rebuilt;
+        this.consumed = consumed.into_iter().collect();
         Ok(this)
     }
 
@@ -214,17 +266,17 @@ impl Checkpoint {
             .map_err(|e| ModelError::Weights(format!("{}: {e}", path.display())))?;
         let mut tensors = Vec::new();
         let data_len = mmap.len().saturating_sub(header_len + 8);
-        let mut fp8 = Vec::new();
+        let mut raw = Vec::new();
         for (name, info) in meta.tensors() {
             let (start, end) = info.data_offsets;
-            // FP8 weights (one byte an element) wait for their scales: `Checkpoint::scale_fp8`.
-            let fp8_weight = info.dtype == safetensors::Dtype::F8_E4M3;
-            let (dtype, shape) = match fp8_weight {
-                true => (None, info.shape.clone()),
-                false => dtype_of(info, &name, meta.metadata().as_ref(), &path).map(|(d, s)| (Some(d), s))?,
+            // FP8 weights and int32 words wait for their scales: `Checkpoint::rebuild`.
+            let (dtype, shape) = match info.dtype {
+                safetensors::Dtype::F8_E4M3 | safetensors::Dtype::I32 => (None, info.shape.clone()),
+                _ => dtype_of(info, &name, meta.metadata().as_ref(), &path).map(|(d, s)| (Some(d), s))?,
             };
             let size = match dtype {
-                None | Some(DType::Quant(_)) => 1,
+                None => info.dtype.size(),
+                Some(DType::Quant(_)) => 1,
                 Some(d) => d.size(),
             };
             let want = info
@@ -238,27 +290,28 @@ impl Checkpoint {
                      {data_len} bytes",
                     path.display(),
                     info.shape,
-                    dtype.map_or("F8_E4M3".to_string(), |d| format!("{d:?}"))
+                    dtype.map_or(format!("{:?}", info.dtype), |d| format!("{d:?}"))
                 )));
             }
             match dtype {
                 Some(dtype) => tensors.push(Entry { name, dtype, shape, range: info.data_offsets }),
-                None => fp8.push((name, shape, info.data_offsets)),
+                None => raw.push(Raw { name, dtype: info.dtype, shape, range: info.data_offsets }),
             }
         }
-        Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors, fp8 })
+        Ok(MappedFile { path, mmap, header_len: header_len + 8, tensors, raw })
     }
 
     /// Every tensor of every file: (checkpoint name, tensor).
     pub fn tensors(&self) -> impl Iterator<Item = (&str, TensorRef<'_>)> {
-        let stored = self.stored().filter(|(n, _)| !self.fp8_scales.contains(*n));
-        let scaled = self.scaled.iter().map(|(n, dtype, shape, data)| {
+        let stored = self.stored().filter(|(n, _)| !self.consumed.contains(*n));
+        let rebuilt = self.rebuilt.iter().map(|(n, dtype, shape, data)| {
             (n.as_str(), TensorRef { dtype: *dtype, shape: shape.as_slice(), bytes: data.as_slice() })
         });
-        stored.chain(scaled)
+        stored.chain(rebuilt)
     }
 
-    /// The tensors of the files as stored (FP8 weights aside), scales of FP8 ones included.
+    /// The tensors of the files as stored (FP8 weights and int32 words aside), the scales
+    /// of quantized ones included.
     fn stored(&self) -> impl Iterator<Item = (&str, TensorRef<'_>)> {
         self.files.iter().flat_map(|f| {
             f.tensors.iter().map(move |e| {

@@ -12,6 +12,7 @@ pub mod loader;
 pub mod lora;
 pub mod mixtral;
 pub mod opt;
+pub mod packed;
 pub mod phi3;
 pub mod qwen2_moe;
 pub mod qwen3;

@@ -123,7 +123,7 @@ impl<D: Device> ModelRegistry<D> {
             let model = (entry.construct)(dev, &config, &WeightStore::dummy(dtype), opts)?;
             return Ok(LoadedModel { config, model, dtype });
         }
-        let ckpt = Checkpoint::open(dir)?;
+        let ckpt = Checkpoint::open(dir, crate::quantization::packing(&config.hf))?;
         let store = WeightStore::load_weights(
             ckpt.tensors(),
             entry.stacked_params,
@@ -156,16 +156,18 @@ mod tests {
         assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e}");
     }
 
-    /// An AWQ Llama is refused by its method before any field or weight is read, not with
-    /// a missing-tensor error about `q_proj.weight` later.
+    /// A bitsandbytes Llama is refused by its method before any field or weight is read,
+    /// not with a missing-tensor error about `q_proj.weight` later.
     #[test]
     fn quantized_checkpoints_are_refused_by_their_method() {
         let registry = ModelRegistry::<CpuDevice>::default();
-        let awq = br#"{"architectures": ["LlamaForCausalLM"],
-            "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}"#;
-        let e = registry.config_from_json(awq, "m/config.json").unwrap_err().to_string();
+        let bnb = br#"{"architectures": ["LlamaForCausalLM"],
+            "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": true}}"#;
+        let e = registry.config_from_json(bnb, "m/config.json").unwrap_err().to_string();
         assert!(
-            e.starts_with("m/config.json: the checkpoint is quantized with awq (quantization_config)"),
+            e.starts_with(
+                "m/config.json: the checkpoint is quantized with bitsandbytes (quantization_config)"
+            ),
             "{e}"
         );
     }

@@ -4,6 +4,7 @@
 
 pub mod golden;
 pub mod lora;
+pub mod quantized;
 pub mod server;
 pub mod structured;
 

@@ -5,8 +5,9 @@
 //! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks kept (`--keep-quantized`). FP8
 //! (e4m3) checkpoints, vLLM's `fp8` and compressed-tensors' `float-quantized`, load with each
 //! weight times its scales (per tensor, per output channel or per block), in the dtype of
-//! the checkpoint's other weights (`models::loader`). GPTQ and AWQ checkpoints load with
-//! their integer weights unpacked, `(q - zero) × scale` of each group (`models::packed`).
+//! the checkpoint's other weights (`models::loader`). GPTQ, AWQ and compressed-tensors
+//! integer checkpoints load with their integer weights unpacked, `(q - zero) × scale` of
+//! each group (`models::packed`).
 //! Other quantized checkpoints are refused before any weight is read.
 
 use serde_json::Value as Json;
@@ -47,7 +48,8 @@ pub const VLLM_METHODS: &[&str] = &[
 /// What the engine serves.
 const SERVED: &str = "float32, float16 and bfloat16 checkpoints, FP8 (e4m3) checkpoints (fp8 and \
                       compressed-tensors float-quantized, their weights scaled back at load), GPTQ (2, 4 and \
-                      8 bits) and AWQ (4 bits, gemm) checkpoints (their weights unpacked at load), and GGUF files \
+                      8 bits), AWQ (4 bits, gemm) and compressed-tensors pack-quantized and int-quantized (2, 4 \
+                      and 8 bits) checkpoints (their weights unpacked at load), and GGUF files \
                       (--quantization gguf, dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, \
                       Q5_0, Q8_0, Q4_K and Q6_K blocks with --keep-quantized)";
 
@@ -149,7 +151,8 @@ fn is_fp8_weights(q: &Json, method: &str) -> bool {
 }
 
 /// Refuses a checkpoint whose config.json says it is quantized in a way the loader does
-/// not read, naming the method (or the part of it). FP8, GPTQ and AWQ checkpoints pass.
+/// not read, naming the method (or the part of it). FP8, GPTQ, AWQ and compressed-tensors
+/// integer checkpoints pass.
 pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
     let Some(method) = config_method(hf) else { return Ok(()) };
     let q = &hf["quantization_config"];
@@ -161,7 +164,8 @@ pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
     }
 }
 
-/// How the checkpoint of config.json `hf` packs integer weights (GPTQ, AWQ), if it does
+/// How the checkpoint of config.json `hf` packs integer weights (GPTQ, AWQ,
+/// compressed-tensors), if it does
 /// (its config passed [`check_config`]).
 pub fn packing(hf: &Json) -> Option<Packing> {
     Packing::of(&hf["quantization_config"], &config_method(hf)?).ok().flatten()
@@ -239,13 +243,24 @@ mod tests {
         assert_eq!(check_config(&fp8, "m"), Ok(()));
         let e5m2 = serde_json::json!({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}});
         assert!(check_config(&e5m2, "m").is_err());
-        let group = |ty: &str, bits: u32| {
-            serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
+        let group = |format: &str, ty: &str, bits: u32| {
+            serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors", "format": format,
                 "config_groups": {"g": {"weights": {"type": ty, "num_bits": bits}}}}})
         };
-        assert_eq!(check_config(&group("float", 8), "m"), Ok(()));
+        assert_eq!(check_config(&group("float-quantized", "float", 8), "m"), Ok(()));
+        assert_eq!(check_config(&group("pack-quantized", "int", 4), "m"), Ok(()));
+        for (format, ty, bits, why) in [
+            ("pack-quantized", "int", 6, "6-bit integer weights"),
+            ("float-quantized", "int", 4, "float-quantized format for integer weights"),
+        ] {
+            let e = check_config(&group(format, ty, bits), "m").unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
         assert!(
-            check_config(&group("int", 4), "m").unwrap_err().to_string().contains("with compressed-tensors")
+            check_config(&group("float-quantized", "float", 4), "m")
+                .unwrap_err()
+                .to_string()
+                .contains("with compressed-tensors")
         );
     }
 

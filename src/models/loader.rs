@@ -11,7 +11,7 @@ use memmap2::Mmap;
 use crate::mapped::FileBytes;
 
 use super::ModelError;
-use super::packed::Packing;
+use super::packed::{self, Packing};
 use crate::kernels::quant::QuantFormat;
 use crate::kernels::{DType, HostTensor};
 
@@ -215,15 +215,71 @@ impl Checkpoint {
                     let data = super::fp8::dequantize(bytes(f, r), (rows, cols), &scales, dtype);
                     rebuilt.push((name.clone(), dtype, r.shape.clone(), data));
                 }
-                _ if name.ends_with("qzeros") || name.ends_with("g_idx") => {}
-                _ => {
-                    let base = name.strip_suffix("qweight").filter(|_| packing.is_some()).ok_or_else(|| {
-                        fail(format!(
-                            "tensor {name} is {:?}: integer weights are read only as a GPTQ or AWQ checkpoint's \
-                             qweight, with config.json's quantization_config naming the method",
-                            r.dtype
-                        ))
+                // Read beside the weight they belong to.
+                _ if ["qzeros", "g_idx", "weight_zero_point", "weight_shape"]
+                    .iter()
+                    .any(|s| name.ends_with(s)) => {}
+                _ if packing == Some(Packing::CompressedInt)
+                    && (name.ends_with("weight_packed")
+                        || name.ends_with("weight") && r.dtype == safetensors::Dtype::I8) =>
+                {
+                    let base = name.strip_suffix("_packed").unwrap_or(name);
+                    let ints = |suffix: &str| {
+                        raw.get(format!("{base}{suffix}").as_str()).map(|(f, r)| match r.dtype {
+                            safetensors::Dtype::I8 => packed::Ints::Bytes(&r.shape, bytes(f, r)),
+                            _ => packed::Ints::Words(&r.shape, bytes(f, r)),
+                        })
+                    };
+                    let shape = raw.get(format!("{base}_shape").as_str()).map(|(f, r)| {
+                        let b = bytes(f, r);
+                        let dims: Vec<usize> = match r.dtype {
+                            safetensors::Dtype::I64 => b
+                                .chunks_exact(8)
+                                .map(|d| i64::from_le_bytes(d.try_into().unwrap()) as usize)
+                                .collect(),
+                            _ => b
+                                .chunks_exact(4)
+                                .map(|d| i32::from_le_bytes(d.try_into().unwrap()) as usize)
+                                .collect(),
+                        };
+                        dims
+                    });
+                    let shape = match shape.as_deref() {
+                        None => None,
+                        Some(&[out, cols]) => Some((out, cols)),
+                        Some(other) => return Err(fail(format!("{base}_shape is {other:?}, not [out, in]"))),
+                    };
+                    let scales = *found.get(format!("{base}_scale").as_str()).ok_or_else(|| {
+                        fail(format!("integer weight {name} has no {base}_scale beside it"))
                     })?;
+                    let c = packed::Compressed {
+                        weight: ints(if name.ends_with("_packed") { "_packed" } else { "" })
+                            .expect("this tensor"),
+                        shape,
+                        scales: (scales.shape, widened(scales)),
+                        zero_point: ints("_zero_point"),
+                        g_idx: raw
+                            .get(format!("{base}_g_idx").as_str())
+                            .map(|(f, r)| (r.shape.as_slice(), bytes(f, r))),
+                    };
+                    let (out, cols, w) =
+                        packed::unpack_compressed(&c).map_err(|e| fail(format!("{name}: {e}")))?;
+                    let mut data = Vec::with_capacity(w.len() * scales.dtype.size());
+                    scales.dtype.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut data);
+                    rebuilt.push((base.to_string(), scales.dtype, vec![out, cols], data));
+                }
+                _ => {
+                    let base = name
+                        .strip_suffix("qweight")
+                        .filter(|_| matches!(packing, Some(Packing::Gptq { .. } | Packing::Awq { .. })))
+                        .ok_or_else(|| {
+                            fail(format!(
+                                "tensor {name} is {:?}: integer weights are read only as a GPTQ, AWQ or \
+                                 compressed-tensors checkpoint's, with config.json's quantization_config naming \
+                                 the method",
+                                r.dtype
+                            ))
+                        })?;
                     let int = |suffix: &str| {
                         raw.get(format!("{base}{suffix}").as_str())
                             .map(|(f, r)| (r.shape.as_slice(), bytes(f, r)))
@@ -232,7 +288,7 @@ impl Checkpoint {
                         |what: &str| fail(format!("packed weight {name} has no {base}{what} beside it"));
                     let scales =
                         *found.get(format!("{base}scales").as_str()).ok_or_else(|| need("scales"))?;
-                    let packed = super::packed::Packed {
+                    let packed = packed::Packed {
                         qweight: (&r.shape, bytes(f, r)),
                         qzeros: int("qzeros").ok_or_else(|| need("qzeros"))?,
                         scales: (scales.shape, widened(scales)),
@@ -269,9 +325,12 @@ impl Checkpoint {
         let mut raw = Vec::new();
         for (name, info) in meta.tensors() {
             let (start, end) = info.data_offsets;
-            // FP8 weights and int32 words wait for their scales: `Checkpoint::rebuild`.
+            // FP8 weights and integers wait for their scales: `Checkpoint::rebuild`.
             let (dtype, shape) = match info.dtype {
-                safetensors::Dtype::F8_E4M3 | safetensors::Dtype::I32 => (None, info.shape.clone()),
+                safetensors::Dtype::F8_E4M3
+                | safetensors::Dtype::I32
+                | safetensors::Dtype::I8
+                | safetensors::Dtype::I64 => (None, info.shape.clone()),
                 _ => dtype_of(info, &name, meta.metadata().as_ref(), &path).map(|(d, s)| (Some(d), s))?,
             };
             let size = match dtype {

@@ -14,6 +14,13 @@
 //! - AWQ (its `gemm` version): `qweight` is `[in, out / 8]`, eight output columns a word
 //!   in the order 0, 2, 4, 6, 1, 3, 5, 7 of the word's nibbles; `qzeros` `[groups, out / 8]`
 //!   packed the same way; `scales` `[groups, out]`; groups are consecutive input rows.
+//! - compressed-tensors (llm-compressor's output), read by [`unpack_compressed`]: its
+//!   `pack-quantized` format keeps `X.weight_packed` `[out, ⌈in · bits / 32⌉]`, each row's
+//!   elements `bits` apiece from the lowest bit up, stored plus `2^(bits - 1)`, beside
+//!   `X.weight_shape`, `X.weight_scale` `[out, groups]`, and for asymmetric schemes
+//!   `X.weight_zero_point` packed the same way down the output dimension; its
+//!   `int-quantized` format keeps `X.weight` as int8. Activation-ordered groups come in
+//!   `X.weight_g_idx`.
 
 use serde_json::Value as Json;
 
@@ -33,7 +40,13 @@ pub enum Packing {
     Awq {
         group_size: Option<usize>,
     },
+    /// compressed-tensors' integer formats; each tensor's bits follow from its shapes.
+    CompressedInt,
 }
+
+/// Bits an integer weight of compressed-tensors may have: those whose elements never
+/// straddle an int32 word, so that every version of its packing agrees.
+const COMPRESSED_BITS: [u64; 3] = [2, 4, 8];
 
 /// The tensors of one packed weight, as stored.
 pub struct Packed<'a> {
@@ -100,6 +113,40 @@ impl Packing {
                 let group_size = group_size(q).map_err(|e| format!("AWQ with {e}"))?;
                 Ok(Some(Self::Awq { group_size }))
             }
+            "compressed-tensors" => {
+                let Some(groups) = q.get("config_groups").and_then(Json::as_object) else { return Ok(None) };
+                let ints = groups.values().filter(|g| g["weights"]["type"] == "int").count();
+                if ints == 0 {
+                    return Ok(None);
+                }
+                if ints != groups.len() {
+                    return Err("compressed-tensors with integer and float weight groups mixed".into());
+                }
+                for g in groups.values() {
+                    let bits = g["weights"]["num_bits"].as_u64().unwrap_or(0);
+                    if !COMPRESSED_BITS.contains(&bits) {
+                        return Err(format!(
+                            "compressed-tensors with {bits}-bit integer weights (2, 4 and 8 are read)"
+                        ));
+                    }
+                    let format = g.get("format").or_else(|| q.get("format")).and_then(Json::as_str);
+                    match format {
+                        Some("pack-quantized" | "int-quantized" | "naive-quantized") => {}
+                        other => {
+                            return Err(format!(
+                                "compressed-tensors' {} format for integer weights (pack-quantized and \
+                                 int-quantized are read)",
+                                other.unwrap_or("unnamed")
+                            ));
+                        }
+                    }
+                }
+                let sparsity = q.get("sparsity_config").and_then(|s| s.get("format")).and_then(Json::as_str);
+                if let Some(f) = sparsity.filter(|f| *f != "dense") {
+                    return Err(format!("compressed-tensors' {f} sparsity"));
+                }
+                Ok(Some(Self::CompressedInt))
+            }
             _ => Ok(None),
         }
     }
@@ -107,7 +154,7 @@ impl Packing {
     fn bits(&self) -> u32 {
         match self {
             Self::Gptq { bits, .. } => *bits,
-            Self::Awq { .. } => 4,
+            Self::Awq { .. } | Self::CompressedInt => 4,
         }
     }
 
@@ -123,7 +170,7 @@ impl Packing {
         let (sa, sb) = shape2("scales", p.scales.0)?;
         let (rows_in, out) = match self {
             Self::Gptq { .. } => (qa * per, qb),
-            Self::Awq { .. } => (qa, qb * per),
+            Self::Awq { .. } | Self::CompressedInt => (qa, qb * per),
         };
         let groups = sa;
         if sb != out || za != groups || zb * per != out {
@@ -143,6 +190,7 @@ impl Packing {
                 let size = group_size.unwrap_or(rows_in).max(1);
                 (0..rows_in).map(|i| i / size).collect()
             }
+            (Self::CompressedInt, _) => return Err("a compressed-tensors weight is not a qweight".into()),
         };
         if let Some(g) = group_of.iter().find(|&&g| g >= groups) {
             return Err(format!("an input row is in group {g} of {groups}"));
@@ -151,7 +199,7 @@ impl Packing {
         let at = |words: &[u32], word: usize, slot: u32| (words[word] >> (slot * bits)) & mask;
         let (zero_offset, awq) = match self {
             Self::Gptq { zero_offset, .. } => (*zero_offset, false),
-            Self::Awq { .. } => (0, true),
+            Self::Awq { .. } | Self::CompressedInt => (0, true),
         };
         // Zero points unpacked along the output: `[groups, out]`.
         let column_slot = |n: usize| if awq { AWQ_NIBBLE[n % 8] } else { (n % per) as u32 };
@@ -174,6 +222,111 @@ impl Packing {
         }
         Ok((out, rows_in, w))
     }
+}
+
+/// Integers as stored: int32 words, or int8 bytes.
+#[derive(Clone, Copy)]
+pub enum Ints<'a> {
+    Words(&'a [usize], &'a [u8]),
+    Bytes(&'a [usize], &'a [u8]),
+}
+
+/// The tensors of one compressed-tensors integer weight, as stored.
+pub struct Compressed<'a> {
+    /// `weight_packed` (int32 words) or, as int-quantized stores it, `weight` (int8).
+    pub weight: Ints<'a>,
+    /// `weight_shape`: `[out, in]` before packing.
+    pub shape: Option<(usize, usize)>,
+    /// `weight_scale`, widened to f32, and its shape.
+    pub scales: (&'a [usize], Vec<f32>),
+    pub zero_point: Option<Ints<'a>>,
+    pub g_idx: Option<(&'a [usize], &'a [u8])>,
+}
+
+/// Element `i` of a stream of `bits`-bit unsigned values packed into `words` from the
+/// lowest bit up (no element straddles a word for 2, 4 and 8 bits).
+fn element(words: &[u32], bits: usize, i: usize) -> u32 {
+    (words[i * bits / 32] >> ((i * bits) % 32)) & ((1u32 << bits) - 1)
+}
+
+/// The weight `[out, in]` of `c`, each element `(q - zero) × scale` with `q` and `zero`
+/// signed (a symmetric scheme's zero is 0), row-major f32.
+pub fn unpack_compressed(c: &Compressed) -> Result<(usize, usize, Vec<f32>), String> {
+    let (rows, cols, bits, q): (usize, usize, usize, Vec<i32>) = match c.weight {
+        Ints::Words(shape, bytes) => {
+            let (rows, per_row) = shape2("weight_packed", shape)?;
+            let (out, cols) = c.shape.ok_or("weight_packed has no weight_shape beside it")?;
+            let bits = COMPRESSED_BITS
+                .iter()
+                .map(|&b| b as usize)
+                .find(|&b| (cols * b).div_ceil(32) == per_row)
+                .filter(|_| out == rows)
+                .ok_or_else(|| {
+                    format!("weight_packed {shape:?} packs no [{out}, {cols}] weight in 2, 4 or 8 bits")
+                })?;
+            let words = words(bytes);
+            let offset = 1i32 << (bits - 1);
+            let q = (0..rows * cols)
+                .map(|k| element(&words[(k / cols) * per_row..], bits, k % cols) as i32 - offset)
+                .collect();
+            (rows, cols, bits, q)
+        }
+        Ints::Bytes(shape, bytes) => {
+            let (rows, cols) = shape2("weight", shape)?;
+            (rows, cols, 8, bytes.iter().map(|&b| b as i8 as i32).collect())
+        }
+    };
+    let (scale_shape, scales) = (c.scales.0, &c.scales.1);
+    let groups = match scale_shape {
+        _ if scales.len() == 1 => 0,
+        [r, g] if *r == rows => *g,
+        [r] if *r == rows => 1,
+        _ => return Err(format!("weight_scale {scale_shape:?} fits no [{rows}, {cols}] weight")),
+    };
+    let group_of: Vec<usize> = match c.g_idx {
+        Some((shape, bytes)) if shape == [cols] => words(bytes).into_iter().map(|g| g as usize).collect(),
+        Some((shape, _)) => return Err(format!("weight_g_idx has shape {shape:?}, not [{cols}]")),
+        None => {
+            let size = cols.div_ceil(groups.max(1));
+            (0..cols).map(|i| i / size).collect()
+        }
+    };
+    if let Some(g) = group_of.iter().find(|&&g| g >= groups.max(1)) {
+        return Err(format!("an input column is in group {g} of {groups}"));
+    }
+    let scale = |n: usize, g: usize| if groups == 0 { scales[0] } else { scales[n * groups + g] };
+    // Zero points `[rows, groups]`, signed.
+    let g = groups.max(1);
+    let zeros: Vec<i32> = match c.zero_point {
+        None => vec![0; rows * g],
+        Some(Ints::Bytes(shape, bytes)) => {
+            if shape.iter().product::<usize>() != rows * g {
+                return Err(format!("weight_zero_point {shape:?} fits no [{rows}, {g}] scales"));
+            }
+            bytes.iter().map(|&b| b as i8 as i32).collect()
+        }
+        Some(Ints::Words(shape, bytes)) => {
+            // Packed down the output: column `gi`'s words are rows `0..⌈rows · bits / 32⌉`.
+            let word_rows = (rows * bits).div_ceil(32);
+            if shape2("weight_zero_point", shape)? != (word_rows, g) {
+                return Err(format!("weight_zero_point {shape:?} packs no [{rows}, {g}] zero points"));
+            }
+            let w = words(bytes);
+            let offset = 1i32 << (bits - 1);
+            let columns: Vec<Vec<u32>> =
+                (0..g).map(|gi| (0..word_rows).map(|r| w[r * g + gi]).collect()).collect();
+            (0..rows * g).map(|k| element(&columns[k % g], bits, k / g) as i32 - offset).collect()
+        }
+    };
+    let g_count = g;
+    let w = (0..rows * cols)
+        .map(|k| {
+            let (n, i) = (k / cols, k % cols);
+            let g = group_of[i];
+            (q[k] - zeros[n * g_count + g]) as f32 * scale(n, g)
+        })
+        .collect();
+    Ok((rows, cols, w))
 }
 
 #[cfg(test)]
@@ -253,5 +406,17 @@ mod tests {
         );
         assert!(of(serde_json::json!({"bits": 4, "version": "gemv"}), "awq").unwrap_err().contains("gemv"));
         assert_eq!(of(serde_json::json!({}), "fp8"), Ok(None));
+        let ct = |format: &str, ty: &str, bits: u32| serde_json::json!({"format": format, "config_groups": {"g": {"weights": {"type": ty, "num_bits": bits}}}});
+        assert_eq!(
+            of(ct("pack-quantized", "int", 4), "compressed-tensors"),
+            Ok(Some(Packing::CompressedInt))
+        );
+        assert_eq!(of(ct("int-quantized", "int", 8), "compressed-tensors"), Ok(Some(Packing::CompressedInt)));
+        // FP8 groups are the FP8 loader's; other bits and formats are named.
+        assert_eq!(of(ct("float-quantized", "float", 8), "compressed-tensors"), Ok(None));
+        assert!(of(ct("pack-quantized", "int", 3), "compressed-tensors").unwrap_err().contains("3-bit"));
+        assert!(
+            of(ct("marlin-24", "int", 4), "compressed-tensors").unwrap_err().contains("marlin-24 format")
+        );
     }
 }

@@ -1,6 +1,6 @@
-//! GPTQ and AWQ checkpoints, written here from the tiny Llama of
-//! tests/fixtures/models/llama.json and packed as AutoGPTQ / GPTQModel and AutoAWQ pack
-//! them: each serves the greedy tokens and logprobs of the same model with its weights
+//! GPTQ, AWQ and compressed-tensors integer checkpoints, written here from the tiny Llama
+//! of tests/fixtures/models/llama.json and packed as AutoGPTQ / GPTQModel, AutoAWQ and
+//! compressed-tensors (llm-compressor) pack them: each serves the greedy tokens and logprobs of the same model with its weights
 //! dequantized by this file (`(q - zero) × scale` of each group, rounded to the scales'
 //! f16) and stored in f32. The packing is written from the formats' own definitions, apart
 //! from the engine's unpacking.
@@ -28,14 +28,25 @@ enum Format {
     GptqV2,
     /// AWQ 4-bit (gemm), asymmetric, groups of 32.
     Awq,
+    /// compressed-tensors `pack-quantized`, 4-bit symmetric, groups of 32 in activation
+    /// order (`weight_g_idx`).
+    CtPacked4,
+    /// compressed-tensors `pack-quantized`, 8-bit asymmetric per channel (packed zero points).
+    CtPacked8Asym,
+    /// compressed-tensors `int-quantized`: int8 weights, symmetric per channel.
+    CtInt8,
 }
 
 impl Format {
     fn bits(self) -> u32 {
         match self {
-            Format::GptqV2 => 8,
+            Format::GptqV2 | Format::CtPacked8Asym | Format::CtInt8 => 8,
             _ => 4,
         }
+    }
+
+    fn symmetric(self) -> bool {
+        matches!(self, Format::GptqActOrder | Format::CtPacked4 | Format::CtInt8)
     }
 
     fn quantization_config(self) -> Value {
@@ -52,13 +63,37 @@ impl Format {
                 "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm",
                 "modules_to_not_convert": null,
             }),
+            Format::CtPacked4 | Format::CtPacked8Asym | Format::CtInt8 => {
+                let (format, weights) = match self {
+                    Format::CtPacked4 => (
+                        "pack-quantized",
+                        json!({"num_bits": 4, "type": "int", "symmetric": true,
+                        "strategy": "group", "group_size": 32, "actorder": "group", "dynamic": false}),
+                    ),
+                    Format::CtPacked8Asym => (
+                        "pack-quantized",
+                        json!({"num_bits": 8, "type": "int", "symmetric": false,
+                        "strategy": "channel", "group_size": null, "dynamic": false}),
+                    ),
+                    _ => (
+                        "int-quantized",
+                        json!({"num_bits": 8, "type": "int", "symmetric": true,
+                        "strategy": "channel", "dynamic": false}),
+                    ),
+                };
+                json!({
+                    "quant_method": "compressed-tensors", "format": format, "quantization_status": "compressed",
+                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": null}},
+                    "ignore": ["lm_head"], "sparsity_config": {},
+                })
+            }
         }
     }
 
     /// Each input row's group.
     fn groups(self, cols: usize) -> Vec<usize> {
         match self {
-            Format::GptqActOrder => {
+            Format::GptqActOrder | Format::CtPacked4 => {
                 // Rows taken in a fixed shuffled order, 32 at a time (a permutation by a
                 // stride coprime to the row count).
                 let order: Vec<usize> = (0..cols).map(|j| (j * 37 + 5) % cols).collect();
@@ -68,7 +103,7 @@ impl Format {
                 }
                 g
             }
-            Format::GptqV2 => vec![0; cols],
+            Format::GptqV2 | Format::CtPacked8Asym | Format::CtInt8 => vec![0; cols],
             Format::Awq => (0..cols).map(|i| i / 32).collect(),
         }
     }
@@ -138,8 +173,8 @@ fn pack(weights: &[u8], format: Format) -> (Tensors, Tensors) {
         let w: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
         let (rows, cols) = (shape[0], shape[1]);
         let group = format.groups(cols);
-        let sym = matches!(format, Format::GptqActOrder);
-        let Quantized { groups, scales, zeros, q } = quantize_weight(&w, (rows, cols), &group, bits, sym);
+        let Quantized { groups, scales, zeros, q } =
+            quantize_weight(&w, (rows, cols), &group, bits, format.symmetric());
         let values: Vec<f32> = (0..rows * cols)
             .map(|k| {
                 let (n, i) = (k / cols, k % cols);
@@ -150,6 +185,17 @@ fn pack(weights: &[u8], format: Format) -> (Tensors, Tensors) {
             .collect();
         dequantized.insert(name.clone(), (Dtype::F32, shape, bytemuck::cast_slice(&values).to_vec()));
         let base = name.strip_suffix("weight").unwrap();
+        if let Format::CtPacked4 | Format::CtPacked8Asym | Format::CtInt8 = format {
+            compressed_tensors(
+                &mut packed,
+                &name,
+                format,
+                (rows, cols),
+                &group,
+                Quantized { groups, scales, zeros, q },
+            );
+            continue;
+        }
         let (qweight, qweight_shape, qzeros) = match format {
             Format::Awq => {
                 let mut qweight = vec![0u32; cols * rows / 8];
@@ -170,7 +216,7 @@ fn pack(weights: &[u8], format: Format) -> (Tensors, Tensors) {
                 }
                 (qweight, vec![cols, rows / 8], qzeros)
             }
-            Format::GptqActOrder | Format::GptqV2 => {
+            _ => {
                 let mut qweight = vec![0u32; cols / per * rows];
                 for i in 0..cols {
                     for n in 0..rows {
@@ -199,8 +245,74 @@ fn pack(weights: &[u8], format: Format) -> (Tensors, Tensors) {
     (packed, dequantized)
 }
 
+/// One weight in compressed-tensors' layout: values signed (`q - 2^(bits - 1)`), packed
+/// into int32 words along each row from the lowest bit up after adding `2^(bits - 1)` back
+/// (`pack-quantized`), or kept as int8 (`int-quantized`); an asymmetric scheme's signed zero
+/// points packed the same way down the output dimension; scales `[out, groups]`.
+fn compressed_tensors(
+    out: &mut Tensors,
+    name: &str,
+    format: Format,
+    (rows, cols): (usize, usize),
+    group: &[usize],
+    Quantized { groups, scales, zeros, q }: Quantized,
+) {
+    let bits = format.bits() as usize;
+    let offset = 1i32 << (bits - 1);
+    let signed: Vec<i32> = q.iter().map(|&u| u as i32 - offset).collect();
+    // `scales`/`zeros` are indexed [group, row]; compressed-tensors stores [row, group].
+    let by_row = |v: &dyn Fn(usize) -> f16| {
+        (0..rows * groups).map(|k| v((k % groups) * rows + k / groups)).collect::<Vec<f16>>()
+    };
+    let scale_bytes = by_row(&|i| scales[i]).iter().flat_map(|s| s.to_le_bytes()).collect();
+    out.insert(format!("{name}_scale"), (Dtype::F16, vec![rows, groups], scale_bytes));
+    // Dense packing of `values` (each already unsigned) into words, lowest bit first.
+    let pack = |values: &[u32]| {
+        let mut words = vec![0u32; (values.len() * bits).div_ceil(32)];
+        for (i, &v) in values.iter().enumerate() {
+            words[i * bits / 32] |= v << ((i * bits) % 32);
+        }
+        words
+    };
+    match format {
+        Format::CtInt8 => {
+            let bytes = signed.iter().map(|&v| v as i8 as u8).collect();
+            out.insert(name.to_string(), (Dtype::I8, vec![rows, cols], bytes));
+        }
+        _ => {
+            let words: Vec<u32> = (0..rows)
+                .flat_map(|n| {
+                    pack(
+                        &signed[n * cols..(n + 1) * cols]
+                            .iter()
+                            .map(|&v| (v + offset) as u32)
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect();
+            out.insert(
+                format!("{name}_packed"),
+                (Dtype::I32, vec![rows, (cols * bits).div_ceil(32)], le(&words)),
+            );
+            let shape: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
+            out.insert(format!("{name}_shape"), (Dtype::I64, vec![2], shape));
+        }
+    }
+    if !format.symmetric() {
+        // Each group's column of zero points, packed down the rows: [⌈rows · bits / 32⌉, groups].
+        let columns: Vec<Vec<u32>> = (0..groups).map(|g| pack(&zeros[g * rows..(g + 1) * rows])).collect();
+        let word_rows = columns[0].len();
+        let words: Vec<u32> = (0..word_rows * groups).map(|k| columns[k % groups][k / groups]).collect();
+        out.insert(format!("{name}_zero_point"), (Dtype::I32, vec![word_rows, groups], le(&words)));
+    }
+    if let Format::CtPacked4 = format {
+        let g_idx: Vec<u32> = group.iter().map(|&g| g as u32).collect();
+        out.insert(format!("{name}_g_idx"), (Dtype::I32, vec![cols], le(&g_idx)));
+    }
+}
+
 #[actix_rt::test]
-async fn gptq_and_awq_checkpoints_serve_their_dequantized_model() {
+async fn integer_checkpoints_serve_their_dequantized_model() {
     let g = common::model_golden("llama");
     let golden = common::scratch("int-golden");
     actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
@@ -210,6 +322,9 @@ async fn gptq_and_awq_checkpoints_serve_their_dequantized_model() {
         ("GPTQ 4-bit, act order, groups of 32", Format::GptqActOrder),
         ("GPTQ v2 8-bit, asymmetric, per column", Format::GptqV2),
         ("AWQ 4-bit, groups of 32", Format::Awq),
+        ("compressed-tensors pack-quantized 4-bit, act order", Format::CtPacked4),
+        ("compressed-tensors pack-quantized 8-bit asymmetric", Format::CtPacked8Asym),
+        ("compressed-tensors int-quantized 8-bit", Format::CtInt8),
     ] {
         let (packed, dequantized) = pack(&weights, format);
         let (model, reference) = (common::scratch("int-model"), common::scratch("int-reference"));
@@ -236,9 +351,9 @@ async fn gptq_and_awq_checkpoints_serve_their_dequantized_model() {
                 let bare = common::scratch("int-bare");
                 write_model(golden.path(), bare.path(), &packed, None);
                 let e = refused(common::args(bare.path())).await;
-                assert!(e.contains("qweight is I32") && e.contains("GPTQ or AWQ"), "{e}");
+                assert!(e.contains("qweight is I32") && e.contains("GPTQ, AWQ or compressed-tensors"), "{e}");
             }
-            Format::GptqV2 => {}
+            _ => {}
         }
     }
 }

@@ -1,10 +1,11 @@
-//! `actorllm import-gguf`: turns a llama.cpp GGUF file of a Llama-family model into a
-//! standard Hugging Face model directory (config.json, model.safetensors, tokenizer.json,
-//! tokenizer_config.json, generation_config.json).
+//! `actorllm import-gguf`: turns a llama.cpp GGUF file of a Llama (Mistral), Qwen2 or Gemma
+//! model into a standard Hugging Face model directory (config.json, model.safetensors,
+//! tokenizer.json, tokenizer_config.json, generation_config.json).
 //!
-//! Two things llama.cpp changes on the way in are undone here: tensor names (`blk.N.attn_q`
-//! → `model.layers.N.self_attn.q_proj`) and the row permutation of q/k projections that
-//! its converter applies for its interleaved RoPE (HF uses rotate-half).
+//! What llama.cpp's converter changes on the way in is undone here: tensor names
+//! (`blk.N.attn_q` → `model.layers.N.self_attn.q_proj`), the row permutation of a Llama's
+//! q/k projections for its interleaved RoPE (HF uses rotate-half; Qwen2 and Gemma are not
+//! permuted), and Gemma's RMSNorm weights, which it stores plus one.
 //!
 //! With `--keep-quantized`, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K matrices are written as they are: safetensors
 //! bytes `[rows, row bytes]`, their format named in the file's metadata
@@ -17,15 +18,17 @@ use half::bf16;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value as Json, json};
 
-use super::{GgufError, GgufFile, Value};
+use super::{GgufError, GgufFile};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("architecture {0:?} is not supported by import-gguf (supported: llama)")]
+    #[error("architecture {0:?} is not supported by import-gguf (supported: llama, qwen2, gemma)")]
     Architecture(String),
-    #[error("tokenizer model {0:?} is not supported (supported: gpt2-style byte-level BPE)")]
+    #[error(
+        "tokenizer model {0:?} is not supported (supported: gpt2's byte-level BPE, llama's SentencePiece)"
+    )]
     TokenizerModel(String),
     #[error(
         "pre-tokenizer {0:?} is unknown (known: smollm, starcoder, refact, gpt2, default, llama-bpe, qwen2)"
@@ -60,8 +63,49 @@ pub enum ImportDtype {
     Bf16,
 }
 
-/// Hyper-parameters read from the `llama.*` metadata keys.
+/// An architecture import-gguf reads: its GGUF name (the prefix of its metadata keys), its
+/// transformers class, and what llama.cpp's converter did to its tensors.
+pub(super) struct Arch {
+    gguf: &'static str,
+    class: &'static str,
+    model_type: &'static str,
+    hidden_act: &'static str,
+    /// q/k rows permuted for interleaved RoPE.
+    permuted_qk: bool,
+    /// RMSNorm weights stored plus one (Gemma's `1 + w`).
+    norm_plus_one: bool,
+}
+
+const ARCHS: [Arch; 3] = [
+    Arch {
+        gguf: "llama",
+        class: "LlamaForCausalLM",
+        model_type: "llama",
+        hidden_act: "silu",
+        permuted_qk: true,
+        norm_plus_one: false,
+    },
+    Arch {
+        gguf: "qwen2",
+        class: "Qwen2ForCausalLM",
+        model_type: "qwen2",
+        hidden_act: "silu",
+        permuted_qk: false,
+        norm_plus_one: false,
+    },
+    Arch {
+        gguf: "gemma",
+        class: "GemmaForCausalLM",
+        model_type: "gemma",
+        hidden_act: "gelu_pytorch_tanh",
+        permuted_qk: false,
+        norm_plus_one: true,
+    },
+];
+
+/// Hyper-parameters read from the `ARCH.*` metadata keys.
 struct LlamaMeta {
+    arch: &'static Arch,
     hidden: usize,
     layers: usize,
     heads: usize,
@@ -71,13 +115,17 @@ struct LlamaMeta {
     ctx: usize,
     theta: f64,
     eps: f32,
+    /// `ARCH.attention.key_length`, where the file gives it (Gemma's 256 with 3,072 / 16).
+    head_dim: Option<usize>,
 }
 
 impl LlamaMeta {
-    fn read(g: &GgufFile, vocab: usize) -> Result<Self, GgufError> {
-        let u = |k: &str| g.get_u64(&format!("llama.{k}")).map(|v| v as usize);
+    fn read(g: &GgufFile, arch: &'static Arch, vocab: usize) -> Result<Self, GgufError> {
+        let p = arch.gguf;
+        let u = |k: &str| g.get_u64(&format!("{p}.{k}")).map(|v| v as usize);
         let heads = u("attention.head_count")?;
         let m = Self {
+            arch,
             hidden: u("embedding_length")?,
             layers: u("block_count")?,
             heads,
@@ -85,8 +133,9 @@ impl LlamaMeta {
             ffn: u("feed_forward_length")?,
             vocab: u("vocab_size").unwrap_or(vocab),
             ctx: u("context_length")?,
-            theta: g.get_f64("llama.rope.freq_base").unwrap_or(10000.0),
-            eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32,
+            theta: g.get_f64(&format!("{p}.rope.freq_base")).unwrap_or(10000.0),
+            eps: g.get_f64(&format!("{p}.attention.layer_norm_rms_epsilon"))? as f32,
+            head_dim: u("attention.key_length").ok().filter(|&d| d > 0),
         };
         let bad = |m: String| Err(GgufError::Malformed(m));
         for (key, v) in [
@@ -99,25 +148,26 @@ impl LlamaMeta {
             ("context_length", m.ctx),
         ] {
             if v == 0 {
-                return bad(format!("llama.{key} is 0"));
+                return bad(format!("{p}.{key} is 0"));
             }
         }
-        if !m.hidden.is_multiple_of(m.heads) || !m.heads.is_multiple_of(m.kv_heads) {
+        if (m.head_dim.is_none() && !m.hidden.is_multiple_of(m.heads)) || !m.heads.is_multiple_of(m.kv_heads)
+        {
             return bad(format!(
-                "llama.embedding_length {} and the head counts {} / {} do not divide",
+                "{p}.embedding_length {} and the head counts {} / {} do not divide",
                 m.hidden, m.heads, m.kv_heads
             ));
         }
         if !(m.theta.is_finite() && m.theta > 0.0 && m.eps.is_finite() && m.eps > 0.0) {
             return bad(format!(
-                "llama.rope.freq_base {} and llama.attention.layer_norm_rms_epsilon {} must be positive",
+                "{p}.rope.freq_base {} and {p}.attention.layer_norm_rms_epsilon {} must be positive",
                 m.theta, m.eps
             ));
         }
         Ok(m)
     }
     fn head_dim(&self) -> usize {
-        self.hidden / self.heads
+        self.head_dim.unwrap_or(self.hidden / self.heads)
     }
 }
 
@@ -135,15 +185,16 @@ fn hf_name(name: &str, m: &LlamaMeta) -> Option<(String, Option<usize>)> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, leaf) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    let heads = |n: usize| Some(n).filter(|_| m.arch.permuted_qk);
     let (hf, permute) = match leaf {
         "attn_norm.weight" => ("input_layernorm.weight", None),
         "ffn_norm.weight" => ("post_attention_layernorm.weight", None),
-        "attn_q.weight" => ("self_attn.q_proj.weight", Some(m.heads)),
-        "attn_k.weight" => ("self_attn.k_proj.weight", Some(m.kv_heads)),
+        "attn_q.weight" => ("self_attn.q_proj.weight", heads(m.heads)),
+        "attn_k.weight" => ("self_attn.k_proj.weight", heads(m.kv_heads)),
         "attn_v.weight" => ("self_attn.v_proj.weight", None),
         "attn_output.weight" => ("self_attn.o_proj.weight", None),
-        "attn_q.bias" => ("self_attn.q_proj.bias", Some(m.heads)),
-        "attn_k.bias" => ("self_attn.k_proj.bias", Some(m.kv_heads)),
+        "attn_q.bias" => ("self_attn.q_proj.bias", heads(m.heads)),
+        "attn_k.bias" => ("self_attn.k_proj.bias", heads(m.kv_heads)),
         "attn_v.bias" => ("self_attn.v_proj.bias", None),
         "ffn_gate.weight" => ("mlp.gate_proj.weight", None),
         "ffn_up.weight" => ("mlp.up_proj.weight", None),
@@ -176,7 +227,7 @@ pub(super) fn unpermute_rows_for_test(w: &[f32], rows: usize, n_head: usize) -> 
     unpermute_rows(w, rows, n_head)
 }
 
-fn write_json(dir: &Path, name: &str, v: &Json) -> Result<(), ImportError> {
+pub(super) fn write_json(dir: &Path, name: &str, v: &Json) -> Result<(), ImportError> {
     let path = dir.join(name);
     let text = serde_json::to_string_pretty(v).expect("JSON values always serialize");
     std::fs::write(&path, text + "\n")
@@ -187,23 +238,22 @@ fn write_json(dir: &Path, name: &str, v: &Json) -> Result<(), ImportError> {
 pub fn import_gguf(gguf: &Path, out: &Path, options: ImportOptions) -> Result<(), ImportError> {
     let dtype = options.dtype;
     let g = GgufFile::open(gguf)?;
-    let arch = g.get_str("general.architecture")?;
-    if arch != "llama" {
-        return Err(ImportError::Architecture(arch.to_string()));
-    }
+    let name = g.get_str("general.architecture")?;
+    let arch =
+        ARCHS.iter().find(|a| a.gguf == name).ok_or_else(|| ImportError::Architecture(name.to_string()))?;
     std::fs::create_dir_all(out)
         .map_err(|source| ImportError::Write { path: out.display().to_string(), source })?;
     let tokens = string_array(&g, "tokenizer.ggml.tokens")?;
-    let meta = LlamaMeta::read(&g, tokens.len())?;
+    let meta = LlamaMeta::read(&g, arch, tokens.len())?;
     let tied = g.tensor("output.weight").is_none();
 
-    write_tokenizer(&g, &tokens, out)?;
+    super::tokenizer::write_tokenizer(&g, &tokens, out)?;
     let special = |k: &str| g.get_u64(k).ok();
     let (bos, eos) = (special("tokenizer.ggml.bos_token_id"), special("tokenizer.ggml.eos_token_id"));
     let pad = special("tokenizer.ggml.padding_token_id");
     let config = json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.class],
+        "model_type": arch.model_type,
         "hidden_size": meta.hidden,
         "intermediate_size": meta.ffn,
         "num_hidden_layers": meta.layers,
@@ -214,7 +264,7 @@ pub fn import_gguf(gguf: &Path, out: &Path, options: ImportOptions) -> Result<()
         "rms_norm_eps": meta.eps,
         "rope_theta": meta.theta,
         "vocab_size": meta.vocab,
-        "hidden_act": "silu",
+        "hidden_act": arch.hidden_act,
         "tie_word_embeddings": tied,
         "attention_bias": g.tensor("blk.0.attn_q.bias").is_some(),
         "bos_token_id": bos,
@@ -275,7 +325,7 @@ pub fn imported(gguf: &Path, root: &Path, options: ImportOptions) -> Result<std:
     done.map(|()| dir)
 }
 
-fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
+pub(super) fn string_array(g: &GgufFile, key: &str) -> Result<Vec<String>, GgufError> {
     let arr = g.get(key)?.as_array().ok_or_else(|| GgufError::Malformed(format!("{key} is not an array")))?;
     arr.iter()
         .map(|v| {
@@ -328,6 +378,9 @@ fn write_weights(
         if let Some(n_head) = permute {
             w = unpermute_rows(&w, shape[0], n_head);
         }
+        if meta.arch.norm_plus_one && name.ends_with("norm.weight") {
+            w.iter_mut().for_each(|x| *x -= 1.0);
+        }
         let (st_dtype, bytes) = match options.dtype {
             ImportDtype::F32 => (safetensors::Dtype::F32, bytemuck::cast_slice::<f32, u8>(&w).to_vec()),
             ImportDtype::Bf16 => {
@@ -351,111 +404,4 @@ fn write_weights(
         .collect::<Result<_, _>>()?;
     safetensors::tensor::serialize_to_file(views, &Some(info), &out.join("model.safetensors"))?;
     Ok(())
-}
-
-/// The pre-tokenizer of a `tokenizer.ggml.pre` family, as HF's tokenizer.json spells it.
-fn pre_tokenizer(pre: &str) -> Result<Json, ImportError> {
-    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    Ok(match pre {
-        // StarCoder lineage (SmolLM, SmolLM2): every digit is its own pre-token.
-        "smollm" | "starcoder" | "refact" | "codeshell" => json!({
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
-        }),
-        "gpt2" | "default" => byte_level(true),
-        "llama-bpe" | "llama3" | "qwen2" => {
-            let pattern = if pre == "qwen2" {
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-            } else {
-                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-            };
-            json!({
-                "type": "Sequence",
-                "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
-                    byte_level(false)
-                ]
-            })
-        }
-        other => return Err(ImportError::PreTokenizer(other.to_string())),
-    })
-}
-
-fn write_tokenizer(g: &GgufFile, tokens: &[String], out: &Path) -> Result<(), ImportError> {
-    let model = g.get_str("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(ImportError::TokenizerModel(model.to_string()));
-    }
-    let pre = g.get_str("tokenizer.ggml.pre").unwrap_or("default");
-    let merges = string_array(g, "tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
-        Ok(Value::Array(a)) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
-        _ => vec![1; tokens.len()],
-    };
-    let mut vocab = serde_json::Map::new();
-    let mut added = Vec::new();
-    let mut added_decoder = serde_json::Map::new();
-    for (id, tok) in tokens.iter().enumerate() {
-        vocab.insert(tok.clone(), json!(id));
-        // 3 = control (special), 4 = user-defined (added, not special).
-        let ty = types.get(id).copied().unwrap_or(1);
-        if ty == 3 || ty == 4 {
-            let entry = json!({
-                "id": id, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": ty == 3
-            });
-            added_decoder.insert(id.to_string(), entry.clone());
-            added.push(entry);
-        }
-    }
-    let add_bos = g.get("tokenizer.ggml.add_bos_token").ok().and_then(Value::as_bool).unwrap_or(false);
-    let tok_name = |key: &str| g.get_u64(key).ok().and_then(|id| tokens.get(id as usize)).cloned();
-    let bos = tok_name("tokenizer.ggml.bos_token_id");
-    let post_processor = match (&bos, add_bos) {
-        (Some(b), true) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {b.as_str(): {"id": b, "ids": [g.get_u64("tokenizer.ggml.bos_token_id")?], "tokens": [b]}}
-        }),
-        _ => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}),
-    };
-    let tokenizer = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer(pre)?,
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": false, "vocab": vocab, "merges": merges
-        }
-    });
-    let text = serde_json::to_string(&tokenizer).expect("JSON values always serialize");
-    tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| ImportError::Tokenizer(e.to_string()))?;
-    let path = out.join("tokenizer.json");
-    std::fs::write(&path, text)
-        .map_err(|source| ImportError::Write { path: path.display().to_string(), source })?;
-
-    let mut cfg = json!({
-        "add_bos_token": add_bos,
-        "add_eos_token": false,
-        "added_tokens_decoder": added_decoder,
-        "bos_token": bos,
-        "eos_token": tok_name("tokenizer.ggml.eos_token_id"),
-        "pad_token": tok_name("tokenizer.ggml.padding_token_id"),
-        "unk_token": tok_name("tokenizer.ggml.unknown_token_id"),
-        "clean_up_tokenization_spaces": false,
-        "model_max_length": g.get_u64("llama.context_length").unwrap_or(2048),
-        "tokenizer_class": "GPT2Tokenizer",
-    });
-    if let Ok(t) = g.get_str("tokenizer.chat_template") {
-        cfg["chat_template"] = json!(t);
-    }
-    write_json(out, "tokenizer_config.json", &cfg)
 }

@@ -11,6 +11,7 @@
 //! panic or a huge allocation.
 
 pub mod import;
+mod tokenizer;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -10,7 +10,9 @@
 //! end to end, and the scales beside them (Q4_K's 6-bit ones unpacked to a byte each), so
 //! that a block's quants load as one vector. x86 CPUs with AVX2 (every AVX-512 one
 //! included) run `vpmaddubsw` dot products, 32 products an instruction, or VNNI's
-//! `vpdpbusd` where the AVX-512 family has it; other CPUs run the portable loops.
+//! `vpdpbusd` where the AVX-512 family has it; Arm CPUs run NEON's widening multiplies
+//! (`smull`, 8 products an instruction, summed pairwise into 32-bit lanes); other CPUs run
+//! the portable loops.
 
 use half::f16;
 use rayon::prelude::*;
@@ -682,6 +684,123 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use std::arch::aarch64::*;
+
+    use super::{QK, QuantFormat, QuantRows, QuantWeight};
+
+    /// 16 bits as 16 bytes: 0x10 where the bit is set (Q5_0's fifth bits, in place).
+    #[inline(always)]
+    unsafe fn fifth_bits(bits: u32) -> uint8x16_t {
+        const MASK: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+        // SAFETY: NEON is there (the callers' target features); MASK holds 16 bytes.
+        unsafe {
+            let v = vcombine_u8(vdup_n_u8(bits as u8), vdup_n_u8((bits >> 8) as u8));
+            vandq_u8(vtstq_u8(v, vld1q_u8(MASK.as_ptr())), vdupq_n_u8(0x10))
+        }
+    }
+
+    /// 16 of a Q6_K sub-block's quants less 32: the nibbles of `ql` (the high ones where
+    /// `high_nibble`) under bits `2·t..2·t + 2` of `qh`.
+    #[inline(always)]
+    unsafe fn q6k_16(ql: *const u8, qh: *const u8, high_nibble: bool, t: usize) -> int8x16_t {
+        // SAFETY: 16 bytes at each pointer (the caller's contract); NEON is there.
+        unsafe {
+            let l = vld1q_u8(ql);
+            let l = if high_nibble { vshrq_n_u8::<4>(l) } else { vandq_u8(l, vdupq_n_u8(0x0f)) };
+            let h = vandq_u8(vshlq_u8(vld1q_u8(qh), vdupq_n_s8(-2 * t as i8)), vdupq_n_u8(3));
+            vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(l, vshlq_n_u8::<4>(h))), vdupq_n_s8(32))
+        }
+    }
+
+    /// Sub-block `i`'s 32 quants as elements 0..16 and 16..32, signed as
+    /// [`QuantWeight::sub_quants`] gives them.
+    #[inline(always)]
+    unsafe fn quants(w: &QuantWeight, i: usize) -> (int8x16_t, int8x16_t) {
+        // SAFETY: sub-block i is inside the weight (the callers' contract); NEON is there.
+        unsafe {
+            let (qs, low) = (w.qs.as_ptr(), vdupq_n_u8(0x0f));
+            let signed = vreinterpretq_s8_u8;
+            match w.format {
+                QuantFormat::Q8_0 => (vld1q_s8(qs.add(i * 32).cast()), vld1q_s8(qs.add(i * 32 + 16).cast())),
+                QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 => {
+                    let v = vld1q_u8(qs.add(i * 16));
+                    let (mut lo, mut hi) = (vandq_u8(v, low), vshrq_n_u8::<4>(v));
+                    if w.format == QuantFormat::Q5_0 {
+                        let bits = w.fifth_bits(i);
+                        lo = vorrq_u8(lo, fifth_bits(bits & 0xffff));
+                        hi = vorrq_u8(hi, fifth_bits(bits >> 16));
+                    }
+                    (signed(lo), signed(hi))
+                }
+                // Pairs of sub-blocks share 32 bytes: low nibbles the even one's.
+                QuantFormat::Q4_K => {
+                    let p = qs.add((i / 2) * 32);
+                    let (a, b) = (vld1q_u8(p), vld1q_u8(p.add(16)));
+                    match i % 2 {
+                        0 => (signed(vandq_u8(a, low)), signed(vandq_u8(b, low))),
+                        _ => (signed(vshrq_n_u8::<4>(a)), signed(vshrq_n_u8::<4>(b))),
+                    }
+                }
+                QuantFormat::Q6_K => {
+                    let (b, j) = (i / 8, i % 8);
+                    let (half, t) = (j / 4, j % 4);
+                    let blk = qs.add(b * 192);
+                    let (ql, qh) = (blk.add(64 * half + 32 * (t % 2)), blk.add(128 + 32 * half));
+                    (q6k_16(ql, qh, t >= 2, t), q6k_16(ql.add(16), qh.add(16), t >= 2, t))
+                }
+            }
+        }
+    }
+
+    /// The integer dot product of 16 weight quants with 16 input quants.
+    #[inline(always)]
+    unsafe fn sum16(w: int8x16_t, x: int8x16_t) -> i32 {
+        // SAFETY: NEON is there (the callers' target features).
+        unsafe {
+            let lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+            vaddvq_s32(vpadalq_s16(vpaddlq_s16(lo), vmull_high_s8(w, x)))
+        }
+    }
+
+    /// The dot products of weight rows `j0..j0 + NR` with input rows `rows`: `[NR][MR]`,
+    /// each sub-block's quants unpacked once for the `MR` inputs, its two halves' integer
+    /// sums scaled as the portable loop scales them.
+    ///
+    /// # Safety
+    /// The CPU has NEON.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn dot<const NR: usize, const MR: usize>(
+        w: &QuantWeight,
+        j0: usize,
+        x: &QuantRows,
+        rows: [usize; MR],
+    ) -> [[f32; MR]; NR] {
+        let nb = w.k / QK;
+        assert!(j0 + NR <= w.n && x.k == w.k && rows.iter().all(|&r| (r + 1) * x.k <= x.q.len()));
+        let mut out = [[0f32; MR]; NR];
+        // SAFETY: every block read is of rows j0..j0 + NR of w and rows `rows` of x
+        // (asserted above); NEON is the target feature.
+        unsafe {
+            for (r, out) in out.iter_mut().enumerate() {
+                for b in 0..nb {
+                    let i = (j0 + r) * nb + b;
+                    let (w0, w1) = quants(w, i);
+                    let (scale, offset) = w.sub_scales(i);
+                    for (c, out) in out.iter_mut().enumerate() {
+                        let xb = rows[c] * nb + b;
+                        let xq = x.q.as_ptr().add(xb * QK);
+                        let (s0, s1) = (sum16(w0, vld1q_s8(xq)), sum16(w1, vld1q_s8(xq.add(16))));
+                        *out += x.d[xb] * (scale[0] * s0 as f32 + scale[1] * s1 as f32) + offset * x.s[xb];
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 // SAFETY: tasks write disjoint output columns.
@@ -716,6 +835,10 @@ fn kernels(family: Family) -> Kernels {
             };
         }
         return Kernels { w4x1: avx2::dot::<4, 1>, w2x4: avx2::dot::<2, 4>, w1x1: avx2::dot::<1, 1> };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if family == Family::Neon && std::arch::is_aarch64_feature_detected!("neon") {
+        return Kernels { w4x1: neon::dot::<4, 1>, w2x4: neon::dot::<2, 4>, w1x1: neon::dot::<1, 1> };
     }
     let _ = family;
     Kernels { w4x1: dot_portable::<4, 1>, w2x4: dot_portable::<2, 4>, w1x1: dot_portable::<1, 1> }

@@ -19,7 +19,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
-use crate::kernels::quant::{QuantFormat, five_bits, k_quant_4_5};
+use crate::kernels::quant::{QuantFormat, five_bits};
 use crate::mapped::FileBytes;
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +146,7 @@ impl GgmlType {
             Self::Q5_0 => Some(QuantFormat::Q5_0),
             Self::Q8_0 => Some(QuantFormat::Q8_0),
             Self::Q4_K => Some(QuantFormat::Q4_K),
+            Self::Q5_K => Some(QuantFormat::Q5_K),
             Self::Q6_K => Some(QuantFormat::Q6_K),
             _ => None,
         }
@@ -440,11 +441,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
             }
         }
         GgmlType::Q4_K => QuantFormat::Q4_K.dequantize(bytes, &mut out),
-        GgmlType::Q5_K => {
-            for blk in bytes.chunks_exact(176) {
-                k_quant_4_5(blk, Some(&blk[16..48]), &blk[48..176], &mut out);
-            }
-        }
+        GgmlType::Q5_K => QuantFormat::Q5_K.dequantize(bytes, &mut out),
         GgmlType::Q6_K => QuantFormat::Q6_K.dequantize(bytes, &mut out),
     }
     out

@@ -14,6 +14,8 @@
 //! - `Q4_K`: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins ([`scale_min_k4`]), then
 //!   128 bytes of nibbles, each 32 bytes two sub-blocks (low nibbles the first);
 //!   w = d·scale·q − dmin·min.
+//! - `Q5_K`: as Q4_K, with 32 bytes `qh` before the nibbles: bit j of qh[l] is the fifth
+//!   bit of element l of sub-block j.
 //! - `Q6_K`: 128 bytes of low nibbles `ql`, 64 of high bit pairs `qh`, 16 signed 8-bit
 //!   scales (one a 16 elements), then f16 d; w = d·scale·(q − 32). Each half of 128
 //!   elements takes 64 bytes of ql and 32 of qh ([`q6_k_quarter`]).
@@ -34,16 +36,18 @@ pub enum QuantFormat {
     Q5_0,
     Q8_0,
     Q4_K,
+    Q5_K,
     Q6_K,
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 6] = [
+    pub const ALL: [QuantFormat; 7] = [
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
         QuantFormat::Q5_0,
         QuantFormat::Q8_0,
         QuantFormat::Q4_K,
+        QuantFormat::Q5_K,
         QuantFormat::Q6_K,
     ];
 
@@ -55,6 +59,7 @@ impl QuantFormat {
             QuantFormat::Q5_0 => "Q5_0",
             QuantFormat::Q8_0 => "Q8_0",
             QuantFormat::Q4_K => "Q4_K",
+            QuantFormat::Q5_K => "Q5_K",
             QuantFormat::Q6_K => "Q6_K",
         }
     }
@@ -62,7 +67,7 @@ impl QuantFormat {
     /// Elements per block (a K-quant's super-block).
     pub fn block_elems(self) -> usize {
         match self {
-            QuantFormat::Q4_K | QuantFormat::Q6_K => QK_K,
+            QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => QK_K,
             _ => QK,
         }
     }
@@ -79,14 +84,15 @@ impl QuantFormat {
             QuantFormat::Q5_0 => 22,
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4_K => 144,
+            QuantFormat::Q5_K => 176,
             QuantFormat::Q6_K => 210,
         }
     }
 
-    /// Where a block's f16 scales are (d, and m for Q4_1; d and dmin for Q4_K).
+    /// Where a block's f16 scales are (d, and m for Q4_1; d and dmin for Q4_K and Q5_K).
     pub fn scale_offsets(self) -> &'static [usize] {
         match self {
-            QuantFormat::Q4_1 | QuantFormat::Q4_K => &[0, 2],
+            QuantFormat::Q4_1 | QuantFormat::Q4_K | QuantFormat::Q5_K => &[0, 2],
             QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
             QuantFormat::Q6_K => &[208],
         }
@@ -122,6 +128,7 @@ impl QuantFormat {
                     out.extend(blk[2..34].iter().map(|&q| d * (q as i8) as f32));
                 }
                 QuantFormat::Q4_K => k_quant_4_5(blk, None, &blk[16..144], out),
+                QuantFormat::Q5_K => k_quant_4_5(blk, Some(&blk[16..48]), &blk[48..176], out),
                 QuantFormat::Q6_K => {
                     let d = h(blk, 208);
                     for quarter in 0..8 {
@@ -175,7 +182,7 @@ impl QuantFormat {
                     out.extend(f16::from_f32(min).to_le_bytes());
                     out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
                 }
-                QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q6_K => {
+                QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => {
                     unreachable!("tests make {self} blocks of random bytes")
                 }
             }
@@ -256,7 +263,9 @@ mod tests {
                     QuantFormat::Q8_0 => range / 127.0 * 0.5,
                     QuantFormat::Q4_1 => range * 2.0 / 15.0 * 0.5,
                     QuantFormat::Q4_0 => range / 8.0,
-                    QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q6_K => unreachable!("filtered out"),
+                    QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => {
+                        unreachable!("filtered out")
+                    }
                 };
                 for (a, b) in xb.iter().zip(yb) {
                     assert!((a - b).abs() <= tol * 1.01 + 1e-3, "{f} block {blk}: {a} vs {b}");

@@ -28,14 +28,15 @@ pub struct QuantWeight {
     pub n: usize,
     pub k: usize,
     /// Quants, a row's blocks end to end: 32 signed bytes a block for Q8_0, 16 bytes of
-    /// nibble pairs (as in the file) for Q4_0 and Q4_1, 128 for a Q4_K super-block.
+    /// nibble pairs (as in the file) for Q4_0 and Q4_1, 128 for a Q4_K super-block, and
+    /// for a Q5_K one its 128 bytes of nibbles then its 32 of fifth bits (`qh`).
     qs: Vec<u8>,
     /// Each block's d, `[n, k / block_elems]`.
     d: Vec<f16>,
     /// Each block's m (Q4_1) or dmin (Q4_K).
     m: Vec<f16>,
-    /// Q4_K: each super-block's 6-bit scales, then its mins, one byte each (16 bytes for the
-    /// file's 12); Q6_K: its 16 scales; Q5_0: each block's 32 fifth bits.
+    /// Q4_K and Q5_K: each super-block's 6-bit scales, then its mins, one byte each (16
+    /// bytes for the file's 12); Q6_K: its 16 scales; Q5_0: each block's 32 fifth bits.
     sub: Vec<u8>,
 }
 
@@ -54,7 +55,7 @@ impl QuantWeight {
             m: Vec::with_capacity(if two_scales { blocks } else { 0 }),
             sub: Vec::with_capacity(match format {
                 QuantFormat::Q5_0 => blocks * 4,
-                QuantFormat::Q4_K | QuantFormat::Q6_K => blocks * 16,
+                QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => blocks * 16,
                 _ => 0,
             }),
         };
@@ -65,10 +66,16 @@ impl QuantWeight {
                 w.m.push(h(blk, 2));
             }
             match format {
-                QuantFormat::Q4_K => {
+                QuantFormat::Q4_K | QuantFormat::Q5_K => {
                     let (sc, mn): (Vec<u8>, Vec<u8>) = (0..8).map(|j| scale_min_k4(j, &blk[4..16])).unzip();
                     w.sub.extend(sc.into_iter().chain(mn));
-                    w.qs.extend_from_slice(&blk[16..]);
+                    match format {
+                        QuantFormat::Q4_K => w.qs.extend_from_slice(&blk[16..]),
+                        _ => {
+                            w.qs.extend_from_slice(&blk[48..]);
+                            w.qs.extend_from_slice(&blk[16..48]);
+                        }
+                    }
                 }
                 QuantFormat::Q6_K => {
                     w.sub.extend_from_slice(&blk[192..208]);
@@ -90,6 +97,7 @@ impl QuantWeight {
             QuantFormat::Q8_0 => 32,
             QuantFormat::Q6_K => 24,
             QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q4_K => 16,
+            QuantFormat::Q5_K => 20,
         }
     }
 
@@ -103,7 +111,7 @@ impl QuantWeight {
             QuantFormat::Q4_0 => one(self.d[i].to_f32(), -8.0 * self.d[i].to_f32()),
             QuantFormat::Q4_1 => one(self.d[i].to_f32(), self.m[i].to_f32()),
             QuantFormat::Q5_0 => one(self.d[i].to_f32(), -16.0 * self.d[i].to_f32()),
-            QuantFormat::Q4_K => {
+            QuantFormat::Q4_K | QuantFormat::Q5_K => {
                 let sub = &self.sub[b * 16..];
                 one(self.d[b].to_f32() * sub[j] as f32, -self.m[b].to_f32() * sub[8 + j] as f32)
             }
@@ -137,6 +145,13 @@ impl QuantWeight {
                 let qs = &self.qs[(i / 2) * 32..(i / 2 + 1) * 32];
                 let shift = 4 * (i % 2);
                 std::array::from_fn(|l| ((qs[l] >> shift) & 0x0f) as i32)
+            }
+            QuantFormat::Q5_K => {
+                let (b, j) = (i / 8, i % 8);
+                let blk = &self.qs[b * 160..(b + 1) * 160];
+                let (qs, qh) = (&blk[(j / 2) * 32..(j / 2 + 1) * 32], &blk[128..]);
+                let shift = 4 * (j % 2);
+                std::array::from_fn(|l| (((qs[l] >> shift) & 0x0f) | (((qh[l] >> j) & 1) << 4)) as i32)
             }
             QuantFormat::Q6_K => {
                 let (b, j) = (i / 8, i % 8);
@@ -442,7 +457,7 @@ mod avx2 {
         // `rows` of x (asserted above); the instructions are the target features.
         unsafe {
             match f {
-                QuantFormat::Q4_K => return dot_q4k::<NR, MR, VNNI>(w, j0, x, rows),
+                QuantFormat::Q4_K | QuantFormat::Q5_K => return dot_q4k::<NR, MR, VNNI>(w, j0, x, rows),
                 QuantFormat::Q6_K => return dot_q6k::<NR, MR, VNNI>(w, j0, x, rows),
                 _ => {}
             }
@@ -538,7 +553,8 @@ mod avx2 {
     /// [`dot`] over Q4_K super-blocks: a 32-byte load holds two sub-blocks (low nibbles,
     /// high nibbles) in the inputs' own order; four sub-blocks' sums fold into one vector as
     /// in `dot_body`, scaled by d times their 6-bit scales; the mins (dmin times 6-bit
-    /// mins) meet the inputs' block sums eight at a time.
+    /// mins) meet the inputs' block sums eight at a time. Q5_K's fifth bits (bit s of its
+    /// 32 `qh` bytes for sub-block s) are put above the nibbles first.
     ///
     /// # Safety
     /// As `dot_body`'s, whose assertions it runs under.
@@ -550,9 +566,11 @@ mod avx2 {
         rows: [usize; MR],
     ) -> [[f32; MR]; NR] {
         let (nsb, nb) = (w.k / QK_K, w.k / QK);
+        let five = w.format == QuantFormat::Q5_K;
+        let stride = if five { 160 } else { 128 };
         // SAFETY: the caller asserted that the rows exist; every read is inside them.
         unsafe {
-            let low = _mm256_set1_epi8(0x0f);
+            let (low, one) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(1));
             let mut acc = [[_mm256_setzero_ps(); MR]; NR];
             let mut mins = [[_mm256_setzero_ps(); MR]; NR];
             for b in 0..nsb {
@@ -560,7 +578,9 @@ mod avx2 {
                 for r in 0..NR {
                     let i = (j0 + r) * nsb + b;
                     let (d, dmin) = (h2f(*w.d.get_unchecked(i)), h2f(*w.m.get_unchecked(i)));
-                    let (sub, qs) = (w.sub.as_ptr().add(i * 16), w.qs.as_ptr().add(i * 128));
+                    let (sub, qs) = (w.sub.as_ptr().add(i * 16), w.qs.as_ptr().add(i * stride));
+                    let qh =
+                        if five { _mm256_loadu_si256(qs.add(128).cast()) } else { _mm256_setzero_si256() };
                     let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(sub.add(8).cast())));
                     let mn = _mm256_mul_ps(mn, _mm256_set1_ps(dmin));
                     for c in 0..MR {
@@ -569,12 +589,21 @@ mod avx2 {
                     for q in 0..2 {
                         let v0 = _mm256_loadu_si256(qs.add(q * 64).cast());
                         let v1 = _mm256_loadu_si256(qs.add(q * 64 + 32).cast());
-                        let ws = [
+                        let mut ws = [
                             _mm256_and_si256(v0, low),
                             _mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
                             _mm256_and_si256(v1, low),
                             _mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
                         ];
+                        if five {
+                            // Sub-block 4q + t's bits, each byte's bit 0 moved to bit 4.
+                            let shift = _mm_cvtsi32_si128(4 * q as i32);
+                            let bits: [__m256i; 4] = each!(4, |t| _mm256_and_si256(
+                                _mm256_srl_epi16(qh, _mm_add_epi64(shift, _mm_cvtsi32_si128(t as i32))),
+                                one
+                            ));
+                            ws = each!(4, |t| _mm256_or_si256(ws[t], _mm256_slli_epi16(bits[t], 4)));
+                        }
                         let sc = _mm_cvtsi32_si128(std::ptr::read_unaligned(sub.add(q * 4).cast::<i32>()));
                         let sc = _mm_mul_ps(_mm_cvtepi32_ps(_mm_cvtepu8_epi32(sc)), _mm_set1_ps(d));
                         for c in 0..MR {
@@ -661,8 +690,8 @@ mod avx2 {
     unsafe fn offset(w: &QuantWeight, j: usize, x: &QuantRows, row: usize) -> f32 {
         let nb = w.k / QK;
         let (base, factor) = match w.format {
-            // Q4_K's mins are summed in `dot_q4k`; Q6_K's quants are signed.
-            QuantFormat::Q8_0 | QuantFormat::Q4_K | QuantFormat::Q6_K => return 0.0,
+            // Q4_K's and Q5_K's mins are summed in `dot_q4k`; Q6_K's quants are signed.
+            QuantFormat::Q8_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => return 0.0,
             QuantFormat::Q4_0 => (&w.d[j * nb..(j + 1) * nb], -8.0),
             QuantFormat::Q5_0 => (&w.d[j * nb..(j + 1) * nb], -16.0),
             QuantFormat::Q4_1 => (&w.m[j * nb..(j + 1) * nb], 1.0),
@@ -735,13 +764,24 @@ mod neon {
                     (signed(lo), signed(hi))
                 }
                 // Pairs of sub-blocks share 32 bytes: low nibbles the even one's.
-                QuantFormat::Q4_K => {
-                    let p = qs.add((i / 2) * 32);
-                    let (a, b) = (vld1q_u8(p), vld1q_u8(p.add(16)));
-                    match i % 2 {
-                        0 => (signed(vandq_u8(a, low)), signed(vandq_u8(b, low))),
-                        _ => (signed(vshrq_n_u8::<4>(a)), signed(vshrq_n_u8::<4>(b))),
+                QuantFormat::Q4_K | QuantFormat::Q5_K => {
+                    let five = w.format == QuantFormat::Q5_K;
+                    let (b, j) = (i / 8, i % 8);
+                    let blk = qs.add(b * if five { 160 } else { 128 });
+                    let p = blk.add((j / 2) * 32);
+                    let (a, c) = (vld1q_u8(p), vld1q_u8(p.add(16)));
+                    let (mut a, mut c) = match j % 2 {
+                        0 => (vandq_u8(a, low), vandq_u8(c, low)),
+                        _ => (vshrq_n_u8::<4>(a), vshrq_n_u8::<4>(c)),
+                    };
+                    if five {
+                        // Bit j of each qh byte, moved to bit 4.
+                        let shift = vdupq_n_s8(4 - j as i8);
+                        let bit = vdupq_n_u8(0x10);
+                        a = vorrq_u8(a, vandq_u8(vshlq_u8(vld1q_u8(blk.add(128)), shift), bit));
+                        c = vorrq_u8(c, vandq_u8(vshlq_u8(vld1q_u8(blk.add(144)), shift), bit));
                     }
+                    (signed(a), signed(c))
                 }
                 QuantFormat::Q6_K => {
                     let (b, j) = (i / 8, i % 8);

@@ -135,7 +135,7 @@ pub struct EngineArgs {
     /// by name, as are checkpoints whose config.json names one.
     #[arg(long, short = 'q')]
     pub quantization: Option<String>,
-    /// With a .gguf --model on the CPU: keep its Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K matrices in their
+    /// With a .gguf --model on the CPU: keep its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in their
     /// blocks and multiply them with the CPU's quantized kernels, as llama.cpp does (a
     /// quarter to a half of bf16's bytes a token; inputs rounded to 8 bits a block), instead
     /// of dequantizing them at import.

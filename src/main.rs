@@ -29,7 +29,7 @@ enum Cmd {
         /// Dtype of the dequantized weights.
         #[arg(long, value_enum, default_value_t = ImportDtype::F32)]
         dtype: ImportDtype,
-        /// Keep Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks, for the CPU's quantized
+        /// Keep Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in their blocks, for the CPU's quantized
         /// kernels (other types are dequantized).
         #[arg(long)]
         keep_quantized: bool,

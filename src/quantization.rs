@@ -2,7 +2,7 @@
 //! quantized (config.json's `quantization_config`): what the engine serves, and a refusal
 //! that names the method for what it does not. GGUF files (llama.cpp's quantized formats)
 //! are served by dequantizing them once at import (`gguf::import::imported`), or on the CPU
-//! with their Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks kept (`--keep-quantized`). FP8
+//! with their Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks kept (`--keep-quantized`). FP8
 //! (e4m3) checkpoints, vLLM's `fp8` and compressed-tensors' `float-quantized`, load with each
 //! weight times its scales (per tensor, per output channel or per block), in the dtype of
 //! the checkpoint's other weights (`models::loader`). GPTQ, AWQ and compressed-tensors
@@ -51,7 +51,7 @@ const SERVED: &str = "float32, float16 and bfloat16 checkpoints, FP8 (e4m3) chec
                       8 bits), AWQ (4 bits, gemm) and compressed-tensors pack-quantized and int-quantized (2, 4 \
                       and 8 bits) checkpoints (their weights unpacked at load), and GGUF files \
                       (--quantization gguf, dequantized once at import, or on the CPU kept in their Q4_0, Q4_1, \
-                      Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks with --keep-quantized)";
+                      Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks with --keep-quantized)";
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {

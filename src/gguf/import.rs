@@ -7,7 +7,7 @@
 //! q/k projections for its interleaved RoPE (HF uses rotate-half; Qwen2 and Gemma are not
 //! permuted), and Gemma's RMSNorm weights, which it stores plus one.
 //!
-//! With `--keep-quantized`, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K matrices are written as they are: safetensors
+//! With `--keep-quantized`, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices are written as they are: safetensors
 //! bytes `[rows, row bytes]`, their format named in the file's metadata
 //! (`models::loader::quant_key`), for the CPU's quantized kernels.
 
@@ -49,7 +49,7 @@ pub enum ImportError {
 pub struct ImportOptions {
     /// The dtype of dequantized weights.
     pub dtype: ImportDtype,
-    /// Linear weights in the formats the CPU multiplies directly (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) stay in
+    /// Linear weights in the formats the CPU multiplies directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in
     /// their blocks (safetensors bytes, their format in the file's metadata).
     pub keep_quantized: bool,
 }
@@ -393,7 +393,7 @@ fn write_weights(
     if !dequantized.is_empty() {
         tracing::info!(
             ?dequantized,
-            "--keep-quantized keeps Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K blocks; these matrices' types are dequantized"
+            "--keep-quantized keeps Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks; these matrices' types are dequantized"
         );
     }
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors

@@ -19,7 +19,7 @@ use std::path::Path;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
-use crate::kernels::quant::{QuantFormat, five_bits};
+use crate::kernels::quant::QuantFormat;
 use crate::mapped::FileBytes;
 
 #[derive(Debug, thiserror::Error)]
@@ -144,6 +144,7 @@ impl GgmlType {
             Self::Q4_0 => Some(QuantFormat::Q4_0),
             Self::Q4_1 => Some(QuantFormat::Q4_1),
             Self::Q5_0 => Some(QuantFormat::Q5_0),
+            Self::Q5_1 => Some(QuantFormat::Q5_1),
             Self::Q8_0 => Some(QuantFormat::Q8_0),
             Self::Q4_K => Some(QuantFormat::Q4_K),
             Self::Q5_K => Some(QuantFormat::Q5_K),
@@ -427,17 +428,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Vec<f32> {
             out.extend(bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()))
         }
         // Formats `--keep-quantized` keeps, defined beside their CPU kernels.
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
             if let Some(f) = ty.kept() {
                 f.dequantize(bytes, &mut out)
-            }
-        }
-        GgmlType::Q5_1 => {
-            // w = d·q + m, q as in Q5_0.
-            for blk in bytes.chunks_exact(24) {
-                let (d, m) = (h(blk, 0), h(blk, 2));
-                let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
-                out.extend(five_bits(&blk[8..24], qh).map(|q| d * q as f32 + m));
             }
         }
         GgmlType::Q4_K => QuantFormat::Q4_K.dequantize(bytes, &mut out),

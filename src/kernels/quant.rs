@@ -8,6 +8,7 @@
 //! - `Q4_1`: f16 d, f16 m, then the nibbles as in Q4_0; w = d·q + m.
 //! - `Q5_0`: f16 d, 32 bits of fifth bits (bit j for element j), then nibbles as in Q4_0;
 //!   w = d·(q − 16).
+//! - `Q5_1`: f16 d, f16 m, then Q5_0's fifth bits and nibbles; w = d·q + m.
 //! - `Q8_0`: f16 d, then 32 signed bytes; w = d·q.
 //!
 //! or a super-block of 256 (K-quants), as 8 sub-blocks of 32:
@@ -34,6 +35,7 @@ pub enum QuantFormat {
     Q4_0,
     Q4_1,
     Q5_0,
+    Q5_1,
     Q8_0,
     Q4_K,
     Q5_K,
@@ -41,10 +43,11 @@ pub enum QuantFormat {
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 7] = [
+    pub const ALL: [QuantFormat; 8] = [
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
         QuantFormat::Q5_0,
+        QuantFormat::Q5_1,
         QuantFormat::Q8_0,
         QuantFormat::Q4_K,
         QuantFormat::Q5_K,
@@ -57,6 +60,7 @@ impl QuantFormat {
             QuantFormat::Q4_0 => "Q4_0",
             QuantFormat::Q4_1 => "Q4_1",
             QuantFormat::Q5_0 => "Q5_0",
+            QuantFormat::Q5_1 => "Q5_1",
             QuantFormat::Q8_0 => "Q8_0",
             QuantFormat::Q4_K => "Q4_K",
             QuantFormat::Q5_K => "Q5_K",
@@ -82,6 +86,7 @@ impl QuantFormat {
             QuantFormat::Q4_0 => 18,
             QuantFormat::Q4_1 => 20,
             QuantFormat::Q5_0 => 22,
+            QuantFormat::Q5_1 => 24,
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4_K => 144,
             QuantFormat::Q5_K => 176,
@@ -89,10 +94,11 @@ impl QuantFormat {
         }
     }
 
-    /// Where a block's f16 scales are (d, and m for Q4_1; d and dmin for Q4_K and Q5_K).
+    /// Where a block's f16 scales are (d, and m for Q4_1 and Q5_1; d and dmin for Q4_K and
+    /// Q5_K).
     pub fn scale_offsets(self) -> &'static [usize] {
         match self {
-            QuantFormat::Q4_1 | QuantFormat::Q4_K | QuantFormat::Q5_K => &[0, 2],
+            QuantFormat::Q4_1 | QuantFormat::Q5_1 | QuantFormat::Q4_K | QuantFormat::Q5_K => &[0, 2],
             QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
             QuantFormat::Q6_K => &[208],
         }
@@ -122,6 +128,11 @@ impl QuantFormat {
                 QuantFormat::Q5_0 => {
                     let (d, qh) = (h(blk, 0), u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]));
                     out.extend(five_bits(&blk[6..22], qh).map(|q| d * (q as f32 - 16.0)));
+                }
+                QuantFormat::Q5_1 => {
+                    let (d, m, qh) =
+                        (h(blk, 0), h(blk, 2), u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]));
+                    out.extend(five_bits(&blk[8..24], qh).map(|q| d * q as f32 + m));
                 }
                 QuantFormat::Q8_0 => {
                     let d = h(blk, 0);
@@ -182,7 +193,11 @@ impl QuantFormat {
                     out.extend(f16::from_f32(min).to_le_bytes());
                     out.extend((0..16).map(|j| q(b[j]) | (q(b[j + 16]) << 4)));
                 }
-                QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => {
+                QuantFormat::Q5_0
+                | QuantFormat::Q5_1
+                | QuantFormat::Q4_K
+                | QuantFormat::Q5_K
+                | QuantFormat::Q6_K => {
                     unreachable!("tests make {self} blocks of random bytes")
                 }
             }
@@ -263,9 +278,11 @@ mod tests {
                     QuantFormat::Q8_0 => range / 127.0 * 0.5,
                     QuantFormat::Q4_1 => range * 2.0 / 15.0 * 0.5,
                     QuantFormat::Q4_0 => range / 8.0,
-                    QuantFormat::Q5_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => {
-                        unreachable!("filtered out")
-                    }
+                    QuantFormat::Q5_0
+                    | QuantFormat::Q5_1
+                    | QuantFormat::Q4_K
+                    | QuantFormat::Q5_K
+                    | QuantFormat::Q6_K => unreachable!("filtered out"),
                 };
                 for (a, b) in xb.iter().zip(yb) {
                     assert!((a - b).abs() <= tol * 1.01 + 1e-3, "{f} block {blk}: {a} vs {b}");

@@ -54,7 +54,7 @@ impl QuantWeight {
             d: Vec::with_capacity(blocks),
             m: Vec::with_capacity(if two_scales { blocks } else { 0 }),
             sub: Vec::with_capacity(match format {
-                QuantFormat::Q5_0 => blocks * 4,
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => blocks * 4,
                 QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => blocks * 16,
                 _ => 0,
             }),
@@ -81,9 +81,10 @@ impl QuantWeight {
                     w.sub.extend_from_slice(&blk[192..208]);
                     w.qs.extend_from_slice(&blk[..192]);
                 }
-                QuantFormat::Q5_0 => {
-                    w.sub.extend_from_slice(&blk[2..6]);
-                    w.qs.extend_from_slice(&blk[6..]);
+                QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
+                    let at = 2 * format.scale_offsets().len();
+                    w.sub.extend_from_slice(&blk[at..at + 4]);
+                    w.qs.extend_from_slice(&blk[at + 4..]);
                 }
                 _ => w.qs.extend_from_slice(&blk[2 * format.scale_offsets().len()..]),
             }
@@ -96,7 +97,11 @@ impl QuantWeight {
         match format {
             QuantFormat::Q8_0 => 32,
             QuantFormat::Q6_K => 24,
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q4_K => 16,
+            QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q5_0
+            | QuantFormat::Q5_1
+            | QuantFormat::Q4_K => 16,
             QuantFormat::Q5_K => 20,
         }
     }
@@ -111,6 +116,7 @@ impl QuantWeight {
             QuantFormat::Q4_0 => one(self.d[i].to_f32(), -8.0 * self.d[i].to_f32()),
             QuantFormat::Q4_1 => one(self.d[i].to_f32(), self.m[i].to_f32()),
             QuantFormat::Q5_0 => one(self.d[i].to_f32(), -16.0 * self.d[i].to_f32()),
+            QuantFormat::Q5_1 => one(self.d[i].to_f32(), self.m[i].to_f32()),
             QuantFormat::Q4_K | QuantFormat::Q5_K => {
                 let sub = &self.sub[b * 16..];
                 one(self.d[b].to_f32() * sub[j] as f32, -self.m[b].to_f32() * sub[8 + j] as f32)
@@ -132,7 +138,7 @@ impl QuantWeight {
                 let qs = &self.qs[i * qb..(i + 1) * qb];
                 std::array::from_fn(|l| if l < 16 { qs[l] & 0x0f } else { qs[l - 16] >> 4 } as i32)
             }
-            QuantFormat::Q5_0 => {
+            QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
                 let mut q = [0; QK];
                 for (q, v) in q.iter_mut().zip(five_bits(&self.qs[i * qb..(i + 1) * qb], self.fifth_bits(i)))
                 {
@@ -323,13 +329,13 @@ mod avx2 {
                     let w = _mm256_loadu_si256(qs.add(b * 32).cast());
                     (_mm256_sign_epi8(w, w), w)
                 }
-                // Q4_0, Q4_1 and Q5_0 (the K-quants go through `dot_q4k` and `dot_q6k`).
+                // Q4_0, Q4_1, Q5_0 and Q5_1 (the K-quants go through `dot_q4k` and `dot_q6k`).
                 _ => {
                     // The 16 bytes in both halves; the high half shifted down a nibble.
                     let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.add(b * 16).cast()));
                     let shifted = _mm256_srlv_epi32(raw, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
                     let mut q = _mm256_and_si256(shifted, _mm256_set1_epi8(0x0f));
-                    if f == QuantFormat::Q5_0 {
+                    if matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
                         q = _mm256_or_si256(q, fifth_bits(w.fifth_bits(row_block)));
                     }
                     (q, q)
@@ -487,7 +493,7 @@ mod avx2 {
                         (_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low));
                     let (mut lo1, mut hi1) =
                         (_mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
-                    if f == QuantFormat::Q5_0 {
+                    if matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
                         // A pair's first 16 fifth bits go with the low nibbles, the last 16
                         // with the high ones.
                         let rb = (j0 + r) * nb + b;
@@ -694,7 +700,7 @@ mod avx2 {
             QuantFormat::Q8_0 | QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K => return 0.0,
             QuantFormat::Q4_0 => (&w.d[j * nb..(j + 1) * nb], -8.0),
             QuantFormat::Q5_0 => (&w.d[j * nb..(j + 1) * nb], -16.0),
-            QuantFormat::Q4_1 => (&w.m[j * nb..(j + 1) * nb], 1.0),
+            QuantFormat::Q4_1 | QuantFormat::Q5_1 => (&w.m[j * nb..(j + 1) * nb], 1.0),
         };
         let s = &x.s[row * nb..(row + 1) * nb];
         // SAFETY: base and s hold nb values each; F16C, FMA and AVX are there.
@@ -753,10 +759,10 @@ mod neon {
             let signed = vreinterpretq_s8_u8;
             match w.format {
                 QuantFormat::Q8_0 => (vld1q_s8(qs.add(i * 32).cast()), vld1q_s8(qs.add(i * 32 + 16).cast())),
-                QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 => {
+                QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q5_1 => {
                     let v = vld1q_u8(qs.add(i * 16));
                     let (mut lo, mut hi) = (vandq_u8(v, low), vshrq_n_u8::<4>(v));
-                    if w.format == QuantFormat::Q5_0 {
+                    if matches!(w.format, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
                         let bits = w.fifth_bits(i);
                         lo = vorrq_u8(lo, fifth_bits(bits & 0xffff));
                         hi = vorrq_u8(hi, fifth_bits(bits >> 16));
@@ -897,7 +903,8 @@ pub fn matmul(family: Family, x: &[f32], m: usize, w: &QuantWeight, out: &mut [f
     if m > WIDEN_ROWS {
         return super::matmul::widened(x, (m, k, n), out, |r, row| w.row_f32(r, row));
     }
-    let pairs = matches!(w.format, QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0);
+    let pairs =
+        matches!(w.format, QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q5_1);
     let xq = quantize_rows(x, m, k, pairs);
     let ks = kernels(family);
     // Whole groups of 4 weight rows a task, enough tasks to balance the threads.

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
-use common::quantized::{Tensors, assert_serves_reference, rounded, write_model};
+use common::quantized::{Golden, Tensors, assert_serves_reference, golden_llama, rounded, write_model};
 use safetensors::Dtype;
 use serde_json::{Value, json};
 
@@ -138,11 +138,7 @@ fn quantize(weights: &[u8], layout: Layout) -> Written {
 
 #[actix_rt::test]
 async fn fp8_checkpoints_serve_their_dequantized_model() {
-    let g = common::model_golden("llama");
-    let golden = common::scratch("fp8-golden");
-    actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
-    let weights = std::fs::read(golden.path().join("model.safetensors")).unwrap();
-    let prompts = common::golden_prompts(&g);
+    let Golden { dir: golden, weights, prompts } = golden_llama("fp8-golden");
     for (what, layout) in [
         ("compressed-tensors, per channel", Layout::Channel),
         ("fp8, blocks of 32 × 32", Layout::Blocks),

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
-use common::quantized::{Tensors, assert_serves_reference, rounded, write_model};
+use common::quantized::{Golden, Tensors, assert_serves_reference, golden_llama, rounded, write_model};
 use half::f16;
 use safetensors::Dtype;
 use serde_json::{Value, json};
@@ -313,11 +313,7 @@ fn compressed_tensors(
 
 #[actix_rt::test]
 async fn integer_checkpoints_serve_their_dequantized_model() {
-    let g = common::model_golden("llama");
-    let golden = common::scratch("int-golden");
-    actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
-    let weights = std::fs::read(golden.path().join("model.safetensors")).unwrap();
-    let prompts = common::golden_prompts(&g);
+    let Golden { dir: golden, weights, prompts } = golden_llama("int-golden");
     for (what, format) in [
         ("GPTQ 4-bit, act order, groups of 32", Format::GptqActOrder),
         ("GPTQ v2 8-bit, asymmetric, per column", Format::GptqV2),
@@ -402,42 +398,17 @@ fn tiny_adapter(root: &Path) -> std::path::PathBuf {
 /// Each prompt's greedy tokens, each with its top-5 logprobs.
 type Greedy = Vec<Vec<(u32, Vec<(u32, f32)>)>>;
 
-/// Greedy tokens with top-5 logprobs of each prompt on `adapter` (None: the base model).
+/// 12 greedy tokens with top-5 logprobs of each prompt on `adapter` (None: the base model).
 async fn adapted(engine: &Engine, prompts: &[Vec<u32>], adapter: Option<&str>) -> Greedy {
-    use futures::StreamExt;
-    let params = actorllm::SamplingParams {
-        temperature: 0.0,
-        max_tokens: Some(12),
-        ignore_eos: true,
-        logprobs: Some(5),
-        ..Default::default()
-    };
-    let run = |p: Vec<u32>| {
-        let params = params.clone();
-        async move {
-            let id = engine.next_request_id("t");
-            let mut s = engine.add_request_with_lora(id, p, params, adapter).await.unwrap();
-            let mut out = Vec::new();
-            while let Some(ev) = s.next().await {
-                if let actorllm::request::TokenEvent::Token { token_id, logprobs, .. } = ev {
-                    out.push((token_id, logprobs.unwrap().top));
-                }
-            }
-            out
-        }
-    };
-    futures::future::join_all(prompts.iter().cloned().map(run)).await
+    let runs = prompts.iter().map(|p| common::greedy_top5_on(engine, p.clone(), 12, adapter));
+    futures::future::join_all(runs).await
 }
 
 /// An adapter stays 16-bit over a quantized base: on a GPTQ model it gives what it gives
 /// on the same model dequantized, and it does change the base model's output.
 #[actix_rt::test]
 async fn an_adapter_applies_over_a_gptq_base() {
-    let g = common::model_golden("llama");
-    let golden = common::scratch("int-lora-golden");
-    actorllm::models::random::write_golden_model(&g, golden.path()).unwrap();
-    let weights = std::fs::read(golden.path().join("model.safetensors")).unwrap();
-    let prompts = common::golden_prompts(&g);
+    let Golden { dir: golden, weights, prompts } = golden_llama("int-lora-golden");
     let (packed, dequantized) = pack(&weights, Format::GptqActOrder);
     let (model, reference) = (common::scratch("int-lora-model"), common::scratch("int-lora-reference"));
     write_model(golden.path(), model.path(), &packed, Some(Format::GptqActOrder.quantization_config()));

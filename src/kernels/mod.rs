@@ -57,6 +57,12 @@ impl DType {
             _ => n * self.size(),
         }
     }
+    /// f32 `values` as little-endian elements of `self` (a float dtype).
+    pub fn encode_f32(self, values: &[f32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(values.len() * self.size());
+        self.convert_from(DType::F32, bytemuck::cast_slice(values), &mut out);
+        out
+    }
     /// Converts little-endian elements of `src_dtype` into `self`, appending to `out`.
     /// Blocks are dequantized; `self` is a float dtype unless it equals `src_dtype`.
     pub fn convert_from(self, src_dtype: DType, src: &[u8], out: &mut Vec<u8>) {

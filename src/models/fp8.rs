@@ -84,9 +84,7 @@ pub fn dequantize(bytes: &[u8], (rows, cols): (usize, usize), scales: &Scales, d
         .flat_map(|(r, row)| row.iter().enumerate().map(move |(c, &b)| (r, c, b)))
         .map(|(r, c, b)| table[b as usize] * scales.at(r, c))
         .collect();
-    let mut out = Vec::with_capacity(values.len() * dtype.size());
-    dtype.convert_from(DType::F32, bytemuck::cast_slice(&values), &mut out);
-    out
+    dtype.encode_f32(&values)
 }
 
 #[cfg(test)]

@@ -69,6 +69,21 @@ pub struct Checkpoint {
     consumed: std::collections::HashSet<String>,
 }
 
+/// The values of an integer tensor of sizes (compressed-tensors' `weight_shape`: int64, or
+/// int32 as older writers stored it).
+fn dims(dtype: safetensors::Dtype, bytes: &[u8]) -> Vec<usize> {
+    match dtype {
+        safetensors::Dtype::I64 => bytes
+            .chunks_exact(8)
+            .map(|d| i64::from_le_bytes(std::array::from_fn(|i| d[i])) as usize)
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|d| i32::from_le_bytes(std::array::from_fn(|i| d[i])) as usize)
+            .collect(),
+    }
+}
+
 /// The safetensors metadata key that marks tensor `name` as llama.cpp blocks (the value
 /// names the format: `Q4_1`). Such a tensor is stored as bytes, `[rows, row bytes]`.
 pub fn quant_key(name: &str) -> String {
@@ -230,20 +245,8 @@ impl Checkpoint {
                             _ => packed::Ints::Words(&r.shape, bytes(f, r)),
                         })
                     };
-                    let shape = raw.get(format!("{base}_shape").as_str()).map(|(f, r)| {
-                        let b = bytes(f, r);
-                        let dims: Vec<usize> = match r.dtype {
-                            safetensors::Dtype::I64 => b
-                                .chunks_exact(8)
-                                .map(|d| i64::from_le_bytes(d.try_into().unwrap()) as usize)
-                                .collect(),
-                            _ => b
-                                .chunks_exact(4)
-                                .map(|d| i32::from_le_bytes(d.try_into().unwrap()) as usize)
-                                .collect(),
-                        };
-                        dims
-                    });
+                    let shape =
+                        raw.get(format!("{base}_shape").as_str()).map(|(f, r)| dims(r.dtype, bytes(f, r)));
                     let shape = match shape.as_deref() {
                         None => None,
                         Some(&[out, cols]) => Some((out, cols)),
@@ -264,9 +267,12 @@ impl Checkpoint {
                     };
                     let (out, cols, w) =
                         packed::unpack_compressed(&c).map_err(|e| fail(format!("{name}: {e}")))?;
-                    let mut data = Vec::with_capacity(w.len() * scales.dtype.size());
-                    scales.dtype.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut data);
-                    rebuilt.push((base.to_string(), scales.dtype, vec![out, cols], data));
+                    rebuilt.push((
+                        base.to_string(),
+                        scales.dtype,
+                        vec![out, cols],
+                        scales.dtype.encode_f32(&w),
+                    ));
                 }
                 _ => {
                     let base = name
@@ -297,8 +303,7 @@ impl Checkpoint {
                     let packing = packing.expect("checked above");
                     let (out, rows_in, w) =
                         packing.unpack(&packed).map_err(|e| fail(format!("{name}: {e}")))?;
-                    let mut data = Vec::with_capacity(w.len() * scales.dtype.size());
-                    scales.dtype.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut data);
+                    let data = scales.dtype.encode_f32(&w);
                     rebuilt.push((format!("{base}weight"), scales.dtype, vec![out, rows_in], data));
                     consumed.push(format!("{base}scales"));
                 }

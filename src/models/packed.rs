@@ -151,16 +151,14 @@ impl Packing {
         }
     }
 
-    fn bits(&self) -> u32 {
-        match self {
-            Self::Gptq { bits, .. } => *bits,
-            Self::Awq { .. } | Self::CompressedInt => 4,
-        }
-    }
-
     /// The weight `[out, in]` of `p`, each element `(q - zero) × scale`, row-major f32.
     pub fn unpack(&self, p: &Packed) -> Result<(usize, usize, Vec<f32>), String> {
-        let bits = self.bits();
+        // (bits, AWQ's column-packed layout, zero offset, group size without g_idx)
+        let (bits, awq, zero_offset, group_size) = match *self {
+            Self::Gptq { bits, group_size, zero_offset } => (bits, false, zero_offset, group_size),
+            Self::Awq { group_size } => (4, true, 0, group_size),
+            Self::CompressedInt => return Err("a compressed-tensors weight is not a qweight".into()),
+        };
         let per = (32 / bits) as usize;
         let mask = (1u32 << bits) - 1;
         let q = words(p.qweight.1);
@@ -168,10 +166,7 @@ impl Packing {
         let (qa, qb) = shape2("qweight", p.qweight.0)?;
         let (za, zb) = shape2("qzeros", p.qzeros.0)?;
         let (sa, sb) = shape2("scales", p.scales.0)?;
-        let (rows_in, out) = match self {
-            Self::Gptq { .. } => (qa * per, qb),
-            Self::Awq { .. } | Self::CompressedInt => (qa, qb * per),
-        };
+        let (rows_in, out) = if awq { (qa, qb * per) } else { (qa * per, qb) };
         let groups = sa;
         if sb != out || za != groups || zb * per != out {
             return Err(format!(
@@ -179,28 +174,23 @@ impl Packing {
                 p.qweight.0, p.qzeros.0, p.scales.0
             ));
         }
-        let group_of: Vec<usize> = match (self, p.g_idx) {
-            (Self::Gptq { .. }, Some((shape, bytes))) => {
+        let group_of: Vec<usize> = match p.g_idx.filter(|_| !awq) {
+            Some((shape, bytes)) => {
                 if shape != [rows_in] {
                     return Err(format!("g_idx has shape {shape:?}, not [{rows_in}]"));
                 }
                 words(bytes).into_iter().map(|g| g as usize).collect()
             }
-            (Self::Gptq { group_size, .. } | Self::Awq { group_size }, _) => {
+            None => {
                 let size = group_size.unwrap_or(rows_in).max(1);
                 (0..rows_in).map(|i| i / size).collect()
             }
-            (Self::CompressedInt, _) => return Err("a compressed-tensors weight is not a qweight".into()),
         };
         if let Some(g) = group_of.iter().find(|&&g| g >= groups) {
             return Err(format!("an input row is in group {g} of {groups}"));
         }
         // The stored value at packed word `word`, slot `slot`.
         let at = |words: &[u32], word: usize, slot: u32| (words[word] >> (slot * bits)) & mask;
-        let (zero_offset, awq) = match self {
-            Self::Gptq { zero_offset, .. } => (*zero_offset, false),
-            Self::Awq { .. } | Self::CompressedInt => (0, true),
-        };
         // Zero points unpacked along the output: `[groups, out]`.
         let column_slot = |n: usize| if awq { AWQ_NIBBLE[n % 8] } else { (n % per) as u32 };
         let zeros: Vec<f32> = (0..groups * out)

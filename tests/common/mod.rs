@@ -117,6 +117,16 @@ pub fn golden_prompts(g: &serde_json::Value) -> Vec<Vec<u32>> {
 
 /// `tokens` greedy tokens of `prompt` (EOS ignored), each with its top-5 logprobs.
 pub async fn greedy_top5(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Vec<(u32, Vec<(u32, f32)>)> {
+    greedy_top5_on(engine, prompt, tokens, None).await
+}
+
+/// [`greedy_top5`] on LoRA adapter `lora` (None: the base model).
+pub async fn greedy_top5_on(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    tokens: usize,
+    lora: Option<&str>,
+) -> Vec<(u32, Vec<(u32, f32)>)> {
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: Some(tokens),
@@ -124,7 +134,8 @@ pub async fn greedy_top5(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> Ve
         logprobs: Some(5),
         ..Default::default()
     };
-    let mut s = engine.add_request(engine.next_request_id("t"), prompt, params).await.unwrap();
+    let id = engine.next_request_id("t");
+    let mut s = engine.add_request_with_lora(id, prompt, params, lora).await.unwrap();
     let mut out = Vec::new();
     while let Some(ev) = s.next().await {
         match ev {

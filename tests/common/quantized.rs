@@ -10,6 +10,22 @@ use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::Value;
 
+/// The tiny Llama of tests/fixtures/models/llama.json written into a directory of the
+/// caller's own: the directory, its f32 `model.safetensors` and the fixture's prompts.
+pub struct Golden {
+    pub dir: super::ScratchDir,
+    pub weights: Vec<u8>,
+    pub prompts: Vec<Vec<u32>>,
+}
+
+pub fn golden_llama(tag: &str) -> Golden {
+    let g = super::model_golden("llama");
+    let dir = super::scratch(tag);
+    actorllm::models::random::write_golden_model(&g, dir.path()).unwrap();
+    let weights = std::fs::read(dir.path().join("model.safetensors")).unwrap();
+    Golden { dir, weights, prompts: super::golden_prompts(&g) }
+}
+
 /// Tensors to write: name → (dtype, shape, bytes).
 pub type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
 

@@ -424,6 +424,39 @@ fn every_kernel_matches_its_cpu_twin() {
             }
         }
     }
+    // 4-bit weights in groups (kernels/int4.rs): the GEMV reads them as they are up to 8
+    // rows, prompts widen them for cuBLAS; the CPU widens them at upload. k = 64 leaves half
+    // of a 128-element superchunk empty, 2048 in groups of 128 spreads superchunks over the
+    // warps, 160 in groups of 32 ends in a partial one; one group a row too.
+    for f16 in [false, true] {
+        for (n, k, group) in
+            [(97, 64, Some(32)), (97, 2048, Some(128)), (6403, 160, Some(32)), (40, 256, None)]
+        {
+            let format = actorllm::kernels::int4::Int4Format::new(k, group, f16).unwrap();
+            let groups = format.groups();
+            let mut bytes = Vec::new();
+            for r in 0..n {
+                let q: Vec<u8> = (0..k).map(|i| ((r * 7 + i * 5 + i / 9) % 16) as u8).collect();
+                let zeros: Vec<i32> = (0..groups).map(|g| ((r + 3 * g) % 17) as i32).collect();
+                let scales: Vec<f32> =
+                    (0..groups).map(|g| format.round(0.01 + 0.003 * ((r + g) % 11) as f32)).collect();
+                format.push_row(&q, &zeros, &scales, &mut bytes);
+            }
+            let t =
+                || HostTensor { dtype: DType::Int4(format), shape: vec![n, k], data: bytes.clone().into() };
+            let (wc4, wg4) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
+            let x = rand(40 * k, 9);
+            let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg4, None).unwrap()).unwrap();
+            let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc4, None).unwrap()).unwrap();
+            let what = format!("{format} linear of 40 rows, n {n}, k {k}");
+            close(&what, &all, &cpu, 2e-2);
+            for m in [1, 5, 8, 9, 16] {
+                let xm = g.from_host(&x[..m * k], m, k).unwrap();
+                let part = g.to_host(&g.linear(&xm, &wg4, None).unwrap()).unwrap();
+                close(&format!("{format} linear of {m} rows, n {n}, k {k}"), &part, &all[..m * n], 1e-4);
+            }
+        }
+    }
     let nw = rand(hidden, 5);
     let (nc, ng) = (c.upload(host(&nw, &[hidden])).unwrap(), g.upload(host(&nw, &[hidden])).unwrap());
     close(
@@ -1563,6 +1596,71 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
         );
     }
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
+}
+
+/// A GPTQ checkpoint (4-bit, groups of 32 in order, f16 scales) on the GPU keeps its
+/// projections packed: decode steps read them in the GEMVs (the fused gate/up, residual
+/// norm and qkv RoPE ones included), prompts widen them for cuBLAS. It gives the tokens of
+/// the same model dequantized to f16 on the GPU, with graphs and eager; outputs may part
+/// only where the dequantized model's two best candidates were within a hair (the sums are
+/// taken in another order).
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn int4_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
+    use futures::StreamExt;
+    let _turn = gpu_turn();
+    const MARGIN: f32 = 0.02;
+    let model = tiny_model(47);
+    let weights = std::fs::read(model.path().join("model.safetensors")).unwrap();
+    let (packed, dequantized, q) = common::quantized::gptq4(&weights, 32, true);
+    let (gptq, reference) = (common::scratch("gpu-gptq"), common::scratch("gpu-gptq-reference"));
+    common::quantized::write_model(model.path(), gptq.path(), &packed, Some(q));
+    common::quantized::write_model(model.path(), reference.path(), &dequantized, None);
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..(3 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
+    async fn outputs(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
+        runners_released().await;
+        let engine = Engine::start(args).await.unwrap();
+        let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(2), ..greedy(32) };
+        let runs = prompts.iter().map(|p| {
+            let (engine, params) = (engine.clone(), params.clone());
+            async move {
+                let mut s = engine.add_request(engine.next_request_id("t"), p.clone(), params).await.unwrap();
+                let mut out = Vec::new();
+                while let Some(ev) = s.next().await {
+                    if let actorllm::request::TokenEvent::Token { token_id, logprobs, .. } = ev {
+                        out.push((token_id, logprobs.expect("asked for logprobs").top));
+                    }
+                }
+                assert_eq!(out.len(), 32, "every run gives its 32 tokens");
+                out
+            }
+        });
+        futures::future::join_all(runs).await
+    }
+    let on_gpu = |dir: &std::path::Path, eager: bool| EngineArgs {
+        device: DeviceArg::Cuda,
+        dtype: DTypeArg::Float16,
+        enforce_eager: eager,
+        ..common::args(dir)
+    };
+    for eager in [false, true] {
+        let want = outputs(on_gpu(reference.path(), eager), &prompts).await;
+        let got = outputs(on_gpu(gptq.path(), eager), &prompts).await;
+        let mut parted = 0;
+        for (i, (want, got)) in want.iter().zip(&got).enumerate() {
+            let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
+            parted += 1;
+            let top = &want[at].1;
+            let gap = top[0].1 - top[1].1;
+            assert!(
+                gap < MARGIN && got[at].0 == top[1].0,
+                "eager {eager}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), 4-bit took {}",
+                got[at].0
+            );
+        }
+        assert!(parted <= 1, "eager {eager}: {parted} of {} outputs parted", prompts.len());
+    }
 }
 
 /// `--gpu-memory-utilization` holds: after a profiling step at the largest batch, the KV

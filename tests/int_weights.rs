@@ -11,6 +11,8 @@ use std::path::Path;
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
+use actorllm::kernels::DType;
+use actorllm::models::loader::Checkpoint;
 use common::quantized::{Golden, Tensors, assert_serves_reference, golden_llama, rounded, write_model};
 use half::f16;
 use safetensors::Dtype;
@@ -24,6 +26,9 @@ enum Format {
     /// GPTQ 4-bit, symmetric, groups of 32 in activation order (`desc_act`, a shuffled
     /// `g_idx`), zero points stored minus one (`checkpoint_format: gptq`).
     GptqActOrder,
+    /// GPTQ 4-bit, symmetric, groups of 32 in order (`desc_act: false`, `g_idx` written all
+    /// the same), as most GPTQ checkpoints are.
+    GptqInOrder,
     /// GPTQ 8-bit, asymmetric, one group a column, zero points as they are (`gptq_v2`).
     GptqV2,
     /// AWQ 4-bit (gemm), asymmetric, groups of 32.
@@ -46,7 +51,7 @@ impl Format {
     }
 
     fn symmetric(self) -> bool {
-        matches!(self, Format::GptqActOrder | Format::CtPacked4 | Format::CtInt8)
+        matches!(self, Format::GptqActOrder | Format::GptqInOrder | Format::CtPacked4 | Format::CtInt8)
     }
 
     fn quantization_config(self) -> Value {
@@ -54,6 +59,10 @@ impl Format {
             Format::GptqActOrder => json!({
                 "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": true, "sym": true,
                 "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": true,
+            }),
+            Format::GptqInOrder => json!({
+                "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": false, "sym": true,
+                "checkpoint_format": "gptq",
             }),
             Format::GptqV2 => json!({
                 "quant_method": "gptq", "bits": 8, "group_size": -1, "desc_act": false, "sym": false,
@@ -104,7 +113,7 @@ impl Format {
                 g
             }
             Format::GptqV2 | Format::CtPacked8Asym | Format::CtInt8 => vec![0; cols],
-            Format::Awq => (0..cols).map(|i| i / 32).collect(),
+            Format::Awq | Format::GptqInOrder => (0..cols).map(|i| i / 32).collect(),
         }
     }
 }
@@ -224,7 +233,7 @@ fn pack(weights: &[u8], format: Format) -> (Tensors, Tensors) {
                     }
                 }
                 // The original format stores each zero point minus one.
-                let stored = |z: u32| if matches!(format, Format::GptqActOrder) { z - 1 } else { z };
+                let stored = |z: u32| if matches!(format, Format::GptqV2) { z } else { z - 1 };
                 let mut qzeros = vec![0u32; groups * rows / per];
                 for g in 0..groups {
                     for n in 0..rows {
@@ -316,6 +325,7 @@ async fn integer_checkpoints_serve_their_dequantized_model() {
     let Golden { dir: golden, weights, prompts } = golden_llama("int-golden");
     for (what, format) in [
         ("GPTQ 4-bit, act order, groups of 32", Format::GptqActOrder),
+        ("GPTQ 4-bit, groups of 32 in order", Format::GptqInOrder),
         ("GPTQ v2 8-bit, asymmetric, per column", Format::GptqV2),
         ("AWQ 4-bit, groups of 32", Format::Awq),
         ("compressed-tensors pack-quantized 4-bit, act order", Format::CtPacked4),
@@ -328,6 +338,14 @@ async fn integer_checkpoints_serve_their_dequantized_model() {
         write_model(golden.path(), reference.path(), &dequantized, None);
         assert_serves_reference(what, model.path(), reference.path(), &prompts).await;
         assert!(rounded(&dequantized, &weights), "{what}: no weight moved");
+        // 4-bit groups in order stay packed for the GPU's kernels (the CPU widens them at
+        // upload, so the comparison above went through that path); others load widened.
+        let config: Value =
+            serde_json::from_slice(&std::fs::read(model.path().join("config.json")).unwrap()).unwrap();
+        let ckpt = Checkpoint::open(model.path(), actorllm::quantization::packing(&config)).unwrap();
+        let kept = ckpt.tensors().filter(|(_, t)| matches!(t.dtype, DType::Int4(_))).count();
+        let in_order = matches!(format, Format::Awq | Format::GptqInOrder);
+        assert_eq!(kept, if in_order { 21 } else { 0 }, "{what}: projections kept as 4-bit rows");
         let with = |dir: &Path, q: &str| EngineArgs { quantization: Some(q.into()), ..common::args(dir) };
         let refused =
             |args: EngineArgs| async { Engine::start(args).await.err().expect("refused").to_string() };
@@ -440,4 +458,16 @@ async fn an_adapter_applies_over_a_gptq_base() {
         }
     }
     assert_ne!(ids(&got), ids(&base), "the adapter changes the output");
+}
+
+/// The GPU test's GPTQ writer (`common::quantized::gptq4`, bf16 scales and groups of 64
+/// here) writes a checkpoint that the CPU serves as its dequantized copy.
+#[actix_rt::test]
+async fn the_gptq_writer_of_the_gpu_tests_round_trips() {
+    let Golden { dir: golden, weights, prompts } = golden_llama("gptq4-golden");
+    let (packed, dequantized, q) = common::quantized::gptq4(&weights, 64, false);
+    let (model, reference) = (common::scratch("gptq4-model"), common::scratch("gptq4-reference"));
+    write_model(golden.path(), model.path(), &packed, Some(q));
+    write_model(golden.path(), reference.path(), &dequantized, None);
+    assert_serves_reference("gptq4 writer", model.path(), reference.path(), &prompts).await;
 }

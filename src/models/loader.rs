@@ -12,6 +12,7 @@ use crate::mapped::FileBytes;
 
 use super::ModelError;
 use super::packed::{self, Packing};
+use crate::kernels::int4::Int4Format;
 use crate::kernels::quant::QuantFormat;
 use crate::kernels::{DType, HostTensor};
 
@@ -265,14 +266,8 @@ impl Checkpoint {
                             .get(format!("{base}_g_idx").as_str())
                             .map(|(f, r)| (r.shape.as_slice(), bytes(f, r))),
                     };
-                    let (out, cols, w) =
-                        packed::unpack_compressed(&c).map_err(|e| fail(format!("{name}: {e}")))?;
-                    rebuilt.push((
-                        base.to_string(),
-                        scales.dtype,
-                        vec![out, cols],
-                        scales.dtype.encode_f32(&w),
-                    ));
+                    let w = packed::unpack_compressed(&c).map_err(|e| fail(format!("{name}: {e}")))?;
+                    rebuilt.push(int_weight(base.to_string(), &w, scales.dtype));
                 }
                 _ => {
                     let base = name
@@ -301,10 +296,8 @@ impl Checkpoint {
                         g_idx: int("g_idx"),
                     };
                     let packing = packing.expect("checked above");
-                    let (out, rows_in, w) =
-                        packing.unpack(&packed).map_err(|e| fail(format!("{name}: {e}")))?;
-                    let data = scales.dtype.encode_f32(&w);
-                    rebuilt.push((format!("{base}weight"), scales.dtype, vec![out, rows_in], data));
+                    let w = packing.unpack(&packed).map_err(|e| fail(format!("{name}: {e}")))?;
+                    rebuilt.push(int_weight(format!("{base}weight"), &w, scales.dtype));
                     consumed.push(format!("{base}scales"));
                 }
             }
@@ -399,6 +392,9 @@ pub struct WeightStore<'a> {
     /// `--load-format dummy`: no checkpoint; every parameter the model asks for is made of
     /// deterministic values of its kind (see [`super::random::param_bytes`]).
     dummy: bool,
+    /// A dummy store of a 4-bit checkpoint's config: its projections are made in 4-bit
+    /// groups of this size (None: one a row), as the checkpoint would hold them.
+    dummy_int4: Option<Option<usize>>,
     /// Bytes of every parameter handed out so far, as loaded (blocks kept as blocks).
     served: std::sync::atomic::AtomicUsize,
 }
@@ -424,14 +420,16 @@ impl<'a> WeightStore<'a> {
             let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
             params.entry(param).or_default().insert(index, t);
         }
-        Self { params, dtype, dummy: false, served: Default::default() }
+        Self { params, dtype, dummy: false, dummy_int4: None, served: Default::default() }
     }
 
     /// A store without a checkpoint (vLLM's `--load-format dummy`): each parameter is made
     /// when the model loads it, of the shape it asks for, so that benchmarks of a model's
     /// shapes need its config.json and tokenizer only.
-    pub fn dummy(dtype: DType) -> Self {
-        Self { params: HashMap::new(), dtype, dummy: true, served: Default::default() }
+    pub fn dummy(dtype: DType, packing: Option<Packing>) -> Self {
+        let dummy_int4 =
+            packing.and_then(|p| p.int4_group()).filter(|_| matches!(dtype, DType::BF16 | DType::F16));
+        Self { params: HashMap::new(), dtype, dummy: true, dummy_int4, served: Default::default() }
     }
 
     pub fn root(&self) -> ParamView<'_, 'a> {
@@ -493,6 +491,13 @@ impl<'s, 'a> ParamView<'s, 'a> {
     /// A parameter of a dummy store: `shape`'s values for `name`.
     fn made(&self, name: &str, shape: Vec<usize>) -> HostTensor<'a> {
         let full = format!("{}{name}", self.prefix);
+        let projection = full.contains(".layers.") && full.ends_with("proj.weight");
+        if let (Some(group), true, &[_, k]) = (self.store.dummy_int4, projection, &shape[..])
+            && let Some(format) = Int4Format::new(k, group, self.store.dtype == DType::F16)
+        {
+            let data = super::random::int4_param_bytes(&full, &shape, format);
+            return HostTensor { dtype: DType::Int4(format), shape, data: data.into() };
+        }
         let data = super::random::param_bytes(&full, &shape, self.store.dtype);
         HostTensor { dtype: self.store.dtype, shape, data: data.into() }
     }
@@ -596,10 +601,15 @@ impl<'s, 'a> ParamView<'s, 'a> {
             (Part::Cols(c), DType::Quant(f)) => {
                 c.start.is_multiple_of(f.block_elems()) && c.end.is_multiple_of(f.block_elems())
             }
+            // A row's groups and values lie apart: a part of its columns is widened.
+            (Part::Cols(_), DType::Int4(_)) => false,
             _ => true,
         };
         let dtype = match t.dtype {
             DType::Quant(_) if keep_blocks && whole_blocks => t.dtype,
+            // Kept where the model is served in the scales' type, which the values widen
+            // to exactly.
+            DType::Int4(_) if keep_blocks && whole_blocks && t.dtype.widened() == self.store.dtype => t.dtype,
             _ => self.store.dtype,
         };
         let row_len: usize = shape[1..].iter().product();
@@ -619,7 +629,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
                             data.extend_from_slice(&row[t.dtype.row_bytes(c.start)..t.dtype.row_bytes(c.end)])
                         }
                         // Columns inside blocks: the whole row dequantized, then cut.
-                        (DType::Quant(_), false) => {
+                        (DType::Quant(_) | DType::Int4(_), false) => {
                             let mut f32s = Vec::new();
                             DType::F32.convert_from(t.dtype, row, &mut f32s);
                             dtype.convert_from(DType::F32, &f32s[c.start * 4..c.end * 4], &mut data);
@@ -644,6 +654,21 @@ impl<'s, 'a> ParamView<'s, 'a> {
     }
 }
 
+/// A rebuilt integer weight named `name`: kept as 4-bit rows where the kernels take its
+/// layout and its scales are 16-bit, else its values in the scales' dtype.
+fn int_weight(name: String, w: &packed::IntWeight, scales: DType) -> (String, DType, Vec<usize>, Vec<u8>) {
+    let shape = vec![w.out, w.cols];
+    let half = match scales {
+        DType::BF16 => Some(false),
+        DType::F16 => Some(true),
+        _ => None,
+    };
+    match half.and_then(|f16| w.int4(f16)) {
+        Some((format, bytes)) => (name, DType::Int4(format), shape, bytes),
+        None => (name, scales, shape, scales.encode_f32(&w.values())),
+    }
+}
+
 /// Which part of a parameter a rank loads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part {
@@ -663,6 +688,7 @@ fn check_tensor(name: &str, expected: &[usize], t: &TensorRef) -> Result<(), Mod
         DType::BF16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7f == 0x7f && b[0] & 0x80 != 0),
         DType::F16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7c == 0x7c),
         DType::Quant(f) => f.bad_scale(t.bytes).map(|b| b * f.block_elems()),
+        DType::Int4(f) => f.bad_scale(t.bytes),
     };
     match bad {
         Some(i) => {

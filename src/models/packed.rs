@@ -24,6 +24,8 @@
 
 use serde_json::Value as Json;
 
+use crate::kernels::int4::Int4Format;
+
 /// AWQ's nibble of output column `c % 8` in its word.
 const AWQ_NIBBLE: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
@@ -151,8 +153,18 @@ impl Packing {
         }
     }
 
-    /// The weight `[out, in]` of `p`, each element `(q - zero) × scale`, row-major f32.
-    pub fn unpack(&self, p: &Packed) -> Result<(usize, usize, Vec<f32>), String> {
+    /// The group size of a 4-bit packing whose groups are consecutive input rows (None
+    /// inside: one group a row); None for other packings. What a checkpoint-less load of
+    /// its config makes (`WeightStore::dummy`).
+    pub fn int4_group(self) -> Option<Option<usize>> {
+        match self {
+            Self::Gptq { bits: 4, group_size, .. } | Self::Awq { group_size } => Some(group_size),
+            _ => None,
+        }
+    }
+
+    /// The weight `[out, in]` of `p` as its integers, zero points and scales.
+    pub fn unpack(&self, p: &Packed) -> Result<IntWeight, String> {
         // (bits, AWQ's column-packed layout, zero offset, group size without g_idx)
         let (bits, awq, zero_offset, group_size) = match *self {
             Self::Gptq { bits, group_size, zero_offset } => (bits, false, zero_offset, group_size),
@@ -191,26 +203,80 @@ impl Packing {
         }
         // The stored value at packed word `word`, slot `slot`.
         let at = |words: &[u32], word: usize, slot: u32| (words[word] >> (slot * bits)) & mask;
-        // Zero points unpacked along the output: `[groups, out]`.
         let column_slot = |n: usize| if awq { AWQ_NIBBLE[n % 8] } else { (n % per) as u32 };
-        let zeros: Vec<f32> = (0..groups * out)
+        // Zero points and scales `[out, groups]`.
+        let zeros = (0..out * groups)
             .map(|i| {
-                let (g, n) = (i / out, i % out);
-                (at(&z, g * zb + n / per, column_slot(n)) + zero_offset) as f32
+                let (n, g) = (i / groups, i % groups);
+                (at(&z, g * zb + n / per, column_slot(n)) + zero_offset) as i32
             })
             .collect();
-        let mut w = vec![0f32; out * rows_in];
-        for i in 0..rows_in {
-            let g = group_of[i];
-            for n in 0..out {
+        let scales = (0..out * groups).map(|i| p.scales.1[(i % groups) * out + i / groups]).collect();
+        let values = (0..out * rows_in)
+            .map(|k| {
+                let (n, i) = (k / rows_in, k % rows_in);
                 let v = match awq {
                     true => at(&q, i * qb + n / per, column_slot(n)),
                     false => at(&q, (i / per) * qb + n, (i % per) as u32),
                 };
-                w[n * rows_in + i] = (v as f32 - zeros[g * out + n]) * p.scales.1[g * out + n];
-            }
+                v as u8
+            })
+            .collect();
+        Ok(IntWeight { out, cols: rows_in, bits, q: values, groups, group_of, zeros, scales })
+    }
+}
+
+/// An integer weight `[out, cols]` unpacked: unsigned values `q` of `bits` bits, row-major,
+/// and per output row and group a zero point (in q's terms) and a scale; element (n, i) is
+/// `(q − zero) × scale` of its row and of group `group_of[i]`.
+#[derive(Debug)]
+pub struct IntWeight {
+    pub out: usize,
+    pub cols: usize,
+    pub bits: u32,
+    pub q: Vec<u8>,
+    pub groups: usize,
+    pub group_of: Vec<usize>,
+    /// `[out, groups]`.
+    pub zeros: Vec<i32>,
+    /// `[out, groups]`, exact in the checkpoint's scale type.
+    pub scales: Vec<f32>,
+}
+
+impl IntWeight {
+    /// The elements, row-major f32.
+    pub fn values(&self) -> Vec<f32> {
+        (0..self.out * self.cols)
+            .map(|k| {
+                let (n, i) = (k / self.cols, k % self.cols);
+                let g = n * self.groups + self.group_of[i];
+                (i32::from(self.q[k]) - self.zeros[g]) as f32 * self.scales[g]
+            })
+            .collect()
+    }
+
+    /// The weight kept packed as 4-bit rows with `f16` (else bf16) scales, where the
+    /// kernels take it: 4-bit values, groups of consecutive columns (a g_idx in order),
+    /// rows and groups multiples of 32.
+    pub fn int4(&self, f16: bool) -> Option<(Int4Format, Vec<u8>)> {
+        if self.bits != 4 || self.zeros.iter().any(|z| !(0..=16).contains(z)) {
+            return None;
         }
-        Ok((out, rows_in, w))
+        let size = self.cols / self.groups.max(1);
+        let in_order = self.cols.is_multiple_of(self.groups.max(1))
+            && self.group_of.iter().enumerate().all(|(i, &g)| g == i / size);
+        let f = Int4Format::new(self.cols, Some(size), f16).filter(|_| in_order)?;
+        let mut bytes = Vec::with_capacity(self.out * f.row_bytes());
+        for n in 0..self.out {
+            let g = n * self.groups..(n + 1) * self.groups;
+            f.push_row(
+                &self.q[n * self.cols..(n + 1) * self.cols],
+                &self.zeros[g.clone()],
+                &self.scales[g],
+                &mut bytes,
+            );
+        }
+        Some((f, bytes))
     }
 }
 
@@ -239,10 +305,10 @@ fn element(words: &[u32], bits: usize, i: usize) -> u32 {
     (words[i * bits / 32] >> ((i * bits) % 32)) & ((1u32 << bits) - 1)
 }
 
-/// The weight `[out, in]` of `c`, each element `(q - zero) × scale` with `q` and `zero`
-/// signed (a symmetric scheme's zero is 0), row-major f32.
-pub fn unpack_compressed(c: &Compressed) -> Result<(usize, usize, Vec<f32>), String> {
-    let (rows, cols, bits, q): (usize, usize, usize, Vec<i32>) = match c.weight {
+/// The weight `[out, in]` of `c` as its integers (unsigned: stored values as they are,
+/// int8 ones plus 128), zero points (a symmetric scheme's is the offset) and scales.
+pub fn unpack_compressed(c: &Compressed) -> Result<IntWeight, String> {
+    let (rows, cols, bits, q): (usize, usize, usize, Vec<u8>) = match c.weight {
         Ints::Words(shape, bytes) => {
             let (rows, per_row) = shape2("weight_packed", shape)?;
             let (out, cols) = c.shape.ok_or("weight_packed has no weight_shape beside it")?;
@@ -255,17 +321,17 @@ pub fn unpack_compressed(c: &Compressed) -> Result<(usize, usize, Vec<f32>), Str
                     format!("weight_packed {shape:?} packs no [{out}, {cols}] weight in 2, 4 or 8 bits")
                 })?;
             let words = words(bytes);
-            let offset = 1i32 << (bits - 1);
             let q = (0..rows * cols)
-                .map(|k| element(&words[(k / cols) * per_row..], bits, k % cols) as i32 - offset)
+                .map(|k| element(&words[(k / cols) * per_row..], bits, k % cols) as u8)
                 .collect();
             (rows, cols, bits, q)
         }
         Ints::Bytes(shape, bytes) => {
             let (rows, cols) = shape2("weight", shape)?;
-            (rows, cols, 8, bytes.iter().map(|&b| b as i8 as i32).collect())
+            (rows, cols, 8, bytes.iter().map(|&b| b ^ 0x80).collect())
         }
     };
+    let offset = 1i32 << (bits - 1);
     let (scale_shape, scales) = (c.scales.0, &c.scales.1);
     let groups = match scale_shape {
         _ if scales.len() == 1 => 0,
@@ -284,16 +350,16 @@ pub fn unpack_compressed(c: &Compressed) -> Result<(usize, usize, Vec<f32>), Str
     if let Some(g) = group_of.iter().find(|&&g| g >= groups.max(1)) {
         return Err(format!("an input column is in group {g} of {groups}"));
     }
-    let scale = |n: usize, g: usize| if groups == 0 { scales[0] } else { scales[n * groups + g] };
-    // Zero points `[rows, groups]`, signed.
     let g = groups.max(1);
+    let scales = (0..rows * g).map(|i| if groups == 0 { scales[0] } else { scales[i] }).collect();
+    // Zero points `[rows, groups]`, in q's unsigned terms.
     let zeros: Vec<i32> = match c.zero_point {
-        None => vec![0; rows * g],
+        None => vec![offset; rows * g],
         Some(Ints::Bytes(shape, bytes)) => {
             if shape.iter().product::<usize>() != rows * g {
                 return Err(format!("weight_zero_point {shape:?} fits no [{rows}, {g}] scales"));
             }
-            bytes.iter().map(|&b| b as i8 as i32).collect()
+            bytes.iter().map(|&b| b as i8 as i32 + offset).collect()
         }
         Some(Ints::Words(shape, bytes)) => {
             // Packed down the output: column `gi`'s words are rows `0..⌈rows · bits / 32⌉`.
@@ -302,21 +368,12 @@ pub fn unpack_compressed(c: &Compressed) -> Result<(usize, usize, Vec<f32>), Str
                 return Err(format!("weight_zero_point {shape:?} packs no [{rows}, {g}] zero points"));
             }
             let w = words(bytes);
-            let offset = 1i32 << (bits - 1);
             let columns: Vec<Vec<u32>> =
                 (0..g).map(|gi| (0..word_rows).map(|r| w[r * g + gi]).collect()).collect();
-            (0..rows * g).map(|k| element(&columns[k % g], bits, k / g) as i32 - offset).collect()
+            (0..rows * g).map(|k| element(&columns[k % g], bits, k / g) as i32).collect()
         }
     };
-    let g_count = g;
-    let w = (0..rows * cols)
-        .map(|k| {
-            let (n, i) = (k / cols, k % cols);
-            let g = group_of[i];
-            (q[k] - zeros[n * g_count + g]) as f32 * scale(n, g)
-        })
-        .collect();
-    Ok((rows, cols, w))
+    Ok(IntWeight { out: rows, cols, bits: bits as u32, q, groups: g, group_of, zeros, scales })
 }
 
 #[cfg(test)]
@@ -349,11 +406,11 @@ mod tests {
             scales: (&[1, 8], vec![0.5; 8]),
             g_idx: None,
         };
-        let (out, rows_in, w) = gptq.unpack(&p).unwrap();
-        assert_eq!((out, rows_in), (8, 8));
-        assert_eq!(&w[..8], [-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5]);
+        let w = gptq.unpack(&p).unwrap();
+        assert_eq!((w.out, w.cols), (8, 8));
+        assert_eq!(w.values()[..8], [-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5]);
         let v2 = Packing::Gptq { bits: 4, group_size: None, zero_offset: 0 };
-        assert_eq!(v2.unpack(&p).unwrap().2[..2], [-1.5, -1.0]);
+        assert_eq!(v2.unpack(&p).unwrap().values()[..2], [-1.5, -1.0]);
     }
 
     #[test]
@@ -370,9 +427,9 @@ mod tests {
             scales: (&[1, 8], vec![2.0; 8]),
             g_idx: None,
         };
-        let (out, rows_in, w) = Packing::Awq { group_size: Some(128) }.unpack(&p).unwrap();
-        assert_eq!((out, rows_in), (8, 1));
-        assert_eq!(w, [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]);
+        let w = Packing::Awq { group_size: Some(128) }.unpack(&p).unwrap();
+        assert_eq!((w.out, w.cols), (8, 1));
+        assert_eq!(w.values(), [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use serde_json::json;
 
 use super::ModelError;
 use crate::kernels::DType;
+use crate::kernels::int4::Int4Format;
 
 /// Llama-shaped presets (the tests' tiny model among them), as [`Shape`]s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,7 +128,7 @@ fn encode(values: impl Iterator<Item = f32>, dtype: DType) -> Vec<u8> {
         DType::F32 => values.flat_map(f32::to_le_bytes).collect(),
         DType::BF16 => values.flat_map(|v| bf16::from_f32(v).to_le_bytes()).collect(),
         DType::F16 => values.flat_map(|v| f16::from_f32(v).to_le_bytes()).collect(),
-        DType::Quant(f) => unreachable!("random weights are floats, never {f} blocks"),
+        DType::Quant(_) | DType::Int4(_) => unreachable!("random weights are floats, never {dtype:?}"),
     }
 }
 
@@ -301,7 +302,7 @@ fn write_checkpoint(
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
-        DType::Quant(f) => unreachable!("random models are floats, never {f} blocks"),
+        DType::Quant(_) | DType::Int4(_) => unreachable!("random models are floats, never {dtype:?}"),
     };
     let mut config = c.config.clone();
     config["bos_token_id"] = json!(bos);
@@ -339,7 +340,7 @@ fn write_checkpoint(
         DType::F32 => safetensors::Dtype::F32,
         DType::BF16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,
-        DType::Quant(f) => unreachable!("random models are floats, never {f} blocks"),
+        DType::Quant(_) | DType::Int4(_) => unreachable!("random models are floats, never {dtype:?}"),
     };
     let views = tensors
         .iter()
@@ -669,6 +670,37 @@ pub fn param_bytes(name: &str, shape: &[usize], dtype: DType) -> Vec<u8> {
         let first = (c * CHUNK) as u64;
         let values = golden_range(name, shape, 1.0, first..first + (bytes.len() / size) as u64);
         bytes.copy_from_slice(&encode(values.into_iter(), dtype));
+    });
+    out
+}
+
+/// A projection of a checkpoint-less load of a 4-bit checkpoint's config: [`param_bytes`]
+/// values quantized in `format`'s groups (zero point 8, the group's largest magnitude at
+/// ±7), rows made in parallel.
+pub fn int4_param_bytes(name: &str, shape: &[usize], format: Int4Format) -> Vec<u8> {
+    use rayon::prelude::*;
+    let k = shape[1];
+    let (groups, row_bytes) = (format.groups(), format.row_bytes());
+    let mut out = vec![0u8; shape[0] * row_bytes];
+    out.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
+        let first = (r * k) as u64;
+        let values = golden_range(name, shape, 1.0, first..first + k as u64);
+        let size = k / groups;
+        let scales: Vec<f32> = values
+            .chunks(size)
+            .map(|g| format.round(g.iter().fold(0f32, |a, v| a.max(v.abs())) / 7.0))
+            .collect();
+        let q: Vec<u8> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let s = scales[i / size];
+                if s == 0.0 { 8 } else { ((v / s).round() + 8.0).clamp(0.0, 15.0) as u8 }
+            })
+            .collect();
+        let mut bytes = Vec::with_capacity(row_bytes);
+        format.push_row(&q, &vec![8; groups], &scales, &mut bytes);
+        row.copy_from_slice(&bytes);
     });
     out
 }

@@ -120,7 +120,8 @@ impl<D: Device> ModelRegistry<D> {
         let config = self.read_config(dir)?;
         let entry = self.entry(&config.architecture)?;
         if opts.dummy {
-            let model = (entry.construct)(dev, &config, &WeightStore::dummy(dtype), opts)?;
+            let store = WeightStore::dummy(dtype, crate::quantization::packing(&config.hf));
+            let model = (entry.construct)(dev, &config, &store, opts)?;
             return Ok(LoadedModel { config, model, dtype });
         }
         let ckpt = Checkpoint::open(dir, crate::quantization::packing(&config.hf))?;

@@ -79,3 +79,78 @@ pub fn rounded(written: &Tensors, original: &[u8]) -> bool {
     let original = safetensors::SafeTensors::deserialize(original).unwrap();
     written.iter().any(|(n, t)| n.ends_with("proj.weight") && t.2 != original.tensor(n).unwrap().data())
 }
+
+/// The projections of an f32 checkpoint (`weights`, safetensors bytes) as GPTQ writes
+/// 4-bit symmetric groups of `group` in order (`desc_act: false`): `qweight` `[in / 8,
+/// out]` (8 consecutive input rows a word, lowest bits first), `qzeros` `[groups, out /
+/// 8]` (each zero point 8 stored minus one), `scales` `[groups, out]` in f16 or bf16, and
+/// an in-order `g_idx`. Each group's scale maps its largest magnitude to ±7. With it, the
+/// same model dequantized (`(q − 8) × scale`, in the scales' type), and the config's
+/// `quantization_config`.
+pub fn gptq4(weights: &[u8], group: usize, f16: bool) -> (Tensors, Tensors, Value) {
+    let st = safetensors::SafeTensors::deserialize(weights).unwrap();
+    // A value rounded to the scales' type, and its bytes.
+    type Round = fn(f32) -> (f32, [u8; 2]);
+    let (half_dtype, round): (Dtype, Round) = match f16 {
+        true => (Dtype::F16, |v| {
+            let h = half::f16::from_f32(v);
+            (h.to_f32(), h.to_le_bytes())
+        }),
+        false => (Dtype::BF16, |v| {
+            let h = half::bf16::from_f32(v);
+            (h.to_f32(), h.to_le_bytes())
+        }),
+    };
+    let le = |words: &[u32]| words.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>();
+    let (mut packed, mut dequantized) = (Tensors::new(), Tensors::new());
+    for (name, t) in st.tensors() {
+        let shape = t.shape().to_vec();
+        if !name.ends_with("proj.weight") {
+            packed.insert(name.clone(), (Dtype::F32, shape.clone(), t.data().to_vec()));
+            dequantized.insert(name, (Dtype::F32, shape, t.data().to_vec()));
+            continue;
+        }
+        let w: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
+        let (rows, cols) = (shape[0], shape[1]);
+        let groups = cols / group;
+        // Scales [groups, rows].
+        let scales: Vec<f32> = (0..groups * rows)
+            .map(|i| {
+                let (g, n) = (i / rows, i % rows);
+                let amax = (0..group).map(|j| w[n * cols + g * group + j].abs()).fold(0f32, f32::max);
+                round(amax / 7.0).0
+            })
+            .collect();
+        let q: Vec<u32> = (0..rows * cols)
+            .map(|k| {
+                let s = scales[(k % cols / group) * rows + k / cols];
+                if s == 0.0 { 8 } else { ((w[k] / s).round() + 8.0).clamp(0.0, 15.0) as u32 }
+            })
+            .collect();
+        let values: Vec<u8> = (0..rows * cols)
+            .flat_map(|k| round((q[k] as f32 - 8.0) * scales[(k % cols / group) * rows + k / cols]).1)
+            .collect();
+        dequantized.insert(name.clone(), (half_dtype, shape, values));
+        let mut qweight = vec![0u32; cols / 8 * rows];
+        for i in 0..cols {
+            for n in 0..rows {
+                qweight[(i / 8) * rows + n] |= q[n * cols + i] << (4 * (i % 8));
+            }
+        }
+        let base = name.strip_suffix("weight").unwrap();
+        let g_idx: Vec<u32> = (0..cols).map(|i| (i / group) as u32).collect();
+        packed.insert(format!("{base}qweight"), (Dtype::I32, vec![cols / 8, rows], le(&qweight)));
+        packed.insert(
+            format!("{base}qzeros"),
+            (Dtype::I32, vec![groups, rows / 8], le(&vec![0x7777_7777; groups * rows / 8])),
+        );
+        let scale_bytes = scales.iter().flat_map(|&s| round(s).1).collect();
+        packed.insert(format!("{base}scales"), (half_dtype, vec![groups, rows], scale_bytes));
+        packed.insert(format!("{base}g_idx"), (Dtype::I32, vec![cols], le(&g_idx)));
+    }
+    let config = serde_json::json!({
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": false, "sym": true,
+        "checkpoint_format": "gptq",
+    });
+    (packed, dequantized, config)
+}

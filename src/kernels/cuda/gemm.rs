@@ -10,7 +10,9 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::lora::GemmOut;
-use super::{CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, RowScale, WeightBuf, cuda};
+use super::{
+    CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, DeviceError, RowScale, WeightBuf, cuda,
+};
 use crate::kernels::{Activation, LoraRows};
 
 /// How `Device::gate_up_act` ran: the projection written in f32 then act_mul, written in
@@ -26,8 +28,8 @@ pub(super) enum GateUpPath {
 /// decode steps of a few sequences, which only stream the weights.
 pub(super) const GEMV_ROWS: usize = 8;
 
-/// gemv.cu's kernels by (wide, f16) as `gemv_cfg` picks them.
-const GEMV_KERNELS: [GemvKernels; 4] = [
+/// gemv.cu's kernels by (wide, int4, f16) as `gemv_cfg` picks them.
+const GEMV_KERNELS: [GemvKernels; 8] = [
     GemvKernels {
         plain: "gemv_bf16",
         act: "gemv_act_bf16",
@@ -41,6 +43,18 @@ const GEMV_KERNELS: [GemvKernels; 4] = [
         qkv_rope: "gemv_qkv_rope_f16",
     },
     GemvKernels {
+        plain: "gemv_int4_bf16",
+        act: "gemv_act_int4_bf16",
+        res_norm: "gemv_res_norm_int4_bf16",
+        qkv_rope: "gemv_qkv_rope_int4_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_int4_f16",
+        act: "gemv_act_int4_f16",
+        res_norm: "gemv_res_norm_int4_f16",
+        qkv_rope: "gemv_qkv_rope_int4_f16",
+    },
+    GemvKernels {
         plain: "gemv_wide_bf16",
         act: "gemv_act_wide_bf16",
         res_norm: "gemv_res_norm_wide_bf16",
@@ -52,6 +66,18 @@ const GEMV_KERNELS: [GemvKernels; 4] = [
         res_norm: "gemv_res_norm_wide_f16",
         qkv_rope: "gemv_qkv_rope_wide_f16",
     },
+    GemvKernels {
+        plain: "gemv_wide_int4_bf16",
+        act: "gemv_act_wide_int4_bf16",
+        res_norm: "gemv_res_norm_wide_int4_bf16",
+        qkv_rope: "gemv_qkv_rope_wide_int4_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_wide_int4_f16",
+        act: "gemv_act_wide_int4_f16",
+        res_norm: "gemv_res_norm_wide_int4_f16",
+        qkv_rope: "gemv_qkv_rope_wide_int4_f16",
+    },
 ];
 
 /// The GEMV kernels of one width and weight type: plain, gate/up with act(gate)·up, the
@@ -62,6 +88,22 @@ pub(super) struct GemvKernels {
     act: &'static str,
     res_norm: &'static str,
     pub(super) qkv_rope: &'static str,
+}
+
+/// A weight as the GEMV kernels take it (gemv.cu's `GEMV_W`): its address, its 16-bit
+/// type (1 bf16, 2 f16), and for 4-bit rows their bytes and group size.
+pub(super) struct GemvWeight {
+    pub(super) ptr: CUdeviceptr,
+    pub(super) kind: i32,
+    pub(super) int4: Option<(i64, i32)>,
+}
+
+impl GemvWeight {
+    /// The kernels' three weight arguments: address, row bytes, group (0, 0 for 16-bit rows).
+    pub(super) fn args(&self) -> (CUdeviceptr, i64, i32) {
+        let (row_bytes, group) = self.int4.unwrap_or((0, 0));
+        (self.ptr, row_bytes, group)
+    }
 }
 
 /// A GEMV's last three arguments (gemv.cu's `NormScale`): where x's norm left its sums of
@@ -85,6 +127,7 @@ impl CudaDevice {
             WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf, beta)?,
             WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false, beta)?,
             WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true, beta)?,
+            WeightBuf::Int4 { .. } => self.gemm_int4(x, w, &mut out.buf, beta)?,
         }
         if let Some(b) = bias {
             let _t = self.span("add_bias", (0, 0), x.rows);
@@ -153,13 +196,78 @@ impl CudaDevice {
         let scale = self.scale_args(x);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
             if self.gemv_fits(m, k) && beta == 0.0 {
-                return self.gemv(f16, (wp, xp, op), (m, n, k), &scale);
+                let w = GemvWeight { ptr: wp, kind: if f16 { 2 } else { 1 }, int4: None };
+                return self.gemv(&w, (xp, op), (m, n, k), &scale);
             }
             x.final_values("a GEMM")?;
             let _t = self.span(if f16 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
             // SAFETY: w is [n, k], x [m, k], out [m, n]; pointers live for the call.
             unsafe { self.gemm_tuned((ty, DataType::CUDA_R_32F), (wp, xp, op), (n, m, k), beta) }
         })
+    }
+
+    /// `out = x @ wᵀ + beta · out` for 4-bit weights: up to [`GEMV_ROWS`] rows the GEMV
+    /// reads them as they are; past them (prompts) they are widened to their 16-bit type
+    /// for cuBLAS (`widen_int4`).
+    fn gemm_int4(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaSlice<f32>,
+        beta: f32,
+    ) -> DevResult<()> {
+        use cudarc::driver::DevicePtrMut;
+        let (m, n, k) = (x.rows, w.shape[0], w.shape[1]);
+        let gw = self.gemv_weight(w).expect("a 4-bit weight");
+        let op = out.device_ptr_mut(&self.stream).0;
+        let scale = self.scale_args(x);
+        if self.gemv_fits(m, k) && beta == 0.0 {
+            return self.with_x16(x, gw.kind, |xp| self.gemv(&gw, (xp, op), (m, n, k), &scale));
+        }
+        x.final_values("a GEMM")?;
+        let (wp, kind) = self.widen_int4(w)?;
+        let ty = if kind == 2 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
+        self.with_x16(x, kind, |xp| {
+            let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
+            // SAFETY: the widened w is [n, k], x [m, k], out [m, n]; pointers live for the call.
+            unsafe { self.gemm_tuned((ty, DataType::CUDA_R_32F), (wp, xp, op), (n, m, k), beta) }
+        })
+    }
+
+    /// A 4-bit weight widened to its 16-bit type (gemv.cu's int4_widen) in the device's
+    /// scratch for widened weights, sized at upload for the largest: its address and kind.
+    /// The scratch is reused by the next widening, which the stream orders after this
+    /// weight's GEMM.
+    pub(super) fn widen_int4(&self, w: &CudaWeight) -> DevResult<(CUdeviceptr, i32)> {
+        use cudarc::driver::DevicePtrMut;
+        let (n, k) = (w.shape[0], w.shape[1]);
+        let gw = self.gemv_weight(w).expect("a 4-bit weight");
+        let (wp, row_bytes, group) = gw.args();
+        let mut scratch = self.widened.borrow_mut();
+        let buf = scratch.as_mut().filter(|b| b.len() >= n * k).ok_or_else(|| {
+            DeviceError::Other(format!(
+                "no scratch for widening a [{n}, {k}] 4-bit weight (not uploaded here)"
+            ))
+        })?;
+        let out = buf.device_ptr_mut(&self.stream).0;
+        let name = if gw.kind == 2 { "int4_widen_f16" } else { "int4_widen_bf16" };
+        let (ni, ki) = (n as i32, k as i32);
+        let _t = self.span(name, (n, k), 0);
+        // SAFETY: w holds n rows of row_bytes (int4.rs's layout for k columns in groups of
+        // `group`), the scratch n · k 16-bit values; a thread a word of 8 of them.
+        unsafe {
+            self.stream
+                .launch_builder(self.f(name))
+                .arg(&wp)
+                .arg(&row_bytes)
+                .arg(&group)
+                .arg(&out)
+                .arg(&ni)
+                .arg(&ki)
+                .launch(Self::grid(n * k / 8))
+        }
+        .map_err(cuda("int4_widen launch"))?;
+        Ok((out, gw.kind))
     }
 
     /// `Device::gate_up_act` for 16-bit weights: without adapters up to [`GEMV_ROWS`] rows,
@@ -186,7 +294,7 @@ impl CudaDevice {
             self.gate_up_path.set(GateUpPath::Gemv);
             return Ok(Some(act));
         }
-        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        let Some(kind) = self.gemv_weight(w).map(|g| g.kind) else { return Ok(None) };
         let rows = x.rows;
         let adapters_fit = lora.is_none_or(|(modules, _)| {
             kind == 1 && modules.iter().all(|(l, _)| l.shape.bf16) && Self::lora_first(rows, modules, n)
@@ -206,7 +314,10 @@ impl CudaDevice {
             self.lora_gemms(GemmOut { ptr: gp, rows, cols: n, ty }, x, modules, 0.0)?;
             beta = 1.0;
         }
-        let (wp, _w) = wb.device_ptr(&self.stream);
+        let wp = match &w.buf {
+            WeightBuf::Int4 { .. } => self.widen_int4(w)?.0,
+            _ => self.gemv_weight(w).expect("16-bit").ptr,
+        };
         self.with_x16(x, kind, |xp| {
             let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), rows);
             // SAFETY: w is [n, k] and x [rows, k] of type ty; gate_up holds rows · n values
@@ -264,14 +375,15 @@ impl CudaDevice {
         (1..=GEMV_ROWS).contains(&m) && k.is_multiple_of(8) && self.sm80
     }
 
-    /// A GEMV grid of `blocks` over `f16` (else bf16) weights: its kernels (the `_wide` ones,
+    /// A GEMV grid of `blocks` over weights `w`: its kernels (the `_wide` ones,
     /// 16 warps a block, for grids the GPU holds at two blocks an SM; gemv.cu), and its
     /// launch.
-    pub(super) fn gemv_cfg(&self, blocks: usize, f16: bool) -> (&'static GemvKernels, LaunchConfig) {
+    pub(super) fn gemv_cfg(&self, blocks: usize, w: &GemvWeight) -> (&'static GemvKernels, LaunchConfig) {
         let wide = blocks <= 2 * self.sms;
         let threads = if wide { 512 } else { 256 };
         (
-            &GEMV_KERNELS[usize::from(wide) * 2 + usize::from(f16)],
+            &GEMV_KERNELS
+                [usize::from(wide) * 4 + usize::from(w.int4.is_some()) * 2 + usize::from(w.kind == 2)],
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
         )
     }
@@ -281,22 +393,26 @@ impl CudaDevice {
     /// norm scale, if any, as `scale`.
     fn gemv(
         &self,
-        f16: bool,
-        (w, x, out): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        w: &GemvWeight,
+        (x, out): (CUdeviceptr, CUdeviceptr),
         (m, n, k): (usize, usize, usize),
         scale: &ScaleArgs,
     ) -> DevResult<()> {
-        let (kernels, cfg) = self.gemv_cfg(n.div_ceil(16), f16);
+        let (kernels, cfg) = self.gemv_cfg(n.div_ceil(16), w);
         let name = kernels.plain;
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
-        // SAFETY: the caller's shapes: w holds n·k and x m·k 16-bit values, out m·n floats;
-        // k % 8 == 0 keeps the kernel's 16-byte loads aligned and inside each row. 16 rows
-        // of w a block.
+        let (w, row_bytes, group) = w.args();
+        // SAFETY: the caller's shapes: w holds n rows of k values (16-bit, or 4-bit rows of
+        // row_bytes), x m·k 16-bit values, out m·n floats; k % 8 == 0 (k % 32 for 4-bit
+        // rows) keeps the kernel's 16-byte loads aligned and inside each row. 16 rows of w
+        // a block.
         unsafe {
             self.stream
                 .launch_builder(self.f(name))
                 .arg(&w)
+                .arg(&row_bytes)
+                .arg(&group)
                 .arg(&x)
                 .arg(&out)
                 .arg(&m)
@@ -311,11 +427,18 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// A 16-bit weight's buffer and kind (1 bf16, 2 f16), None for f32.
-    pub(super) fn weight16(w: &CudaWeight) -> Option<(&CudaSlice<u16>, i32)> {
+    /// A 16-bit or 4-bit weight as the GEMV kernels take it; None for f32.
+    pub(super) fn gemv_weight(&self, w: &CudaWeight) -> Option<GemvWeight> {
+        use cudarc::driver::DevicePtr;
+        let ptr = |b: &dyn DevicePtr<u16>| b.device_ptr(&self.stream).0;
         match &w.buf {
-            WeightBuf::Bf16(b) => Some((b, 1)),
-            WeightBuf::F16(b) => Some((b, 2)),
+            WeightBuf::Bf16(b) => Some(GemvWeight { ptr: ptr(b), kind: 1, int4: None }),
+            WeightBuf::F16(b) => Some(GemvWeight { ptr: ptr(b), kind: 2, int4: None }),
+            WeightBuf::Int4 { buf, format } => Some(GemvWeight {
+                ptr: buf.device_ptr(&self.stream).0,
+                kind: if format.f16 { 2 } else { 1 },
+                int4: Some((format.row_bytes() as i64, format.group as i32)),
+            }),
             WeightBuf::F32(_) => None,
         }
     }
@@ -331,9 +454,9 @@ impl CudaDevice {
         act: Activation,
         half_only: bool,
     ) -> DevResult<Option<CudaTensor>> {
-        use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
-        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        let Some(gw) = self.gemv_weight(w) else { return Ok(None) };
+        let kind = gw.kind;
         let rows = x.rows;
         if !self.gemv_fits(rows, k) || x.cols != k || !n.is_multiple_of(2) {
             return Ok(None);
@@ -342,15 +465,15 @@ impl CudaDevice {
         let mut out = self.tensor(rows, inter)?;
         let (mut half, half_kind) = self.half(rows, inter)?;
         let half_only = half_only && half.is_some();
-        let (wp, _w) = wb.device_ptr(&self.stream);
-        let (kernels, cfg) = self.gemv_cfg(inter.div_ceil(8), kind == 2);
+        let (kernels, cfg) = self.gemv_cfg(inter.div_ceil(8), &gw);
         let (name, code) = (kernels.act, act_code(act));
         let scale = self.scale_args(x);
+        let (wp, row_bytes, group) = gw.args();
         self.with_x16(x, kind, |xp| {
             let _t = self.span(name, (n, k), rows);
             let (m, i, k) = (rows as i32, inter as i32, k as i32);
             let mut launch = self.stream.launch_builder(self.f(name));
-            launch.arg(&wp).arg(&xp);
+            launch.arg(&wp).arg(&row_bytes).arg(&group).arg(&xp);
             push_outputs(&mut launch, &mut out, &mut half, &half_kind, half_only);
             launch.arg(&code).arg(&m).arg(&i).arg(&k).arg(&scale.0).arg(&scale.1).arg(&scale.2);
             // SAFETY: w holds 2·inter rows of k 16-bit values, x rows·k of them; out (unless
@@ -377,10 +500,10 @@ impl CudaDevice {
         nw: &CudaWeight,
         eps: f32,
     ) -> DevResult<Option<CudaTensor>> {
-        use cudarc::driver::DevicePtr;
         let (n, k) = (w.shape[0], w.shape[1]);
         let m = x.rows;
-        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        let Some(gw) = self.gemv_weight(w) else { return Ok(None) };
+        let kind = gw.kind;
         // The next projection reads n values a row: fits the GEMV too, so it applies the scale.
         let fits = self.gemv_fits(m, k) && self.gemv_fits(m, n) && x.cols == k && x.scale.is_none();
         if !fits || self.act16.get() != kind || (residual.rows, residual.cols) != (m, n) {
@@ -390,13 +513,21 @@ impl CudaDevice {
         let parts = n.div_ceil(16);
         let mut sums = self.tensor(m, parts)?.buf;
         let out = self.tensor(m, n)?;
-        let (kernels, cfg) = self.gemv_cfg(parts, kind == 2);
-        let (wp, _w) = wb.device_ptr(&self.stream);
+        let (kernels, cfg) = self.gemv_cfg(parts, &gw);
+        let (wp, row_bytes, group) = gw.args();
         self.with_x16(x, kind, |xp| {
             let _t = self.span(kernels.res_norm, (n, k), m);
             let (mi, ni, ki) = (m as i32, n as i32, k as i32);
             let mut launch = self.stream.launch_builder(self.f(kernels.res_norm));
-            launch.arg(&wp).arg(&xp).arg(&mut *residual.buf).arg(nw.f32()).arg(&mut *half.buf).arg(&kind);
+            launch
+                .arg(&wp)
+                .arg(&row_bytes)
+                .arg(&group)
+                .arg(&xp)
+                .arg(&mut *residual.buf)
+                .arg(nw.f32())
+                .arg(&mut *half.buf)
+                .arg(&kind);
             launch.arg(&mut *sums).arg(&mi).arg(&ni).arg(&ki);
             // SAFETY: w holds n rows of k 16-bit values, x m·k of them; the residual is
             // [m, n] f32 and nw n values; half holds m·n 16-bit values and sums m · parts

@@ -1,5 +1,5 @@
-// `y = x @ wᵀ` for a few rows of x (decode steps of up to 8 sequences) and 16-bit weights,
-// on tensor cores: y[m, n] = Σ_k x[m, k] · w[n, k], x and w of type T (x already rounded to
+// `y = x @ wᵀ` for a few rows of x (decode steps of up to 8 sequences) and 16-bit weights
+// (or 4-bit ones widened to 16 bits in registers: `Int4` below), on tensor cores: y[m, n] = Σ_k x[m, k] · w[n, k], x and w of type T (x already rounded to
 // it), f32 accumulation and output. (common.cuh comes first.)
 //
 // Such a product only streams the weights, so everything serves the loads: each lane reads
@@ -190,17 +190,166 @@ __device__ __forceinline__ float gemv_sum(const GemvRed<W>& red, int e, int l) {
     return s;
 }
 
-// y = x @ wᵀ: block b takes weight rows 16b .. 16b + 15.
+// 4-bit weights (kernels/int4.rs's rows): each row's values, 8 a 32-bit word (elements
+// 0, 2, 4, 6 in its low half, 1, 3, 5, 7 in its high half), then a (scale, MAGIC + zero)
+// pair of 16-bit values for each group. Read as T, `MAGIC | q` is MAGIC + q, so a word's
+// elements become T pairs with one mask and or each, and (MAGIC + q − (MAGIC + zero)) ×
+// scale rounds once, as the checkpoint's own dequantization does.
+template <typename T> struct Half2;
+template <> struct Half2<__nv_bfloat16> {
+    using t = __nv_bfloat162;
+    static constexpr unsigned MAGIC = 0x43004300u;  // 128
+};
+template <> struct Half2<__half> {
+    using t = __half2;
+    static constexpr unsigned MAGIC = 0x64006400u;  // 1024
+};
+
+template <typename H2> __device__ __forceinline__ H2 as_h2(unsigned u) {
+    H2 h;
+    memcpy(&h, &u, 4);
+    return h;
+}
+template <typename H2> __device__ __forceinline__ unsigned as_word(H2 h) {
+    unsigned u;
+    memcpy(&u, &h, 4);
+    return u;
+}
+
+// The 8 elements of word v, in order, with their group's pair (scale in the low half).
+template <typename T> __device__ __forceinline__ uint4 int4_word(unsigned v, unsigned pair) {
+    using H2 = typename Half2<T>::t;
+    const H2 scale = as_h2<H2>(__byte_perm(pair, 0, 0x1010)), off = as_h2<H2>(__byte_perm(pair, 0, 0x3232));
+    unsigned o[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const unsigned e = ((v >> (4 * j)) & 0x000f000fu) | Half2<T>::MAGIC;
+        o[j] = as_word(__hmul2(__hsub2(as_h2<H2>(e), off), scale));
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// Superchunks of 128 elements a warp loads before it multiplies.
+#define INT4_UNROLL 2
+
+// gemv_sums for 4-bit rows r0 and r1 (their first bytes) in groups of `group` (0: one a
+// row): lane (g, q) takes elements 32q .. 32q + 31 of each 128-element superchunk, one
+// 16-byte load a row and a 4-byte pair, and multiplies them as four of gemv_sums' 32-element
+// chunks (the mma's k order is the lanes' own, x read the same way). Warp w takes
+// superchunks w, w + W, ...; a lane's 32 elements lie wholly inside or past k (k % 32 == 0)
+// and inside one group (group % 32 == 0). The first superchunks' weights are loaded before
+// PDL's wait, as gemv_sums does.
 template <typename T, int W>
-__device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k,
-                     NormScale scale) {
+__device__ __forceinline__ void gemv_sums_int4(GemvRed<W>& red, const unsigned char* r0, const unsigned char* r1,
+                                               int group, const T* xr, int k, NormScale scale, int m,
+                                               float (&rs)[GEMV_TOKENS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int supers = (k + 127) / 128;
+    const unsigned* p0 = (const unsigned*)(r0 + k / 2);
+    const unsigned* p1 = (const unsigned*)(r1 + k / 2);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 a[INT4_UNROLL], b[INT4_UNROLL];
+    unsigned pa[INT4_UNROLL], pb[INT4_UNROLL];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int u = 0; u < INT4_UNROLL; u++) {
+            const int e = (s0 + u * W) * 128 + q * 32;
+            const bool in = s0 + u * W < supers && e < k;
+            const int gi = group ? e / group : 0;
+            a[u] = in ? ld_stream(r0 + e / 2) : zero;
+            b[u] = in ? ld_stream(r1 + e / 2) : zero;
+            pa[u] = in ? __ldg(p0 + gi) : 0u;
+            pb[u] = in ? __ldg(p1 + gi) : 0u;
+        }
+    };
+    load(warp);
+    grid_dep_wait();
+    if (scale.sums != nullptr && warp < m) {
+        float r = row_rscale(scale, warp, k);
+        if (lane == 0) rs[warp] = r;
+    }
+    for (int s0 = warp; s0 < supers; s0 += W * INT4_UNROLL) {
+        if (s0 != warp) load(s0);
+#pragma unroll
+        for (int u = 0; u < INT4_UNROLL; u++) {
+            if (s0 + u * W >= supers) break;  // the same for the whole warp
+            const int e = (s0 + u * W) * 128 + q * 32;
+            const bool in = e < k;
+            const unsigned wa[4] = {a[u].x, a[u].y, a[u].z, a[u].w}, wb[4] = {b[u].x, b[u].y, b[u].z, b[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint4 x = in ? *(const uint4*)(xr + e + 8 * j) : zero;
+                gemv_chunk<T>(c, int4_word<T>(wa[j], pa[u]), int4_word<T>(wb[j], pb[u]), x);
+            }
+        }
+    }
+    grid_dep_launch();
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
+    __syncthreads();
+}
+
+// The weights a GEMV reads, as the kernels below take them: `sums` is gemv_sums over the
+// rows ra (as the lanes' rows g) and rb (rows g + 8) with token row xr (its first element).
+// 16-bit rows of k values:
+template <typename T> struct Dense {
+    const T* w;
+    int k;
+    template <int W>
+    __device__ __forceinline__ void sums(GemvRed<W>& red, size_t ra, size_t rb, const T* xr, NormScale s, int m,
+                                         float (&rs)[GEMV_TOKENS]) const {
+        const int q = threadIdx.x & 3;
+        gemv_sums<T, W>(red, w + ra * k + q * 8, w + rb * k + q * 8, xr + q * 8, k, s, m, rs);
+    }
+};
+// 4-bit rows of `row_bytes` bytes:
+template <typename T> struct Int4 {
+    const unsigned char* w;
+    int k;
+    long long row_bytes;
+    int group;
+    template <int W>
+    __device__ __forceinline__ void sums(GemvRed<W>& red, size_t ra, size_t rb, const T* xr, NormScale s, int m,
+                                         float (&rs)[GEMV_TOKENS]) const {
+        gemv_sums_int4<T, W>(red, w + ra * row_bytes, w + rb * row_bytes, group, xr, k, s, m, rs);
+    }
+};
+
+// 4-bit rows widened to T: out [n, k] (for the GEMMs of prompts, through cuBLAS). A thread
+// a word of 8 elements.
+template <typename T>
+__device__ void int4_widen(const unsigned char* __restrict__ w, long long row_bytes, int group, T* __restrict__ out,
+                           int n, int k) {
+    grid_dep_wait();
+    const size_t words = (size_t)n * (k / 8);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / (k / 8);
+        const int e = (int)(i % (k / 8)) * 8;
+        const unsigned char* r = w + row * row_bytes;
+        const unsigned pair = ((const unsigned*)(r + k / 2))[group ? e / group : 0];
+        *(uint4*)(out + row * k + e) = int4_word<T>(((const unsigned*)r)[e / 8], pair);
+    }
+    grid_dep_launch();
+}
+extern "C" __global__ void int4_widen_bf16(const unsigned char* w, long long row_bytes, int group,
+                                           __nv_bfloat16* out, int n, int k) {
+    int4_widen(w, row_bytes, group, out, n, k);
+}
+extern "C" __global__ void int4_widen_f16(const unsigned char* w, long long row_bytes, int group, __half* out, int n,
+                                          int k) {
+    int4_widen(w, row_bytes, group, out, n, k);
+}
+
+// y = x @ wᵀ: block b takes weight rows 16b .. 16b + 15.
+template <typename T, typename WT, int W>
+__device__ void gemv(WT wt, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k, NormScale scale) {
     __shared__ GemvRed<W> red;
     __shared__ float rs[GEMV_TOKENS];
-    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const int row0 = blockIdx.x * 16;
-    const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
-    const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
-    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k, scale, m, rs);
+    wt.template sums<W>(red, min(row0 + g, n - 1), min(row0 + g + 8, n - 1), x + (size_t)min(g, m - 1) * k, scale, m,
+                        rs);
     if (threadIdx.x < 128) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2) + (e >= 2 ? 8 : 0);
@@ -220,15 +369,15 @@ __device__ void gemv(const T* __restrict__ w, const T* __restrict__ x, float* __
 // The residual and the norm weights are loaded before PDL's wait: the residual was last
 // written two kernels before at least (the projection that wrote it was done before the
 // kernel before this one passed its own wait, which it did before this one could launch).
-template <typename T, int W>
-__device__ void gemv_res_norm(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ residual,
+template <typename T, typename WT, int W>
+__device__ void gemv_res_norm(WT wt, const T* __restrict__ x, float* __restrict__ residual,
                               const float* __restrict__ nw, void* out16, int kind, float* __restrict__ sums, int m,
                               int n, int k) {
     __shared__ GemvRed<W> red;
     __shared__ float rs[GEMV_TOKENS];
     // Copied to shared memory, so that no register holds them through the products.
     __shared__ float res[GEMV_TOKENS][16], nws[16], sq[GEMV_TOKENS][17];
-    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const int row0 = blockIdx.x * 16;
     // Epilogue thread i < 128: C element e = i / 32 of lane l = i % 32 (gemv_sum's).
     auto row_of = [&] { return row0 + ((threadIdx.x & 31) >> 2) + (threadIdx.x >= 64 ? 8 : 0); };
@@ -238,9 +387,8 @@ __device__ void gemv_res_norm(const T* __restrict__ w, const T* __restrict__ x, 
         cp_async4(&nws[row_of() - row0], nw + row_of());
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    const T* w0 = w + (size_t)min(row0 + g, n - 1) * k + q * 8;
-    const T* w1 = w + (size_t)min(row0 + g + 8, n - 1) * k + q * 8;
-    gemv_sums<T, W>(red, w0, w1, x + (size_t)min(g, m - 1) * k + q * 8, k, NormScale{nullptr, 0, 0.0f}, m, rs);
+    wt.template sums<W>(red, min(row0 + g, n - 1), min(row0 + g + 8, n - 1), x + (size_t)min(g, m - 1) * k,
+                        NormScale{nullptr, 0, 0.0f}, m, rs);
     asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's own copies
     if (threadIdx.x < 128) {
         const int row = row_of(), tok = tok_of();
@@ -267,16 +415,15 @@ __device__ void gemv_res_norm(const T* __restrict__ w, const T* __restrict__ x, 
 // 8b .. 8b + 7 as its rows g and the same rows of up as its rows g + 8, so each thread
 // of the epilogue holds a gate value and its up value. The result [m, inter] goes to out
 // (unless null) and, rounded to 16 bits, to out16 (kind 1 bf16, 2 f16; none with kind 0).
-template <typename T, int W>
-__device__ void gemv_act(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out, void* out16,
-                         int kind, int act, int m, int inter, int k, NormScale scale) {
+template <typename T, typename WT, int W>
+__device__ void gemv_act(WT wt, const T* __restrict__ x, float* __restrict__ out, void* out16, int kind, int act, int m,
+                         int inter, int k, NormScale scale) {
     __shared__ GemvRed<W> red;
     __shared__ float rs[GEMV_TOKENS];
-    const int g = (threadIdx.x & 31) >> 2, q = threadIdx.x & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const int row0 = blockIdx.x * 8;
     const size_t gate = min(row0 + g, inter - 1);
-    gemv_sums<T, W>(red, w + gate * k + q * 8, w + (gate + inter) * k + q * 8, x + (size_t)min(g, m - 1) * k + q * 8, k,
-                    scale, m, rs);
+    wt.template sums<W>(red, gate, gate + inter, x + (size_t)min(g, m - 1) * k, scale, m, rs);
     if (threadIdx.x < 64) {
         int e = threadIdx.x / 32, l = threadIdx.x % 32;
         int row = row0 + (l >> 2);
@@ -305,8 +452,8 @@ __device__ void gemv_act(const T* __restrict__ w, const T* __restrict__ x, float
 // on the kernel before: they are copied to shared memory before PDL's wait. The frequencies
 // are one row for all tokens (freq_stride 0) or a row a token, freq_stride apart; cos and
 // sin are scaled by mscale.
-template <typename T, int W>
-__device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ q,
+template <typename T, typename WT, int W>
+__device__ void gemv_qkv_rope(WT wt, const T* __restrict__ x, float* __restrict__ q,
                               T* __restrict__ kc, T* __restrict__ vc, const long long* __restrict__ slots,
                               const unsigned* __restrict__ positions, const float* __restrict__ inv_freq,
                               int freq_stride, float mscale, int heads, int kv_heads, int hd, int m, int k,
@@ -315,7 +462,7 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
     __shared__ float rs[GEMV_TOKENS], freq[GEMV_TOKENS * 8];
     __shared__ unsigned pos[GEMV_TOKENS];
     __shared__ long long at[GEMV_TOKENS];
-    const int g = (threadIdx.x & 31) >> 2, q4 = threadIdx.x & 3;
+    const int g = (threadIdx.x & 31) >> 2;
     const int per_head = hd / 16, half = hd / 2;
     const int slot = blockIdx.x / per_head, d0 = (blockIdx.x % per_head) * 8;
     if (threadIdx.x < m) {
@@ -327,8 +474,7 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     const size_t lo = (size_t)slot * hd + d0;
-    gemv_sums<T, W>(red, w + (lo + g) * k + q4 * 8, w + (lo + half + g) * k + q4 * 8,
-                    x + (size_t)min(g, m - 1) * k + q4 * 8, k, scale, m, rs);
+    wt.template sums<W>(red, lo + g, lo + half + g, x + (size_t)min(g, m - 1) * k, scale, m, rs);
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();  // the copies of other threads
     if (threadIdx.x >= 64) return;
@@ -375,50 +521,64 @@ __device__ void gemv_qkv_rope(const T* __restrict__ w, const T* __restrict__ x, 
 // The plain and gate/up kernels end with a NormScale's three fields (a null `sums` where x is
 // final); gemv_res_norm writes such norms.
 #define GEMV_SCALE const float *sums, int parts, float eps
-#define GEMV(SUF, T)                                                                                        \
+// Every GEMV takes its weights as (w, row_bytes, group): 16-bit rows use w alone (DENSE),
+// 4-bit ones all three (INT4).
+#define GEMV_W const void *w_, long long row_bytes, int group
+#define DENSE(T) Dense<T>{(const T*)w_, k}
+#define INT4(T) Int4<T>{(const unsigned char*)w_, k, row_bytes, group}
+#define GEMV(SUF, T, WT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m, int n,   \
-                   int k, GEMV_SCALE) {                                                                     \
-        gemv<T, GEMV_WARPS>(w, x, y, m, n, k, NormScale{sums, parts, eps}); /* PDL's wait: gemv_sums */     \
+        gemv_##SUF(GEMV_W, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k, GEMV_SCALE) { \
+        gemv<T, decltype(WT(T)), GEMV_WARPS>(WT(T), x, y, m, n, k, NormScale{sums, parts, eps});            \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
-        gemv_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ y, int m,     \
-                        int n, int k, GEMV_SCALE) {                                                         \
-        gemv<T, 2 * GEMV_WARPS>(w, x, y, m, n, k, NormScale{sums, parts, eps});                             \
+        gemv_wide_##SUF(GEMV_W, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k,        \
+                        GEMV_SCALE) {                                                                       \
+        gemv<T, decltype(WT(T)), 2 * GEMV_WARPS>(WT(T), x, y, m, n, k, NormScale{sums, parts, eps});        \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_act_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16, int kind,   \
-                       int act, int m, int inter, int k, GEMV_SCALE) {                                      \
-        gemv_act<T, GEMV_WARPS>(w, x, out, out16, kind, act, m, inter, k, NormScale{sums, parts, eps});     \
+        gemv_act_##SUF(GEMV_W, const T* __restrict__ x, float* out, void* out16, int kind, int act, int m,  \
+                       int inter, int k, GEMV_SCALE) {                                                      \
+        gemv_act<T, decltype(WT(T)), GEMV_WARPS>(WT(T), x, out, out16, kind, act, m, inter, k,              \
+                                                 NormScale{sums, parts, eps});                              \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
-        gemv_act_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* out, void* out16,      \
-                            int kind, int act, int m, int inter, int k, GEMV_SCALE) {                       \
-        gemv_act<T, 2 * GEMV_WARPS>(w, x, out, out16, kind, act, m, inter, k, NormScale{sums, parts, eps}); \
+        gemv_act_wide_##SUF(GEMV_W, const T* __restrict__ x, float* out, void* out16, int kind, int act,    \
+                            int m, int inter, int k, GEMV_SCALE) {                                          \
+        gemv_act<T, decltype(WT(T)), 2 * GEMV_WARPS>(WT(T), x, out, out16, kind, act, m, inter, k,          \
+                                                     NormScale{sums, parts, eps});                          \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_res_norm_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* residual,              \
-                            const float* nw, void* out16, int kind, float* sums, int m, int n, int k) {     \
-        gemv_res_norm<T, GEMV_WARPS>(w, x, residual, nw, out16, kind, sums, m, n, k);                       \
+        gemv_res_norm_##SUF(GEMV_W, const T* __restrict__ x, float* residual, const float* nw, void* out16, \
+                            int kind, float* sums, int m, int n, int k) {                                   \
+        gemv_res_norm<T, decltype(WT(T)), GEMV_WARPS>(WT(T), x, residual, nw, out16, kind, sums, m, n, k);  \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32)                                       \
-        gemv_res_norm_wide_##SUF(const T* __restrict__ w, const T* __restrict__ x, float* residual,         \
-                                 const float* nw, void* out16, int kind, float* sums, int m, int n, int k) {\
-        gemv_res_norm<T, 2 * GEMV_WARPS>(w, x, residual, nw, out16, kind, sums, m, n, k);                   \
+        gemv_res_norm_wide_##SUF(GEMV_W, const T* __restrict__ x, float* residual, const float* nw,         \
+                                 void* out16, int kind, float* sums, int m, int n, int k) {                 \
+        gemv_res_norm<T, decltype(WT(T)), 2 * GEMV_WARPS>(WT(T), x, residual, nw, out16, kind, sums, m, n, \
+                                                          k);                                               \
     }
-#define GEMV_QKV_ROPE(NAME, BOUNDS, WARPS, T)                                                               \
+#define GEMV_QKV_ROPE(NAME, BOUNDS, WARPS, T, WT)                                                           \
     extern "C" __global__ void __launch_bounds__ BOUNDS                                                     \
-        NAME(const T* __restrict__ w, const T* __restrict__ x, float* q, T* kc, T* vc, const long long* slots, \
+        NAME(GEMV_W, const T* __restrict__ x, float* q, T* kc, T* vc, const long long* slots,               \
              const unsigned* positions, const float* inv_freq, int freq_stride, float mscale, int heads,    \
              int kv_heads, int hd, int m, int k, GEMV_SCALE) {                                              \
-        gemv_qkv_rope<T, WARPS>(w, x, q, kc, vc, slots, positions, inv_freq, freq_stride, mscale, heads,    \
-                                kv_heads, hd, m, k, NormScale{sums, parts, eps});                           \
+        gemv_qkv_rope<T, decltype(WT(T)), WARPS>(WT(T), x, q, kc, vc, slots, positions, inv_freq,           \
+                                                 freq_stride, mscale, heads, kv_heads, hd, m, k,            \
+                                                 NormScale{sums, parts, eps});                              \
     }
-GEMV(bf16, __nv_bfloat16)
-GEMV(f16, __half)
+GEMV(bf16, __nv_bfloat16, DENSE)
+GEMV(f16, __half, DENSE)
+GEMV(int4_bf16, __nv_bfloat16, INT4)
+GEMV(int4_f16, __half, INT4)
 // The wide kernel held to 64 registers, two blocks an SM as the other wide ones (its
 // epilogue took it to 72).
-GEMV_QKV_ROPE(gemv_qkv_rope_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16)
-GEMV_QKV_ROPE(gemv_qkv_rope_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half)
-GEMV_QKV_ROPE(gemv_qkv_rope_wide_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16)
-GEMV_QKV_ROPE(gemv_qkv_rope_wide_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half)
+GEMV_QKV_ROPE(gemv_qkv_rope_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16, DENSE)
+GEMV_QKV_ROPE(gemv_qkv_rope_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half, DENSE)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16, DENSE)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half, DENSE)
+GEMV_QKV_ROPE(gemv_qkv_rope_int4_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16, INT4)
+GEMV_QKV_ROPE(gemv_qkv_rope_int4_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half, INT4)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_int4_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16, INT4)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_int4_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half, INT4)

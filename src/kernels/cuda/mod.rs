@@ -124,11 +124,13 @@ impl CudaTensor {
     }
 }
 
-/// A weight on the device; 16-bit types are kept as raw bits.
+/// A weight on the device; 16-bit types are kept as raw bits, 4-bit rows as their bytes
+/// (kernels/int4.rs's layout).
 pub enum WeightBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
     F16(CudaSlice<u16>),
+    Int4 { buf: CudaSlice<u8>, format: crate::kernels::int4::Int4Format },
 }
 
 pub struct CudaWeight {
@@ -214,6 +216,9 @@ pub struct CudaDevice {
     graph_pool: Arc<BufPool>,
     /// Activations rounded to 16 bits for the GEMMs of 16-bit weights, grown as needed.
     scratch16: std::cell::RefCell<Option<CudaSlice<u16>>>,
+    /// A 4-bit weight widened to 16 bits for a prompt's GEMM (`widen_int4`), sized at
+    /// upload for the largest such weight, so that it never moves under a CUDA graph.
+    widened: std::cell::RefCell<Option<CudaSlice<u16>>>,
     /// GPU time per operation, when `ACTORLLM_PROFILE_KERNELS` asks for it.
     prof: Option<profile::Profiler>,
     /// The 16-bit type of the 2-D weights (1 bf16, 2 f16; 0 for f32): activations that feed
@@ -348,6 +353,7 @@ impl CudaDevice {
             pool: std::cell::RefCell::new(Arc::default()),
             graph_pool: Arc::new(BufPool::unbounded()),
             scratch16: std::cell::RefCell::new(None),
+            widened: std::cell::RefCell::new(None),
             prof,
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),

@@ -86,11 +86,30 @@ impl Device for CudaDevice {
             )));
         }
         let numel: usize = t.shape.iter().product();
-        let need = numel * t.dtype.size();
+        let need = t.dtype.row_bytes(numel);
         if t.data.len() != need {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         let buf = match (t.dtype, t.shape.len()) {
+            (DType::Int4(format), 2) => {
+                self.act16.set(if format.f16 { 2 } else { 1 });
+                // Prompts' GEMMs widen it into the scratch first (`widen_int4`).
+                let mut widened = self.widened.borrow_mut();
+                if widened.as_ref().is_none_or(|b| b.len() < numel) {
+                    *widened = Some(self.zeros(numel)?);
+                }
+                WeightBuf::Int4 { buf: self.htod(&t.data)?, format }
+            }
+            // Stacked experts: the fused MoE kernels read 16-bit weights.
+            (DType::Int4(_), _) => {
+                let mut data = Vec::new();
+                t.dtype.widened().convert_from(t.dtype, &t.data, &mut data);
+                return self.upload(HostTensor {
+                    dtype: t.dtype.widened(),
+                    shape: t.shape,
+                    data: data.into(),
+                });
+            }
             (DType::BF16, 2 | 3) => {
                 self.act16.set(1);
                 WeightBuf::Bf16(self.upload_u16(&t.data)?)
@@ -217,6 +236,7 @@ impl Device for CudaDevice {
             WeightBuf::F32(t) => ("embedding_f32", t as &dyn WeightArg),
             WeightBuf::Bf16(t) => ("embedding_bf16", t as &dyn WeightArg),
             WeightBuf::F16(t) => ("embedding_f16", t as &dyn WeightArg),
+            WeightBuf::Int4 { .. } => return Err(int4_table()),
         };
         let mut launch = self.stream.launch_builder(self.f(name));
         table_ptr.push(&mut launch);
@@ -242,6 +262,7 @@ impl Device for CudaDevice {
             WeightBuf::F32(_) => "embed_positions_f32",
             WeightBuf::Bf16(_) => "embed_positions_bf16",
             WeightBuf::F16(_) => "embed_positions_f16",
+            WeightBuf::Int4 { .. } => return Err(int4_table()),
         };
         let _t = self.span("embed_positions", (0, 0), positions.len());
         let mut launch = self.stream.launch_builder(self.f(name));
@@ -601,6 +622,13 @@ impl Device for CudaDevice {
     }
 }
 
+/// An embedding table in 4-bit rows: the kernels look rows up in 16-bit tables only.
+fn int4_table() -> DeviceError {
+    DeviceError::Other(
+        "an embedding table in 4-bit groups is not read on the GPU (checkpoints quantize projections)".into(),
+    )
+}
+
 impl CudaWeight {
     /// The weight's buffer as a kernel argument (1-D weights are always f32).
     fn push_arg<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
@@ -608,6 +636,7 @@ impl CudaWeight {
             WeightBuf::F32(b) => launch.arg(b),
             WeightBuf::Bf16(b) => launch.arg(b),
             WeightBuf::F16(b) => launch.arg(b),
+            WeightBuf::Int4 { .. } => unreachable!("4-bit weights are 2-D projections, read by the GEMMs"),
         };
     }
 }

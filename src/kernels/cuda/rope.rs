@@ -129,9 +129,9 @@ impl CudaDevice {
         cache: &mut CudaCache,
         meta: &AttnMetadata,
     ) -> DevResult<Option<CudaTensor>> {
-        use cudarc::driver::DevicePtr;
         let (n, k, m) = (w.shape[0], w.shape[1], x.rows);
-        let Some((wb, kind)) = Self::weight16(w) else { return Ok(None) };
+        let Some(gw) = self.gemv_weight(w) else { return Ok(None) };
+        let kind = gw.kind;
         let (heads, kv_heads, hd) = (s.num_heads, s.num_kv_heads, s.head_dim);
         let whole_heads = hd.is_multiple_of(16) && rope.inv_freq.len() * 2 == hd;
         let fits = self.gemv_fits(m, k) && x.cols == k && n == (heads + 2 * kv_heads) * hd;
@@ -140,16 +140,16 @@ impl CudaDevice {
         }
         self.attention_inputs(s, meta)?;
         let mut q = self.tensor(m, heads * hd)?;
-        let (kernels, cfg) = self.gemv_cfg(n / 16, kind == 2);
+        let (kernels, cfg) = self.gemv_cfg(n / 16, &gw);
         let name = kernels.qkv_rope;
         let scale = self.scale_args(x);
-        let (wp, _w) = wb.device_ptr(&self.stream);
+        let (wp, row_bytes, group) = gw.args();
         let dims = [heads as i32, kv_heads as i32, hd as i32, m as i32, k as i32];
         self.with_rope_inputs(rope, meta, |inputs| {
             self.with_x16(x, kind, |xp| {
                 let _t = self.span(name, (n, k), m);
                 let mut launch = self.stream.launch_builder(self.f(name));
-                launch.arg(&wp).arg(&xp).arg(&mut *q.buf);
+                launch.arg(&wp).arg(&row_bytes).arg(&group).arg(&xp).arg(&mut *q.buf);
                 cache.k.arg().push(&mut launch);
                 cache.v.arg().push(&mut launch);
                 launch.arg(inputs.slots()?).arg(inputs.positions).arg(inputs.inv_freq);

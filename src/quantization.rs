@@ -12,6 +12,7 @@
 
 use serde_json::Value as Json;
 
+use crate::kernels::rows::RowKind;
 use crate::models::packed::Packing;
 
 /// vLLM's `--quantization` choices (its `QuantizationMethods`).
@@ -169,6 +170,20 @@ pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
 /// (its config passed [`check_config`]).
 pub fn packing(hf: &Json) -> Option<Packing> {
     Packing::of(&hf["quantization_config"], &config_method(hf)?).ok().flatten()
+}
+
+/// What a checkpoint-less load (`--load-format dummy`) of config.json `hf` makes its
+/// projections of, as the checkpoint would hold them kept packed: 4-bit rows for a 4-bit
+/// GPTQ or AWQ config (its group size), FP8 rows for an FP8 one (its blocks' width, or one
+/// scale a row); None for others.
+pub fn dummy_rows(hf: &Json) -> Option<(RowKind, Option<usize>)> {
+    let method = config_method(hf)?;
+    let q = &hf["quantization_config"];
+    if let Some(group) = packing(hf).and_then(Packing::int4_group) {
+        return Some((RowKind::Int4, group));
+    }
+    let block = q.get("weight_block_size").and_then(|b| b.get(1)).and_then(Json::as_u64).map(|b| b as usize);
+    is_fp8_weights(q, &method).then_some((RowKind::Fp8, block))
 }
 
 /// Refuses a `--quantization` (checked by [`check_arg`]) that the checkpoint's config.json

@@ -343,6 +343,25 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
     }
 }
 
+/// A weight of packed rows (`t`) multiplied on the GPU as the CPU multiplies it widened: 40
+/// rows (widened for cuBLAS) within `tol`, and 1 to 16 of them (up to 8 the GEMV reads the
+/// rows as they are) as they come inside the 40.
+fn packed_rows_match_the_cpu(g: &CudaDevice, c: &CpuDevice, t: HostTensor<'static>, tol: f32) {
+    let (n, k) = (t.shape[0], t.shape[1]);
+    let what = format!("{:?}", t.dtype);
+    let copy = HostTensor { dtype: t.dtype, shape: t.shape.clone(), data: t.data.clone() };
+    let (wc, wg) = (c.upload(copy).unwrap(), g.upload(t).unwrap());
+    let x = rand(40 * k, 9);
+    let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg, None).unwrap()).unwrap();
+    let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc, None).unwrap()).unwrap();
+    close(&format!("{what} linear of 40 rows, n {n}, k {k}"), &all, &cpu, tol);
+    for m in [1, 5, 8, 9, 16] {
+        let xm = g.from_host(&x[..m * k], m, k).unwrap();
+        let part = g.to_host(&g.linear(&xm, &wg, None).unwrap()).unwrap();
+        close(&format!("{what} linear of {m} rows, n {n}, k {k}"), &part, &all[..m * n], 1e-4);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn every_kernel_matches_its_cpu_twin() {
@@ -424,7 +443,7 @@ fn every_kernel_matches_its_cpu_twin() {
             }
         }
     }
-    // 4-bit weights in groups (kernels/int4.rs): the GEMV reads them as they are up to 8
+    // 4-bit weights in groups (kernels/rows.rs): the GEMV reads them as they are up to 8
     // rows, prompts widen them for cuBLAS; the CPU widens them at upload. k = 64 leaves half
     // of a 128-element superchunk empty, 2048 in groups of 128 spreads superchunks over the
     // warps, 160 in groups of 32 ends in a partial one; one group a row too.
@@ -432,7 +451,7 @@ fn every_kernel_matches_its_cpu_twin() {
         for (n, k, group) in
             [(97, 64, Some(32)), (97, 2048, Some(128)), (6403, 160, Some(32)), (40, 256, None)]
         {
-            let format = actorllm::kernels::int4::Int4Format::new(k, group, f16).unwrap();
+            let format = actorllm::kernels::rows::RowFormat::int4(k, group, f16).unwrap();
             let groups = format.groups();
             let mut bytes = Vec::new();
             for r in 0..n {
@@ -440,21 +459,30 @@ fn every_kernel_matches_its_cpu_twin() {
                 let zeros: Vec<i32> = (0..groups).map(|g| ((r + 3 * g) % 17) as i32).collect();
                 let scales: Vec<f32> =
                     (0..groups).map(|g| format.round(0.01 + 0.003 * ((r + g) % 11) as f32)).collect();
-                format.push_row(&q, &zeros, &scales, &mut bytes);
+                format.push_int4_row(&q, &zeros, &scales, &mut bytes);
             }
-            let t =
-                || HostTensor { dtype: DType::Int4(format), shape: vec![n, k], data: bytes.clone().into() };
-            let (wc4, wg4) = (c.upload(t()).unwrap(), g.upload(t()).unwrap());
-            let x = rand(40 * k, 9);
-            let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg4, None).unwrap()).unwrap();
-            let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc4, None).unwrap()).unwrap();
-            let what = format!("{format} linear of 40 rows, n {n}, k {k}");
-            close(&what, &all, &cpu, 2e-2);
-            for m in [1, 5, 8, 9, 16] {
-                let xm = g.from_host(&x[..m * k], m, k).unwrap();
-                let part = g.to_host(&g.linear(&xm, &wg4, None).unwrap()).unwrap();
-                close(&format!("{format} linear of {m} rows, n {n}, k {k}"), &part, &all[..m * n], 1e-4);
+            let t = HostTensor { dtype: DType::Rows(format), shape: vec![n, k], data: bytes.into() };
+            packed_rows_match_the_cpu(&g, &c, t, 2e-2);
+        }
+    }
+    // FP8 rows: k = 48 leaves a 64-element superchunk partly empty, 2048 in blocks of 128
+    // spreads them over the warps; one scale a row too.
+    for f16 in [false, true] {
+        for (n, k, group) in [(97, 48, Some(16)), (97, 2048, Some(128)), (6403, 160, None)] {
+            let format = actorllm::kernels::rows::RowFormat::fp8(k, group, f16).unwrap();
+            let mut bytes = Vec::new();
+            for r in 0..n {
+                // Every finite e4m3 byte (0x7f and 0xff are NaN), both signs, scaled to at
+                // most ±0.5 (as `rand`'s values, so that rounding x to 16 bits on the GPU
+                // stays inside the tolerance).
+                let values: Vec<u8> =
+                    (0..k).map(|i| ((r * 13 + i * 7) % 0x7f) as u8 | ((i % 2) << 7) as u8).collect();
+                let scales: Vec<f32> =
+                    (0..format.groups()).map(|g| 0.5 / 448.0 * (1 + (r + g) % 9) as f32 / 9.0).collect();
+                format.push_fp8_row(&values, &scales, &mut bytes);
             }
+            let t = HostTensor { dtype: DType::Rows(format), shape: vec![n, k], data: bytes.into() };
+            packed_rows_match_the_cpu(&g, &c, t, 2e-2);
         }
     }
     let nw = rand(hidden, 5);
@@ -1598,24 +1626,21 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
 }
 
-/// A GPTQ checkpoint (4-bit, groups of 32 in order, f16 scales) on the GPU keeps its
-/// projections packed: decode steps read them in the GEMVs (the fused gate/up, residual
-/// norm and qkv RoPE ones included), prompts widen them for cuBLAS. It gives the tokens of
-/// the same model dequantized to f16 on the GPU, with graphs and eager; outputs may part
-/// only where the dequantized model's two best candidates were within a hair (the sums are
-/// taken in another order).
+/// Quantized checkpoints on the GPU keep their projections packed: a GPTQ one (4-bit,
+/// groups of 32 in order, f16 scales) and an FP8 one (vLLM's format, blocks of 32, bf16
+/// elsewhere). Decode steps read them in the GEMVs (the fused gate/up, residual norm and
+/// qkv RoPE ones included), prompts widen them for cuBLAS. Each gives the tokens of the
+/// same model dequantized on the GPU, with graphs and eager; outputs may part only where
+/// the dequantized model's two best candidates were within a hair (the sums are taken in
+/// another order).
 #[actix_rt::test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
-async fn int4_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
+async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
     use futures::StreamExt;
     let _turn = gpu_turn();
     const MARGIN: f32 = 0.02;
     let model = tiny_model(47);
     let weights = std::fs::read(model.path().join("model.safetensors")).unwrap();
-    let (packed, dequantized, q) = common::quantized::gptq4(&weights, 32, true);
-    let (gptq, reference) = (common::scratch("gpu-gptq"), common::scratch("gpu-gptq-reference"));
-    common::quantized::write_model(model.path(), gptq.path(), &packed, Some(q));
-    common::quantized::write_model(model.path(), reference.path(), &dequantized, None);
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(3 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
     async fn outputs(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
@@ -1638,28 +1663,37 @@ async fn int4_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
         });
         futures::future::join_all(runs).await
     }
-    let on_gpu = |dir: &std::path::Path, eager: bool| EngineArgs {
-        device: DeviceArg::Cuda,
-        dtype: DTypeArg::Float16,
-        enforce_eager: eager,
-        ..common::args(dir)
-    };
-    for eager in [false, true] {
-        let want = outputs(on_gpu(reference.path(), eager), &prompts).await;
-        let got = outputs(on_gpu(gptq.path(), eager), &prompts).await;
-        let mut parted = 0;
-        for (i, (want, got)) in want.iter().zip(&got).enumerate() {
-            let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
-            parted += 1;
-            let top = &want[at].1;
-            let gap = top[0].1 - top[1].1;
-            assert!(
-                gap < MARGIN && got[at].0 == top[1].0,
-                "eager {eager}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), 4-bit took {}",
-                got[at].0
-            );
+    let checkpoints = [
+        ("GPTQ", common::quantized::gptq4(&weights, 32, true), DTypeArg::Float16),
+        ("FP8", common::quantized::fp8_blocks(&weights, 32), DTypeArg::Bfloat16),
+    ];
+    for (label, (packed, dequantized, q), dtype) in checkpoints {
+        let (quantized, reference) = (common::scratch("gpu-packed"), common::scratch("gpu-packed-reference"));
+        common::quantized::write_model(model.path(), quantized.path(), &packed, Some(q));
+        common::quantized::write_model(model.path(), reference.path(), &dequantized, None);
+        let on_gpu = |dir: &std::path::Path, eager: bool| EngineArgs {
+            device: DeviceArg::Cuda,
+            dtype,
+            enforce_eager: eager,
+            ..common::args(dir)
+        };
+        for eager in [false, true] {
+            let want = outputs(on_gpu(reference.path(), eager), &prompts).await;
+            let got = outputs(on_gpu(quantized.path(), eager), &prompts).await;
+            let mut parted = 0;
+            for (i, (want, got)) in want.iter().zip(&got).enumerate() {
+                let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
+                parted += 1;
+                let top = &want[at].1;
+                let gap = top[0].1 - top[1].1;
+                assert!(
+                    gap < MARGIN && got[at].0 == top[1].0,
+                    "{label}, eager {eager}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), took {}",
+                    got[at].0
+                );
+            }
+            assert!(parted <= 1, "{label}, eager {eager}: {parted} of {} outputs parted", prompts.len());
         }
-        assert!(parted <= 1, "eager {eager}: {parted} of {} outputs parted", prompts.len());
     }
 }
 

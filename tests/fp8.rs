@@ -12,6 +12,8 @@ use std::path::Path;
 
 use actorllm::Engine;
 use actorllm::config::EngineArgs;
+use actorllm::kernels::DType;
+use actorllm::models::loader::Checkpoint;
 use common::quantized::{Golden, Tensors, assert_serves_reference, golden_llama, rounded, write_model};
 use safetensors::Dtype;
 use serde_json::{Value, json};
@@ -168,4 +170,22 @@ async fn fp8_checkpoints_serve_their_dequantized_model() {
             assert!(e.contains("does not quantize at load"), "{e}");
         }
     }
+}
+
+/// The GPU tests' FP8 writer (`common::quantized::fp8_blocks`, blocks of 32 and bf16
+/// elsewhere) writes a checkpoint whose projections load kept as FP8 rows, and which the
+/// CPU serves as its dequantized copy.
+#[actix_rt::test]
+async fn the_fp8_writer_of_the_gpu_tests_round_trips() {
+    let Golden { dir: golden, weights, prompts } = golden_llama("fp8-blocks-golden");
+    let (packed, dequantized, q) = common::quantized::fp8_blocks(&weights, 32);
+    let (model, reference) = (common::scratch("fp8-blocks-model"), common::scratch("fp8-blocks-reference"));
+    write_model(golden.path(), model.path(), &packed, Some(q));
+    write_model(golden.path(), reference.path(), &dequantized, None);
+    assert_serves_reference("fp8 blocks writer", model.path(), reference.path(), &prompts).await;
+    let config: Value =
+        serde_json::from_slice(&std::fs::read(model.path().join("config.json")).unwrap()).unwrap();
+    let ckpt = Checkpoint::open(model.path(), actorllm::quantization::packing(&config)).unwrap();
+    let kept = ckpt.tensors().filter(|(_, t)| matches!(t.dtype, DType::Rows(_))).count();
+    assert_eq!(kept, 21, "projections kept as FP8 rows");
 }

@@ -343,7 +343,7 @@ async fn integer_checkpoints_serve_their_dequantized_model() {
         let config: Value =
             serde_json::from_slice(&std::fs::read(model.path().join("config.json")).unwrap()).unwrap();
         let ckpt = Checkpoint::open(model.path(), actorllm::quantization::packing(&config)).unwrap();
-        let kept = ckpt.tensors().filter(|(_, t)| matches!(t.dtype, DType::Int4(_))).count();
+        let kept = ckpt.tensors().filter(|(_, t)| matches!(t.dtype, DType::Rows(_))).count();
         let in_order = matches!(format, Format::Awq | Format::GptqInOrder);
         assert_eq!(kept, if in_order { 21 } else { 0 }, "{what}: projections kept as 4-bit rows");
         let with = |dir: &Path, q: &str| EngineArgs { quantization: Some(q.into()), ..common::args(dir) };

@@ -8,10 +8,10 @@
 pub mod attn;
 pub mod cpu;
 pub mod cuda;
-pub mod int4;
 pub mod moe;
 pub mod quant;
 mod rope;
+pub mod rows;
 
 pub use moe::MoeSpec;
 pub use rope::{RopeByLen, RopeSpec};
@@ -41,7 +41,7 @@ pub enum DType {
     Quant(quant::QuantFormat),
     /// 4-bit integers in groups with 16-bit scales (GPTQ, AWQ, compressed-tensors), kept
     /// packed for the GPU's kernels; the CPU widens them at upload.
-    Int4(int4::Int4Format),
+    Rows(rows::RowFormat),
 }
 
 impl DType {
@@ -52,14 +52,14 @@ impl DType {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::Quant(f) => panic!("{f} blocks have no element size"),
-            DType::Int4(f) => panic!("{f} have no element size"),
+            DType::Rows(f) => panic!("{f} have no element size"),
         }
     }
     /// Bytes of `n` consecutive elements (a multiple of 32 for a block format).
     pub fn row_bytes(self, n: usize) -> usize {
         match self {
             DType::Quant(f) => f.row_bytes(n),
-            DType::Int4(f) => {
+            DType::Rows(f) => {
                 assert!(n.is_multiple_of(f.cols as usize), "{f} are taken whole rows at a time");
                 n / f.cols as usize * f.row_bytes()
             }
@@ -69,14 +69,14 @@ impl DType {
     /// The 16-bit type a kept 4-bit weight widens to (its scales'); `self` otherwise.
     pub fn widened(self) -> DType {
         match self {
-            DType::Int4(f) if f.f16 => DType::F16,
-            DType::Int4(_) => DType::BF16,
+            DType::Rows(f) if f.f16 => DType::F16,
+            DType::Rows(_) => DType::BF16,
             d => d,
         }
     }
     /// Whether elements are packed in blocks or rows (no element size).
     pub fn is_packed(self) -> bool {
-        matches!(self, DType::Quant(_) | DType::Int4(_))
+        matches!(self, DType::Quant(_) | DType::Rows(_))
     }
     /// f32 `values` as little-endian elements of `self` (a float dtype).
     pub fn encode_f32(self, values: &[f32]) -> Vec<u8> {
@@ -96,7 +96,7 @@ impl DType {
             let mut v = Vec::new();
             match src_dtype {
                 DType::Quant(f) => f.dequantize(src, &mut v),
-                DType::Int4(f) => f.dequantize(src, &mut v),
+                DType::Rows(f) => f.dequantize(src, &mut v),
                 _ => unreachable!("packed"),
             }
             let f32_bytes: &[u8] = bytemuck::cast_slice(&v);
@@ -110,13 +110,13 @@ impl DType {
                 DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
                 DType::F16 => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
                 DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-                DType::Quant(_) | DType::Int4(_) => unreachable!("dequantized above"),
+                DType::Quant(_) | DType::Rows(_) => unreachable!("dequantized above"),
             };
             match self {
                 DType::F32 => out.extend_from_slice(&v.to_le_bytes()),
                 DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
                 DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_le_bytes()),
-                DType::Quant(_) | DType::Int4(_) => unreachable!("asserted above"),
+                DType::Quant(_) | DType::Rows(_) => unreachable!("asserted above"),
             }
         }
     }

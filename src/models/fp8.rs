@@ -7,6 +7,7 @@
 //! kernels do not do, and are not read.
 
 use crate::kernels::DType;
+use crate::kernels::rows::RowFormat;
 
 /// One e4m3 byte's value (OCP FP8 E4M3, the `float8_e4m3fn` of PyTorch and safetensors'
 /// `F8_E4M3`): sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, and
@@ -87,6 +88,34 @@ pub fn dequantize(bytes: &[u8], (rows, cols): (usize, usize), scales: &Scales, d
     dtype.encode_f32(&values)
 }
 
+/// A `[rows, cols]` weight's e4m3 bytes kept as FP8 rows widening to `dtype` (bf16 or
+/// f16; [`RowFormat`]), where its scales are one a row or in blocks along whole groups of
+/// its columns that the kernels take; None otherwise.
+pub fn kept(
+    bytes: &[u8],
+    (rows, cols): (usize, usize),
+    scales: &Scales,
+    dtype: DType,
+) -> Option<(RowFormat, Vec<u8>)> {
+    let f16 = match dtype {
+        DType::BF16 => false,
+        DType::F16 => true,
+        _ => return None,
+    };
+    let group = match scales {
+        Scales::Tensor(_) | Scales::Channel(_) => None,
+        Scales::Block { cols: bc, .. } => Some(*bc),
+    };
+    let format = RowFormat::fp8(cols, group, f16)?;
+    let groups = format.groups();
+    let mut out = Vec::with_capacity(rows * format.row_bytes());
+    for (r, row) in bytes.chunks_exact(cols).enumerate() {
+        let row_scales: Vec<f32> = (0..groups).map(|g| scales.at(r, g * cols / groups)).collect();
+        format.push_fp8_row(row, &row_scales, &mut out);
+    }
+    Some((format, out))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +157,24 @@ mod tests {
         assert_eq!(b.at(128, 0), 2.0);
         assert_eq!(b.at(299, 199), 5.0);
         assert!(Scales::of((300, 200), &[4, 3], vec![1.0; 12]).unwrap_err().contains("[300, 200]"));
+    }
+
+    #[test]
+    fn kept_rows_widen_to_the_dequantized_values() {
+        // 2 × 32 bytes in blocks of 1 × 16, and per channel; f32 has no 16-bit rows.
+        let bytes: Vec<u8> = (0..64u8).map(|i| (i * 5) % 0x7e).collect();
+        let blocks = Scales::Block { rows: 1, cols: 16, per_row: 2, values: vec![0.5, 2.0, -1.0, 0.25] };
+        for scales in [blocks, Scales::Channel(vec![3.0, 0.125])] {
+            for dtype in [DType::BF16, DType::F16] {
+                let (format, rows) = kept(&bytes, (2, 32), &scales, dtype).unwrap();
+                let mut got = Vec::new();
+                format.dequantize(&rows, &mut got);
+                let mut want = Vec::new();
+                DType::F32.convert_from(dtype, &dequantize(&bytes, (2, 32), &scales, dtype), &mut want);
+                assert_eq!(bytemuck::cast_slice::<u8, f32>(&want), got, "{scales:?} {dtype:?}");
+            }
+        }
+        assert!(kept(&bytes, (2, 32), &Scales::Tensor(1.0), DType::F32).is_none());
     }
 
     #[test]

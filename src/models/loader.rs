@@ -12,8 +12,8 @@ use crate::mapped::FileBytes;
 
 use super::ModelError;
 use super::packed::{self, Packing};
-use crate::kernels::int4::Int4Format;
 use crate::kernels::quant::QuantFormat;
+use crate::kernels::rows::{RowFormat, RowKind};
 use crate::kernels::{DType, HostTensor};
 
 /// One stacked parameter entry: checkpoint tensors named `*.{shard}.*` are loaded as shard
@@ -228,8 +228,19 @@ impl Checkpoint {
                     };
                     let scales = super::fp8::Scales::of((rows, cols), scale.shape, widened(scale))
                         .map_err(|e| fail(format!("{name}: {e}")))?;
-                    let data = super::fp8::dequantize(bytes(f, r), (rows, cols), &scales, dtype);
-                    rebuilt.push((name.clone(), dtype, r.shape.clone(), data));
+                    let kept = match r.shape.len() {
+                        2 => super::fp8::kept(bytes(f, r), (rows, cols), &scales, dtype),
+                        _ => None,
+                    };
+                    match kept {
+                        Some((format, data)) => {
+                            rebuilt.push((name.clone(), DType::Rows(format), r.shape.clone(), data))
+                        }
+                        None => {
+                            let data = super::fp8::dequantize(bytes(f, r), (rows, cols), &scales, dtype);
+                            rebuilt.push((name.clone(), dtype, r.shape.clone(), data));
+                        }
+                    }
                 }
                 // Read beside the weight they belong to.
                 _ if ["qzeros", "g_idx", "weight_zero_point", "weight_shape"]
@@ -392,9 +403,10 @@ pub struct WeightStore<'a> {
     /// `--load-format dummy`: no checkpoint; every parameter the model asks for is made of
     /// deterministic values of its kind (see [`super::random::param_bytes`]).
     dummy: bool,
-    /// A dummy store of a 4-bit checkpoint's config: its projections are made in 4-bit
-    /// groups of this size (None: one a row), as the checkpoint would hold them.
-    dummy_int4: Option<Option<usize>>,
+    /// A dummy store of a quantized checkpoint's config: its projections are made kept
+    /// packed in rows of this kind, in groups of this size (None: one a row), as the
+    /// checkpoint would hold them.
+    dummy_rows: Option<(RowKind, Option<usize>)>,
     /// Bytes of every parameter handed out so far, as loaded (blocks kept as blocks).
     served: std::sync::atomic::AtomicUsize,
 }
@@ -420,16 +432,15 @@ impl<'a> WeightStore<'a> {
             let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
             params.entry(param).or_default().insert(index, t);
         }
-        Self { params, dtype, dummy: false, dummy_int4: None, served: Default::default() }
+        Self { params, dtype, dummy: false, dummy_rows: None, served: Default::default() }
     }
 
     /// A store without a checkpoint (vLLM's `--load-format dummy`): each parameter is made
     /// when the model loads it, of the shape it asks for, so that benchmarks of a model's
     /// shapes need its config.json and tokenizer only.
-    pub fn dummy(dtype: DType, packing: Option<Packing>) -> Self {
-        let dummy_int4 =
-            packing.and_then(|p| p.int4_group()).filter(|_| matches!(dtype, DType::BF16 | DType::F16));
-        Self { params: HashMap::new(), dtype, dummy: true, dummy_int4, served: Default::default() }
+    pub fn dummy(dtype: DType, rows: Option<(RowKind, Option<usize>)>) -> Self {
+        let dummy_rows = rows.filter(|_| matches!(dtype, DType::BF16 | DType::F16));
+        Self { params: HashMap::new(), dtype, dummy: true, dummy_rows, served: Default::default() }
     }
 
     pub fn root(&self) -> ParamView<'_, 'a> {
@@ -492,11 +503,15 @@ impl<'s, 'a> ParamView<'s, 'a> {
     fn made(&self, name: &str, shape: Vec<usize>) -> HostTensor<'a> {
         let full = format!("{}{name}", self.prefix);
         let projection = full.contains(".layers.") && full.ends_with("proj.weight");
-        if let (Some(group), true, &[_, k]) = (self.store.dummy_int4, projection, &shape[..])
-            && let Some(format) = Int4Format::new(k, group, self.store.dtype == DType::F16)
+        let f16 = self.store.dtype == DType::F16;
+        if let (Some((kind, group)), true, &[_, k]) = (self.store.dummy_rows, projection, &shape[..])
+            && let Some(format) = match kind {
+                RowKind::Int4 => RowFormat::int4(k, group, f16),
+                RowKind::Fp8 => RowFormat::fp8(k, group, f16),
+            }
         {
-            let data = super::random::int4_param_bytes(&full, &shape, format);
-            return HostTensor { dtype: DType::Int4(format), shape, data: data.into() };
+            let data = super::random::rows_param_bytes(&full, &shape, format);
+            return HostTensor { dtype: DType::Rows(format), shape, data: data.into() };
         }
         let data = super::random::param_bytes(&full, &shape, self.store.dtype);
         HostTensor { dtype: self.store.dtype, shape, data: data.into() }
@@ -602,14 +617,14 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 c.start.is_multiple_of(f.block_elems()) && c.end.is_multiple_of(f.block_elems())
             }
             // A row's groups and values lie apart: a part of its columns is widened.
-            (Part::Cols(_), DType::Int4(_)) => false,
+            (Part::Cols(_), DType::Rows(_)) => false,
             _ => true,
         };
         let dtype = match t.dtype {
             DType::Quant(_) if keep_blocks && whole_blocks => t.dtype,
             // Kept where the model is served in the scales' type, which the values widen
             // to exactly.
-            DType::Int4(_) if keep_blocks && whole_blocks && t.dtype.widened() == self.store.dtype => t.dtype,
+            DType::Rows(_) if keep_blocks && whole_blocks && t.dtype.widened() == self.store.dtype => t.dtype,
             _ => self.store.dtype,
         };
         let row_len: usize = shape[1..].iter().product();
@@ -629,7 +644,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
                             data.extend_from_slice(&row[t.dtype.row_bytes(c.start)..t.dtype.row_bytes(c.end)])
                         }
                         // Columns inside blocks: the whole row dequantized, then cut.
-                        (DType::Quant(_) | DType::Int4(_), false) => {
+                        (DType::Quant(_) | DType::Rows(_), false) => {
                             let mut f32s = Vec::new();
                             DType::F32.convert_from(t.dtype, row, &mut f32s);
                             dtype.convert_from(DType::F32, &f32s[c.start * 4..c.end * 4], &mut data);
@@ -664,7 +679,7 @@ fn int_weight(name: String, w: &packed::IntWeight, scales: DType) -> (String, DT
         _ => None,
     };
     match half.and_then(|f16| w.int4(f16)) {
-        Some((format, bytes)) => (name, DType::Int4(format), shape, bytes),
+        Some((format, bytes)) => (name, DType::Rows(format), shape, bytes),
         None => (name, scales, shape, scales.encode_f32(&w.values())),
     }
 }
@@ -688,7 +703,7 @@ fn check_tensor(name: &str, expected: &[usize], t: &TensorRef) -> Result<(), Mod
         DType::BF16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7f == 0x7f && b[0] & 0x80 != 0),
         DType::F16 => t.bytes.chunks_exact(2).position(|b| b[1] & 0x7c == 0x7c),
         DType::Quant(f) => f.bad_scale(t.bytes).map(|b| b * f.block_elems()),
-        DType::Int4(f) => f.bad_scale(t.bytes),
+        DType::Rows(f) => f.bad_value(t.bytes),
     };
     match bad {
         Some(i) => {

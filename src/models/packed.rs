@@ -24,7 +24,7 @@
 
 use serde_json::Value as Json;
 
-use crate::kernels::int4::Int4Format;
+use crate::kernels::rows::RowFormat;
 
 /// AWQ's nibble of output column `c % 8` in its word.
 const AWQ_NIBBLE: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
@@ -258,18 +258,18 @@ impl IntWeight {
     /// The weight kept packed as 4-bit rows with `f16` (else bf16) scales, where the
     /// kernels take it: 4-bit values, groups of consecutive columns (a g_idx in order),
     /// rows and groups multiples of 32.
-    pub fn int4(&self, f16: bool) -> Option<(Int4Format, Vec<u8>)> {
+    pub fn int4(&self, f16: bool) -> Option<(RowFormat, Vec<u8>)> {
         if self.bits != 4 || self.zeros.iter().any(|z| !(0..=16).contains(z)) {
             return None;
         }
         let size = self.cols / self.groups.max(1);
         let in_order = self.cols.is_multiple_of(self.groups.max(1))
             && self.group_of.iter().enumerate().all(|(i, &g)| g == i / size);
-        let f = Int4Format::new(self.cols, Some(size), f16).filter(|_| in_order)?;
+        let f = RowFormat::int4(self.cols, Some(size), f16).filter(|_| in_order)?;
         let mut bytes = Vec::with_capacity(self.out * f.row_bytes());
         for n in 0..self.out {
             let g = n * self.groups..(n + 1) * self.groups;
-            f.push_row(
+            f.push_int4_row(
                 &self.q[n * self.cols..(n + 1) * self.cols],
                 &self.zeros[g.clone()],
                 &self.scales[g],

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::ModelError;
 use crate::kernels::DType;
-use crate::kernels::int4::Int4Format;
+use crate::kernels::rows::{RowFormat, RowKind};
 
 /// Llama-shaped presets (the tests' tiny model among them), as [`Shape`]s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +128,7 @@ fn encode(values: impl Iterator<Item = f32>, dtype: DType) -> Vec<u8> {
         DType::F32 => values.flat_map(f32::to_le_bytes).collect(),
         DType::BF16 => values.flat_map(|v| bf16::from_f32(v).to_le_bytes()).collect(),
         DType::F16 => values.flat_map(|v| f16::from_f32(v).to_le_bytes()).collect(),
-        DType::Quant(_) | DType::Int4(_) => unreachable!("random weights are floats, never {dtype:?}"),
+        DType::Quant(_) | DType::Rows(_) => unreachable!("random weights are floats, never {dtype:?}"),
     }
 }
 
@@ -302,7 +302,7 @@ fn write_checkpoint(
         DType::F32 => "float32",
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
-        DType::Quant(_) | DType::Int4(_) => unreachable!("random models are floats, never {dtype:?}"),
+        DType::Quant(_) | DType::Rows(_) => unreachable!("random models are floats, never {dtype:?}"),
     };
     let mut config = c.config.clone();
     config["bos_token_id"] = json!(bos);
@@ -340,7 +340,7 @@ fn write_checkpoint(
         DType::F32 => safetensors::Dtype::F32,
         DType::BF16 => safetensors::Dtype::BF16,
         DType::F16 => safetensors::Dtype::F16,
-        DType::Quant(_) | DType::Int4(_) => unreachable!("random models are floats, never {dtype:?}"),
+        DType::Quant(_) | DType::Rows(_) => unreachable!("random models are floats, never {dtype:?}"),
     };
     let views = tensors
         .iter()
@@ -674,32 +674,49 @@ pub fn param_bytes(name: &str, shape: &[usize], dtype: DType) -> Vec<u8> {
     out
 }
 
-/// A projection of a checkpoint-less load of a 4-bit checkpoint's config: [`param_bytes`]
-/// values quantized in `format`'s groups (zero point 8, the group's largest magnitude at
-/// ±7), rows made in parallel.
-pub fn int4_param_bytes(name: &str, shape: &[usize], format: Int4Format) -> Vec<u8> {
+/// A projection of a checkpoint-less load of a quantized checkpoint's config:
+/// [`param_bytes`]' values quantized in `format`'s rows (4-bit: zero point 8, each group's
+/// largest magnitude at ±7; FP8: each group's largest magnitude at 448, the nearest e4m3
+/// value), rows made in parallel.
+pub fn rows_param_bytes(name: &str, shape: &[usize], format: RowFormat) -> Vec<u8> {
     use rayon::prelude::*;
     let k = shape[1];
     let (groups, row_bytes) = (format.groups(), format.row_bytes());
+    // e4m3's non-negative finite values, ascending (bytes 0x00 ..= 0x7e).
+    let e4m3: Vec<f32> = (0..0x7fu8).map(super::fp8::e4m3_to_f32).collect();
+    let nearest = |v: f32| {
+        let i = e4m3.partition_point(|&e| e < v.abs()).min(e4m3.len() - 1);
+        let i = if i > 0 && v.abs() - e4m3[i - 1] < e4m3[i] - v.abs() { i - 1 } else { i };
+        i as u8 | if v < 0.0 { 0x80 } else { 0 }
+    };
     let mut out = vec![0u8; shape[0] * row_bytes];
     out.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
         let first = (r * k) as u64;
         let values = golden_range(name, shape, 1.0, first..first + k as u64);
         let size = k / groups;
+        let top = match format.kind {
+            RowKind::Int4 => 7.0,
+            RowKind::Fp8 => 448.0,
+        };
         let scales: Vec<f32> = values
             .chunks(size)
-            .map(|g| format.round(g.iter().fold(0f32, |a, v| a.max(v.abs())) / 7.0))
-            .collect();
-        let q: Vec<u8> = values
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                let s = scales[i / size];
-                if s == 0.0 { 8 } else { ((v / s).round() + 8.0).clamp(0.0, 15.0) as u8 }
+            .map(|g| {
+                let s = g.iter().fold(0f32, |a, v| a.max(v.abs())) / top;
+                if format.kind == RowKind::Int4 { format.round(s) } else { s }
             })
             .collect();
+        let scaled = |i: usize| if scales[i / size] == 0.0 { 0.0 } else { values[i] / scales[i / size] };
         let mut bytes = Vec::with_capacity(row_bytes);
-        format.push_row(&q, &vec![8; groups], &scales, &mut bytes);
+        match format.kind {
+            RowKind::Int4 => {
+                let q: Vec<u8> = (0..k).map(|i| (scaled(i).round() + 8.0).clamp(0.0, 15.0) as u8).collect();
+                format.push_int4_row(&q, &vec![8; groups], &scales, &mut bytes);
+            }
+            RowKind::Fp8 => {
+                let q: Vec<u8> = (0..k).map(|i| nearest(scaled(i))).collect();
+                format.push_fp8_row(&q, &scales, &mut bytes);
+            }
+        }
         row.copy_from_slice(&bytes);
     });
     out

@@ -120,7 +120,7 @@ impl<D: Device> ModelRegistry<D> {
         let config = self.read_config(dir)?;
         let entry = self.entry(&config.architecture)?;
         if opts.dummy {
-            let store = WeightStore::dummy(dtype, crate::quantization::packing(&config.hf));
+            let store = WeightStore::dummy(dtype, crate::quantization::dummy_rows(&config.hf));
             let model = (entry.construct)(dev, &config, &store, opts)?;
             return Ok(LoadedModel { config, model, dtype });
         }

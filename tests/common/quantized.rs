@@ -154,3 +154,59 @@ pub fn gptq4(weights: &[u8], group: usize, f16: bool) -> (Tensors, Tensors, Valu
     });
     (packed, dequantized, config)
 }
+
+/// The projections of an f32 checkpoint (`weights`, safetensors bytes) as vLLM's `fp8`
+/// format writes them: e4m3 bytes (each the nearest to its value over its scale) beside
+/// `weight_scale_inv` `[⌈out / block⌉, ⌈in / block⌉]` in f32, each block's largest
+/// magnitude at 448; every other tensor in bf16. With it, the same model dequantized (each
+/// byte's value times its scale, rounded to bf16), and the config's `quantization_config`.
+pub fn fp8_blocks(weights: &[u8], block: usize) -> (Tensors, Tensors, Value) {
+    let st = safetensors::SafeTensors::deserialize(weights).unwrap();
+    let e4m3: Vec<f32> = (0..0x7fu8).map(actorllm::models::fp8::e4m3_to_f32).collect();
+    let encode = |v: f32| {
+        let a = v.abs();
+        let i = e4m3.partition_point(|&e| e < a).min(e4m3.len() - 1);
+        let i = if i > 0 && a - e4m3[i - 1] < e4m3[i] - a { i - 1 } else { i };
+        i as u8 | if v < 0.0 { 0x80 } else { 0 }
+    };
+    let bf16 = |v: &[f32]| v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect::<Vec<u8>>();
+    let (mut packed, mut dequantized) = (Tensors::new(), Tensors::new());
+    for (name, t) in st.tensors() {
+        let shape = t.shape().to_vec();
+        let w: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
+        if !name.ends_with("proj.weight") {
+            packed.insert(name.clone(), (Dtype::BF16, shape.clone(), bf16(&w)));
+            dequantized.insert(name, (Dtype::BF16, shape, bf16(&w)));
+            continue;
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
+        let mut scales = vec![0f32; br * bc];
+        for (k, v) in w.iter().enumerate() {
+            let b = (k / cols / block) * bc + (k % cols) / block;
+            scales[b] = scales[b].max(v.abs() / 448.0);
+        }
+        let scale = |k: usize| scales[(k / cols / block) * bc + (k % cols) / block];
+        let bytes: Vec<u8> = w
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| if scale(k) == 0.0 { 0 } else { encode(v / scale(k)) })
+            .collect();
+        let values: Vec<f32> = bytes
+            .iter()
+            .enumerate()
+            .map(|(k, &b)| actorllm::models::fp8::e4m3_to_f32(b) * scale(k))
+            .collect();
+        dequantized.insert(name.clone(), (Dtype::BF16, shape.clone(), bf16(&values)));
+        let base = name.strip_suffix("weight").unwrap();
+        packed.insert(
+            format!("{base}weight_scale_inv"),
+            (Dtype::F32, vec![br, bc], bytemuck::cast_slice(&scales).to_vec()),
+        );
+        packed.insert(name, (Dtype::F8_E4M3, shape, bytes));
+    }
+    let config = serde_json::json!({
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+    });
+    (packed, dequantized, config)
+}

@@ -289,7 +289,7 @@ impl Device for CpuDevice {
             let layout = Layout::Stacked(each.collect::<Result<_, _>>()?);
             return Ok(CpuWeight { shape: t.shape, layout });
         }
-        if let DType::Int4(_) = t.dtype {
+        if let DType::Rows(_) = t.dtype {
             let mut data = Vec::new();
             t.dtype.widened().convert_from(t.dtype, &t.data, &mut data);
             return self.upload(HostTensor { dtype: t.dtype.widened(), shape: t.shape, data: data.into() });
@@ -311,7 +311,7 @@ impl Device for CpuDevice {
             DType::F16 => {
                 WeightData::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
             }
-            DType::Quant(_) | DType::Int4(_) => unreachable!("kept above"),
+            DType::Quant(_) | DType::Rows(_) => unreachable!("kept above"),
         };
         #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if use_packed(&t.shape, self.family) {

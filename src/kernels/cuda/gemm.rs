@@ -13,6 +13,7 @@ use super::lora::GemmOut;
 use super::{
     CudaDevice, CudaLora, CudaTensor, CudaWeight, DevResult, DeviceError, RowScale, WeightBuf, cuda,
 };
+use crate::kernels::rows::{RowFormat, RowKind};
 use crate::kernels::{Activation, LoraRows};
 
 /// How `Device::gate_up_act` ran: the projection written in f32 then act_mul, written in
@@ -28,8 +29,8 @@ pub(super) enum GateUpPath {
 /// decode steps of a few sequences, which only stream the weights.
 pub(super) const GEMV_ROWS: usize = 8;
 
-/// gemv.cu's kernels by (wide, int4, f16) as `gemv_cfg` picks them.
-const GEMV_KERNELS: [GemvKernels; 8] = [
+/// gemv.cu's kernels by (wide, rows (16-bit, 4-bit, FP8), f16) as `gemv_cfg` picks them.
+const GEMV_KERNELS: [GemvKernels; 12] = [
     GemvKernels {
         plain: "gemv_bf16",
         act: "gemv_act_bf16",
@@ -55,6 +56,18 @@ const GEMV_KERNELS: [GemvKernels; 8] = [
         qkv_rope: "gemv_qkv_rope_int4_f16",
     },
     GemvKernels {
+        plain: "gemv_fp8_bf16",
+        act: "gemv_act_fp8_bf16",
+        res_norm: "gemv_res_norm_fp8_bf16",
+        qkv_rope: "gemv_qkv_rope_fp8_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_fp8_f16",
+        act: "gemv_act_fp8_f16",
+        res_norm: "gemv_res_norm_fp8_f16",
+        qkv_rope: "gemv_qkv_rope_fp8_f16",
+    },
+    GemvKernels {
         plain: "gemv_wide_bf16",
         act: "gemv_act_wide_bf16",
         res_norm: "gemv_res_norm_wide_bf16",
@@ -78,6 +91,18 @@ const GEMV_KERNELS: [GemvKernels; 8] = [
         res_norm: "gemv_res_norm_wide_int4_f16",
         qkv_rope: "gemv_qkv_rope_wide_int4_f16",
     },
+    GemvKernels {
+        plain: "gemv_wide_fp8_bf16",
+        act: "gemv_act_wide_fp8_bf16",
+        res_norm: "gemv_res_norm_wide_fp8_bf16",
+        qkv_rope: "gemv_qkv_rope_wide_fp8_bf16",
+    },
+    GemvKernels {
+        plain: "gemv_wide_fp8_f16",
+        act: "gemv_act_wide_fp8_f16",
+        res_norm: "gemv_res_norm_wide_fp8_f16",
+        qkv_rope: "gemv_qkv_rope_wide_fp8_f16",
+    },
 ];
 
 /// The GEMV kernels of one width and weight type: plain, gate/up with act(gate)·up, the
@@ -91,18 +116,29 @@ pub(super) struct GemvKernels {
 }
 
 /// A weight as the GEMV kernels take it (gemv.cu's `GEMV_W`): its address, its 16-bit
-/// type (1 bf16, 2 f16), and for 4-bit rows their bytes and group size.
+/// type (1 bf16, 2 f16), and for packed rows (kernels/rows.rs) their format.
 pub(super) struct GemvWeight {
     pub(super) ptr: CUdeviceptr,
     pub(super) kind: i32,
-    pub(super) int4: Option<(i64, i32)>,
+    pub(super) rows: Option<RowFormat>,
 }
 
 impl GemvWeight {
     /// The kernels' three weight arguments: address, row bytes, group (0, 0 for 16-bit rows).
     pub(super) fn args(&self) -> (CUdeviceptr, i64, i32) {
-        let (row_bytes, group) = self.int4.unwrap_or((0, 0));
-        (self.ptr, row_bytes, group)
+        match self.rows {
+            Some(f) => (self.ptr, f.row_bytes() as i64, f.group as i32),
+            None => (self.ptr, 0, 0),
+        }
+    }
+
+    /// The kernels' family in [`GEMV_KERNELS`]: 16-bit rows, 4-bit, FP8.
+    fn family(&self) -> usize {
+        match self.rows.map(|f| f.kind) {
+            None => 0,
+            Some(RowKind::Int4) => 1,
+            Some(RowKind::Fp8) => 2,
+        }
     }
 }
 
@@ -127,7 +163,7 @@ impl CudaDevice {
             WeightBuf::F32(wb) => self.gemm(x, wb, n, &mut out.buf, beta)?,
             WeightBuf::Bf16(wb) => self.gemm_16(x, wb, n, &mut out.buf, false, beta)?,
             WeightBuf::F16(wb) => self.gemm_16(x, wb, n, &mut out.buf, true, beta)?,
-            WeightBuf::Int4 { .. } => self.gemm_int4(x, w, &mut out.buf, beta)?,
+            WeightBuf::Rows { .. } => self.gemm_rows(x, w, &mut out.buf, beta)?,
         }
         if let Some(b) = bias {
             let _t = self.span("add_bias", (0, 0), x.rows);
@@ -196,7 +232,7 @@ impl CudaDevice {
         let scale = self.scale_args(x);
         self.with_x16(x, if f16 { 2 } else { 1 }, |xp| {
             if self.gemv_fits(m, k) && beta == 0.0 {
-                let w = GemvWeight { ptr: wp, kind: if f16 { 2 } else { 1 }, int4: None };
+                let w = GemvWeight { ptr: wp, kind: if f16 { 2 } else { 1 }, rows: None };
                 return self.gemv(&w, (xp, op), (m, n, k), &scale);
             }
             x.final_values("a GEMM")?;
@@ -206,10 +242,10 @@ impl CudaDevice {
         })
     }
 
-    /// `out = x @ wᵀ + beta · out` for 4-bit weights: up to [`GEMV_ROWS`] rows the GEMV
-    /// reads them as they are; past them (prompts) they are widened to their 16-bit type
-    /// for cuBLAS (`widen_int4`).
-    fn gemm_int4(
+    /// `out = x @ wᵀ + beta · out` for packed rows (4-bit, FP8): up to [`GEMV_ROWS`] rows
+    /// the GEMV reads them as they are; past them (prompts) they are widened to their
+    /// 16-bit type for cuBLAS (`widen_rows`).
+    fn gemm_rows(
         &self,
         x: &CudaTensor,
         w: &CudaWeight,
@@ -218,14 +254,14 @@ impl CudaDevice {
     ) -> DevResult<()> {
         use cudarc::driver::DevicePtrMut;
         let (m, n, k) = (x.rows, w.shape[0], w.shape[1]);
-        let gw = self.gemv_weight(w).expect("a 4-bit weight");
+        let gw = self.gemv_weight(w).expect("packed rows");
         let op = out.device_ptr_mut(&self.stream).0;
         let scale = self.scale_args(x);
         if self.gemv_fits(m, k) && beta == 0.0 {
             return self.with_x16(x, gw.kind, |xp| self.gemv(&gw, (xp, op), (m, n, k), &scale));
         }
         x.final_values("a GEMM")?;
-        let (wp, kind) = self.widen_int4(w)?;
+        let (wp, kind) = self.widen_rows(w)?;
         let ty = if kind == 2 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
         self.with_x16(x, kind, |xp| {
             let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), m);
@@ -234,27 +270,32 @@ impl CudaDevice {
         })
     }
 
-    /// A 4-bit weight widened to its 16-bit type (gemv.cu's int4_widen) in the device's
-    /// scratch for widened weights, sized at upload for the largest: its address and kind.
-    /// The scratch is reused by the next widening, which the stream orders after this
-    /// weight's GEMM.
-    pub(super) fn widen_int4(&self, w: &CudaWeight) -> DevResult<(CUdeviceptr, i32)> {
+    /// A weight of packed rows widened to its 16-bit type (gemv.cu's int4_widen and
+    /// fp8_widen) in the device's scratch for widened weights, sized at upload for the
+    /// largest: its address and kind. The scratch is reused by the next widening, which
+    /// the stream orders after this weight's GEMM.
+    pub(super) fn widen_rows(&self, w: &CudaWeight) -> DevResult<(CUdeviceptr, i32)> {
         use cudarc::driver::DevicePtrMut;
         let (n, k) = (w.shape[0], w.shape[1]);
-        let gw = self.gemv_weight(w).expect("a 4-bit weight");
+        let gw = self.gemv_weight(w).expect("packed rows");
         let (wp, row_bytes, group) = gw.args();
         let mut scratch = self.widened.borrow_mut();
         let buf = scratch.as_mut().filter(|b| b.len() >= n * k).ok_or_else(|| {
             DeviceError::Other(format!(
-                "no scratch for widening a [{n}, {k}] 4-bit weight (not uploaded here)"
+                "no scratch for widening a [{n}, {k}] packed weight (not uploaded here)"
             ))
         })?;
         let out = buf.device_ptr_mut(&self.stream).0;
-        let name = if gw.kind == 2 { "int4_widen_f16" } else { "int4_widen_bf16" };
+        let name = match (gw.family(), gw.kind) {
+            (1, 2) => "int4_widen_f16",
+            (1, _) => "int4_widen_bf16",
+            (_, 2) => "fp8_widen_f16",
+            _ => "fp8_widen_bf16",
+        };
         let (ni, ki) = (n as i32, k as i32);
         let _t = self.span(name, (n, k), 0);
-        // SAFETY: w holds n rows of row_bytes (int4.rs's layout for k columns in groups of
-        // `group`), the scratch n · k 16-bit values; a thread a word of 8 of them.
+        // SAFETY: w holds n rows of row_bytes (rows.rs's layout for k columns in groups of
+        // `group`), the scratch n · k 16-bit values; a thread 8 of them.
         unsafe {
             self.stream
                 .launch_builder(self.f(name))
@@ -266,7 +307,7 @@ impl CudaDevice {
                 .arg(&ki)
                 .launch(Self::grid(n * k / 8))
         }
-        .map_err(cuda("int4_widen launch"))?;
+        .map_err(cuda("widen launch"))?;
         Ok((out, gw.kind))
     }
 
@@ -315,7 +356,7 @@ impl CudaDevice {
             beta = 1.0;
         }
         let wp = match &w.buf {
-            WeightBuf::Int4 { .. } => self.widen_int4(w)?.0,
+            WeightBuf::Rows { .. } => self.widen_rows(w)?.0,
             _ => self.gemv_weight(w).expect("16-bit").ptr,
         };
         self.with_x16(x, kind, |xp| {
@@ -382,8 +423,7 @@ impl CudaDevice {
         let wide = blocks <= 2 * self.sms;
         let threads = if wide { 512 } else { 256 };
         (
-            &GEMV_KERNELS
-                [usize::from(wide) * 4 + usize::from(w.int4.is_some()) * 2 + usize::from(w.kind == 2)],
+            &GEMV_KERNELS[usize::from(wide) * 6 + w.family() * 2 + usize::from(w.kind == 2)],
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 },
         )
     }
@@ -403,10 +443,10 @@ impl CudaDevice {
         let _t = self.span(name, (n, k), m);
         let (m, n, k) = (m as i32, n as i32, k as i32);
         let (w, row_bytes, group) = w.args();
-        // SAFETY: the caller's shapes: w holds n rows of k values (16-bit, or 4-bit rows of
+        // SAFETY: the caller's shapes: w holds n rows of k values (16-bit, or packed rows of
         // row_bytes), x m·k 16-bit values, out m·n floats; k % 8 == 0 (k % 32 for 4-bit
-        // rows) keeps the kernel's 16-byte loads aligned and inside each row. 16 rows of w
-        // a block.
+        // rows, % 16 for FP8 ones) keeps the kernel's 16-byte loads aligned and inside each
+        // row. 16 rows of w a block.
         unsafe {
             self.stream
                 .launch_builder(self.f(name))
@@ -427,17 +467,17 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// A 16-bit or 4-bit weight as the GEMV kernels take it; None for f32.
+    /// A 16-bit weight or one of packed rows as the GEMV kernels take it; None for f32.
     pub(super) fn gemv_weight(&self, w: &CudaWeight) -> Option<GemvWeight> {
         use cudarc::driver::DevicePtr;
         let ptr = |b: &dyn DevicePtr<u16>| b.device_ptr(&self.stream).0;
         match &w.buf {
-            WeightBuf::Bf16(b) => Some(GemvWeight { ptr: ptr(b), kind: 1, int4: None }),
-            WeightBuf::F16(b) => Some(GemvWeight { ptr: ptr(b), kind: 2, int4: None }),
-            WeightBuf::Int4 { buf, format } => Some(GemvWeight {
+            WeightBuf::Bf16(b) => Some(GemvWeight { ptr: ptr(b), kind: 1, rows: None }),
+            WeightBuf::F16(b) => Some(GemvWeight { ptr: ptr(b), kind: 2, rows: None }),
+            WeightBuf::Rows { buf, format } => Some(GemvWeight {
                 ptr: buf.device_ptr(&self.stream).0,
                 kind: if format.f16 { 2 } else { 1 },
-                int4: Some((format.row_bytes() as i64, format.group as i32)),
+                rows: Some(*format),
             }),
             WeightBuf::F32(_) => None,
         }

@@ -1,5 +1,7 @@
+#include <cuda_fp8.h>
 // `y = x @ wᵀ` for a few rows of x (decode steps of up to 8 sequences) and 16-bit weights
-// (or 4-bit ones widened to 16 bits in registers: `Int4` below), on tensor cores: y[m, n] = Σ_k x[m, k] · w[n, k], x and w of type T (x already rounded to
+// (or 4-bit and FP8 ones widened to 16 bits in registers: `Int4` and `Fp8` below), on tensor
+// cores: y[m, n] = Σ_k x[m, k] · w[n, k], x and w of type T (x already rounded to
 // it), f32 accumulation and output. (common.cuh comes first.)
 //
 // Such a product only streams the weights, so everything serves the loads: each lane reads
@@ -290,6 +292,81 @@ __device__ __forceinline__ void gemv_sums_int4(GemvRed<W>& red, const unsigned c
     __syncthreads();
 }
 
+// FP8 weights (kernels/rows.rs's Fp8 rows): each row's e4m3 bytes, then an f32 scale for
+// each group. A byte pair becomes a half pair (exactly) in one instruction, then floats
+// times the scale, rounded to T once, as the checkpoint's own dequantization does.
+__device__ __forceinline__ unsigned fp8_pair(unsigned short v, float s, __nv_bfloat16*) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v, __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    return as_word(__floats2bfloat162_rn(f.x * s, f.y * s));
+}
+__device__ __forceinline__ unsigned fp8_pair(unsigned short v, float s, __half*) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)v, __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    return as_word(__floats2half2_rn(f.x * s, f.y * s));
+}
+
+// The 8 elements of bytes lo (elements 0..3) and hi (4..7), in order, times scale s.
+template <typename T> __device__ __forceinline__ uint4 fp8_words(unsigned lo, unsigned hi, float s) {
+    return make_uint4(fp8_pair(lo & 0xffff, s, (T*)nullptr), fp8_pair(lo >> 16, s, (T*)nullptr),
+                      fp8_pair(hi & 0xffff, s, (T*)nullptr), fp8_pair(hi >> 16, s, (T*)nullptr));
+}
+
+// Superchunks of 64 elements a warp loads before it multiplies.
+#define FP8_UNROLL 4
+
+// gemv_sums for FP8 rows r0 and r1 in groups of `group` (0: one a row): lane (g, q) takes
+// elements 16q .. 16q + 15 of each 64-element superchunk, one 16-byte load a row and its
+// group's scale, and multiplies them as two of gemv_sums' 32-element chunks. A lane's 16
+// elements lie wholly inside or past k (k % 16 == 0) and inside one group (group % 16 == 0).
+template <typename T, int W>
+__device__ __forceinline__ void gemv_sums_fp8(GemvRed<W>& red, const unsigned char* r0, const unsigned char* r1,
+                                              int group, const T* xr, int k, NormScale scale, int m,
+                                              float (&rs)[GEMV_TOKENS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int supers = (k + 63) / 64;
+    const float* s0p = (const float*)(r0 + k);
+    const float* s1p = (const float*)(r1 + k);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 a[FP8_UNROLL], b[FP8_UNROLL];
+    float sa[FP8_UNROLL], sb[FP8_UNROLL];
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; u++) {
+            const int e = (s0 + u * W) * 64 + q * 16;
+            const bool in = s0 + u * W < supers && e < k;
+            const int gi = group ? e / group : 0;
+            a[u] = in ? ld_stream(r0 + e) : zero;
+            b[u] = in ? ld_stream(r1 + e) : zero;
+            sa[u] = in ? __ldg(s0p + gi) : 0.0f;
+            sb[u] = in ? __ldg(s1p + gi) : 0.0f;
+        }
+    };
+    load(warp);
+    grid_dep_wait();
+    if (scale.sums != nullptr && warp < m) {
+        float r = row_rscale(scale, warp, k);
+        if (lane == 0) rs[warp] = r;
+    }
+    for (int s0 = warp; s0 < supers; s0 += W * FP8_UNROLL) {
+        if (s0 != warp) load(s0);
+#pragma unroll
+        for (int u = 0; u < FP8_UNROLL; u++) {
+            if (s0 + u * W >= supers) break;  // the same for the whole warp
+            const int e = (s0 + u * W) * 64 + q * 16;
+            const bool in = e < k;
+            const uint4 x0 = in ? *(const uint4*)(xr + e) : zero, x1 = in ? *(const uint4*)(xr + e + 8) : zero;
+            gemv_chunk<T>(c, fp8_words<T>(a[u].x, a[u].y, sa[u]), fp8_words<T>(b[u].x, b[u].y, sb[u]), x0);
+            gemv_chunk<T>(c, fp8_words<T>(a[u].z, a[u].w, sa[u]), fp8_words<T>(b[u].z, b[u].w, sb[u]), x1);
+        }
+    }
+    grid_dep_launch();
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
+    __syncthreads();
+}
+
 // The weights a GEMV reads, as the kernels below take them: `sums` is gemv_sums over the
 // rows ra (as the lanes' rows g) and rb (rows g + 8) with token row xr (its first element).
 // 16-bit rows of k values:
@@ -315,6 +392,44 @@ template <typename T> struct Int4 {
         gemv_sums_int4<T, W>(red, w + ra * row_bytes, w + rb * row_bytes, group, xr, k, s, m, rs);
     }
 };
+
+// FP8 rows of `row_bytes` bytes:
+template <typename T> struct Fp8 {
+    const unsigned char* w;
+    int k;
+    long long row_bytes;
+    int group;
+    template <int W>
+    __device__ __forceinline__ void sums(GemvRed<W>& red, size_t ra, size_t rb, const T* xr, NormScale s, int m,
+                                         float (&rs)[GEMV_TOKENS]) const {
+        gemv_sums_fp8<T, W>(red, w + ra * row_bytes, w + rb * row_bytes, group, xr, k, s, m, rs);
+    }
+};
+
+// FP8 rows widened to T: out [n, k] (for the GEMMs of prompts). A thread 8 elements.
+template <typename T>
+__device__ void fp8_widen(const unsigned char* __restrict__ w, long long row_bytes, int group, T* __restrict__ out,
+                          int n, int k) {
+    grid_dep_wait();
+    const size_t chunks = (size_t)n * (k / 8);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / (k / 8);
+        const int e = (int)(i % (k / 8)) * 8;
+        const unsigned char* r = w + row * row_bytes;
+        const float s = ((const float*)(r + k))[group ? e / group : 0];
+        const uint2 v = *(const uint2*)(r + e);
+        *(uint4*)(out + row * k + e) = fp8_words<T>(v.x, v.y, s);
+    }
+    grid_dep_launch();
+}
+extern "C" __global__ void fp8_widen_bf16(const unsigned char* w, long long row_bytes, int group, __nv_bfloat16* out,
+                                          int n, int k) {
+    fp8_widen(w, row_bytes, group, out, n, k);
+}
+extern "C" __global__ void fp8_widen_f16(const unsigned char* w, long long row_bytes, int group, __half* out, int n,
+                                         int k) {
+    fp8_widen(w, row_bytes, group, out, n, k);
+}
 
 // 4-bit rows widened to T: out [n, k] (for the GEMMs of prompts, through cuBLAS). A thread
 // a word of 8 elements.
@@ -522,10 +637,11 @@ __device__ void gemv_qkv_rope(WT wt, const T* __restrict__ x, float* __restrict_
 // final); gemv_res_norm writes such norms.
 #define GEMV_SCALE const float *sums, int parts, float eps
 // Every GEMV takes its weights as (w, row_bytes, group): 16-bit rows use w alone (DENSE),
-// 4-bit ones all three (INT4).
+// 4-bit and FP8 ones all three (INT4, FP8).
 #define GEMV_W const void *w_, long long row_bytes, int group
 #define DENSE(T) Dense<T>{(const T*)w_, k}
 #define INT4(T) Int4<T>{(const unsigned char*)w_, k, row_bytes, group}
+#define FP8(T) Fp8<T>{(const unsigned char*)w_, k, row_bytes, group}
 #define GEMV(SUF, T, WT)                                                                                    \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_##SUF(GEMV_W, const T* __restrict__ x, float* __restrict__ y, int m, int n, int k, GEMV_SCALE) { \
@@ -572,6 +688,8 @@ GEMV(bf16, __nv_bfloat16, DENSE)
 GEMV(f16, __half, DENSE)
 GEMV(int4_bf16, __nv_bfloat16, INT4)
 GEMV(int4_f16, __half, INT4)
+GEMV(fp8_bf16, __nv_bfloat16, FP8)
+GEMV(fp8_f16, __half, FP8)
 // The wide kernel held to 64 registers, two blocks an SM as the other wide ones (its
 // epilogue took it to 72).
 GEMV_QKV_ROPE(gemv_qkv_rope_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16, DENSE)
@@ -582,3 +700,7 @@ GEMV_QKV_ROPE(gemv_qkv_rope_int4_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloa
 GEMV_QKV_ROPE(gemv_qkv_rope_int4_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half, INT4)
 GEMV_QKV_ROPE(gemv_qkv_rope_wide_int4_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16, INT4)
 GEMV_QKV_ROPE(gemv_qkv_rope_wide_int4_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half, INT4)
+GEMV_QKV_ROPE(gemv_qkv_rope_fp8_bf16, (GEMV_WARPS * 32), GEMV_WARPS, __nv_bfloat16, FP8)
+GEMV_QKV_ROPE(gemv_qkv_rope_fp8_f16, (GEMV_WARPS * 32), GEMV_WARPS, __half, FP8)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_fp8_bf16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __nv_bfloat16, FP8)
+GEMV_QKV_ROPE(gemv_qkv_rope_wide_fp8_f16, (2 * GEMV_WARPS * 32, 2), 2 * GEMV_WARPS, __half, FP8)

@@ -130,7 +130,7 @@ pub enum WeightBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
     F16(CudaSlice<u16>),
-    Int4 { buf: CudaSlice<u8>, format: crate::kernels::int4::Int4Format },
+    Rows { buf: CudaSlice<u8>, format: crate::kernels::rows::RowFormat },
 }
 
 pub struct CudaWeight {

@@ -219,6 +219,6 @@ fn weight_ptr(dev: &CudaDevice, w: &CudaWeight) -> CUdeviceptr {
     match &w.buf {
         WeightBuf::F32(b) => b.device_ptr(&dev.stream).0,
         WeightBuf::Bf16(b) | WeightBuf::F16(b) => b.device_ptr(&dev.stream).0,
-        WeightBuf::Int4 { buf, .. } => buf.device_ptr(&dev.stream).0,
+        WeightBuf::Rows { buf, .. } => buf.device_ptr(&dev.stream).0,
     }
 }

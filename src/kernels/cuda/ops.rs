@@ -91,17 +91,17 @@ impl Device for CudaDevice {
             return Err(DeviceError::WeightSize { shape: t.shape, dtype: t.dtype, got: t.data.len(), need });
         }
         let buf = match (t.dtype, t.shape.len()) {
-            (DType::Int4(format), 2) => {
+            (DType::Rows(format), 2) => {
                 self.act16.set(if format.f16 { 2 } else { 1 });
                 // Prompts' GEMMs widen it into the scratch first (`widen_int4`).
                 let mut widened = self.widened.borrow_mut();
                 if widened.as_ref().is_none_or(|b| b.len() < numel) {
                     *widened = Some(self.zeros(numel)?);
                 }
-                WeightBuf::Int4 { buf: self.htod(&t.data)?, format }
+                WeightBuf::Rows { buf: self.htod(&t.data)?, format }
             }
             // Stacked experts: the fused MoE kernels read 16-bit weights.
-            (DType::Int4(_), _) => {
+            (DType::Rows(_), _) => {
                 let mut data = Vec::new();
                 t.dtype.widened().convert_from(t.dtype, &t.data, &mut data);
                 return self.upload(HostTensor {
@@ -236,7 +236,7 @@ impl Device for CudaDevice {
             WeightBuf::F32(t) => ("embedding_f32", t as &dyn WeightArg),
             WeightBuf::Bf16(t) => ("embedding_bf16", t as &dyn WeightArg),
             WeightBuf::F16(t) => ("embedding_f16", t as &dyn WeightArg),
-            WeightBuf::Int4 { .. } => return Err(int4_table()),
+            WeightBuf::Rows { .. } => return Err(packed_table()),
         };
         let mut launch = self.stream.launch_builder(self.f(name));
         table_ptr.push(&mut launch);
@@ -262,7 +262,7 @@ impl Device for CudaDevice {
             WeightBuf::F32(_) => "embed_positions_f32",
             WeightBuf::Bf16(_) => "embed_positions_bf16",
             WeightBuf::F16(_) => "embed_positions_f16",
-            WeightBuf::Int4 { .. } => return Err(int4_table()),
+            WeightBuf::Rows { .. } => return Err(packed_table()),
         };
         let _t = self.span("embed_positions", (0, 0), positions.len());
         let mut launch = self.stream.launch_builder(self.f(name));
@@ -622,10 +622,10 @@ impl Device for CudaDevice {
     }
 }
 
-/// An embedding table in 4-bit rows: the kernels look rows up in 16-bit tables only.
-fn int4_table() -> DeviceError {
+/// An embedding table of packed rows: the kernels look rows up in 16-bit tables only.
+fn packed_table() -> DeviceError {
     DeviceError::Other(
-        "an embedding table in 4-bit groups is not read on the GPU (checkpoints quantize projections)".into(),
+        "an embedding table of packed rows is not read on the GPU (checkpoints quantize projections)".into(),
     )
 }
 
@@ -636,7 +636,7 @@ impl CudaWeight {
             WeightBuf::F32(b) => launch.arg(b),
             WeightBuf::Bf16(b) => launch.arg(b),
             WeightBuf::F16(b) => launch.arg(b),
-            WeightBuf::Int4 { .. } => unreachable!("4-bit weights are 2-D projections, read by the GEMMs"),
+            WeightBuf::Rows { .. } => unreachable!("packed rows are 2-D projections, read by the GEMMs"),
         };
     }
 }

@@ -164,6 +164,7 @@ impl Engine {
                 bf16: l.bf16,
             }),
             dummy: args.load_format == crate::config::LoadFormat::Dummy,
+            online_fp8: crate::quantization::online_fp8(&model_config.hf, args.quantization.as_deref()),
         };
         let started = std::time::Instant::now();
         let ranks = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {

@@ -68,9 +68,9 @@ pub enum QuantError {
     )]
     KeepOnGpu,
     #[error(
-        "the checkpoint is not quantized (its config.json has no quantization_config), and actorllm does \
-         not quantize at load as vLLM does for --quantization {method}: leave the flag out, or serve a \
-         checkpoint quantized with {method}"
+        "the checkpoint is not quantized (its config.json has no quantization_config), and actorllm \
+         quantizes at load for --quantization fp8 only, not {method}: leave the flag out, give fp8, or \
+         serve a checkpoint quantized with {method}"
     )]
     NotQuantized { method: String },
     #[error(
@@ -186,12 +186,19 @@ pub fn dummy_rows(hf: &Json) -> Option<(RowKind, Option<usize>)> {
     is_fp8_weights(q, &method).then_some((RowKind::Fp8, block))
 }
 
+/// Whether `--quantization` `given` asks for a checkpoint of config.json `hf` to be
+/// quantized at load: fp8 on a checkpoint that is not quantized (vLLM's online FP8).
+pub fn online_fp8(hf: &Json, given: Option<&str>) -> bool {
+    given.is_some_and(|g| g.eq_ignore_ascii_case("fp8")) && config_method(hf).is_none()
+}
+
 /// Refuses a `--quantization` (checked by [`check_arg`]) that the checkpoint's config.json
 /// does not bear out: vLLM quantizes a 16-bit checkpoint at load for `fp8`, which this
 /// engine does not, and a checkpoint quantized one way is not served as another.
 pub fn check_flag(hf: &Json, given: Option<&str>) -> Result<(), QuantError> {
     let Some(given) = given.map(str::to_ascii_lowercase).filter(|g| g != "gguf") else { return Ok(()) };
     match config_method(hf) {
+        None if given == "fp8" => Ok(()),
         None => Err(QuantError::NotQuantized { method: given }),
         Some(method) if !same_method(&method, &given) => Err(QuantError::Mismatch { method, given }),
         Some(_) => Ok(()),
@@ -286,9 +293,13 @@ mod tests {
         assert_eq!(check_flag(&plain, None), Ok(()));
         assert_eq!(check_flag(&plain, Some("gguf")), Ok(()));
         assert_eq!(check_flag(&fp8, Some("FP8")), Ok(()));
+        // fp8 on a 16-bit checkpoint quantizes it at load; another method is refused.
+        assert_eq!(check_flag(&plain, Some("fp8")), Ok(()));
         assert!(
-            check_flag(&plain, Some("fp8")).unwrap_err().to_string().contains("does not quantize at load")
+            online_fp8(&plain, Some("FP8")) && !online_fp8(&fp8, Some("fp8")) && !online_fp8(&plain, None)
         );
+        let e = check_flag(&plain, Some("awq")).unwrap_err().to_string();
+        assert!(e.contains("quantizes at load for --quantization fp8 only, not awq"), "{e}");
         let e = check_flag(&fp8, Some("compressed-tensors")).unwrap_err().to_string();
         assert!(e.contains("quantized with fp8") && e.contains("give fp8"), "{e}");
         assert_eq!(check_arg(Some("fp8"), std::path::Path::new("m"), false), Ok(()));

@@ -1627,8 +1627,8 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 }
 
 /// Quantized checkpoints on the GPU keep their projections packed: a GPTQ one (4-bit,
-/// groups of 32 in order, f16 scales) and an FP8 one (vLLM's format, blocks of 32, bf16
-/// elsewhere). Decode steps read them in the GEMVs (the fused gate/up, residual norm and
+/// groups of 32 in order, f16 scales), an FP8 one (vLLM's format, blocks of 64, bf16
+/// elsewhere), and a 16-bit one quantized to FP8 at load (`--quantization fp8`). Decode steps read them in the GEMVs (the fused gate/up, residual norm and
 /// qkv RoPE ones included), prompts widen them for cuBLAS. Each gives the tokens of the
 /// same model dequantized on the GPU, with graphs and eager; outputs may part only where
 /// the dequantized model's two best candidates were within a hair (the sums are taken in
@@ -1663,23 +1663,35 @@ async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
         });
         futures::future::join_all(runs).await
     }
+    // (label, checkpoint, its dequantized copy, dtype, --quantization): the third is the
+    // tiny model itself quantized at load (one FP8 scale a row).
+    let (_, per_row, _) = common::quantized::fp8_blocks(&weights, (1, usize::MAX));
     let checkpoints = [
-        ("GPTQ", common::quantized::gptq4(&weights, 32, true), DTypeArg::Float16),
-        ("FP8", common::quantized::fp8_blocks(&weights, 32), DTypeArg::Bfloat16),
+        ("GPTQ", Some(common::quantized::gptq4(&weights, 32, true)), None, DTypeArg::Float16, None),
+        ("FP8", Some(common::quantized::fp8_blocks(&weights, (64, 64))), None, DTypeArg::Bfloat16, None),
+        ("FP8 at load", None, Some(per_row), DTypeArg::Bfloat16, Some("fp8")),
     ];
-    for (label, (packed, dequantized, q), dtype) in checkpoints {
+    for (label, written, online, dtype, flag) in checkpoints {
         let (quantized, reference) = (common::scratch("gpu-packed"), common::scratch("gpu-packed-reference"));
-        common::quantized::write_model(model.path(), quantized.path(), &packed, Some(q));
+        let (model_dir, dequantized) = match (written, online) {
+            (Some((packed, dequantized, q)), _) => {
+                common::quantized::write_model(model.path(), quantized.path(), &packed, Some(q));
+                (quantized.path(), dequantized)
+            }
+            (None, Some(dequantized)) => (model.path(), dequantized),
+            (None, None) => unreachable!("each case has a checkpoint or a copy"),
+        };
         common::quantized::write_model(model.path(), reference.path(), &dequantized, None);
-        let on_gpu = |dir: &std::path::Path, eager: bool| EngineArgs {
+        let on_gpu = |dir: &std::path::Path, eager: bool, q: Option<&str>| EngineArgs {
             device: DeviceArg::Cuda,
             dtype,
             enforce_eager: eager,
+            quantization: q.map(Into::into),
             ..common::args(dir)
         };
         for eager in [false, true] {
-            let want = outputs(on_gpu(reference.path(), eager), &prompts).await;
-            let got = outputs(on_gpu(quantized.path(), eager), &prompts).await;
+            let want = outputs(on_gpu(reference.path(), eager, None), &prompts).await;
+            let got = outputs(on_gpu(model_dir, eager, flag), &prompts).await;
             let mut parted = 0;
             for (i, (want, got)) in want.iter().zip(&got).enumerate() {
                 let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };

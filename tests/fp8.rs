@@ -153,8 +153,8 @@ async fn fp8_checkpoints_serve_their_dequantized_model() {
         assert_serves_reference(what, fp8.path(), reference.path(), &prompts).await;
         assert!(rounded(&written.dequantized, &weights), "{what}: no weight moved");
         if let Layout::Tensor = layout {
-            // vLLM's flag for such a checkpoint is taken; another method's, or fp8 on a
-            // 16-bit checkpoint (quantizing at load, which this engine does not), refused.
+            // vLLM's flag for such a checkpoint is taken; another method's, or one other
+            // than fp8 on a 16-bit checkpoint (which fp8 quantizes at load), refused.
             let with = |dir: &Path, q: &str| EngineArgs { quantization: Some(q.into()), ..common::args(dir) };
             let refused =
                 |args: EngineArgs| async { Engine::start(args).await.err().expect("refused").to_string() };
@@ -166,8 +166,8 @@ async fn fp8_checkpoints_serve_their_dequantized_model() {
                 e.contains("quantized with fp8") && e.contains("not --quantization compressed-tensors"),
                 "{e}"
             );
-            let e = refused(with(reference.path(), "fp8")).await;
-            assert!(e.contains("does not quantize at load"), "{e}");
+            let e = refused(with(reference.path(), "awq")).await;
+            assert!(e.contains("quantizes at load for --quantization fp8 only, not awq"), "{e}");
         }
     }
 }
@@ -178,7 +178,7 @@ async fn fp8_checkpoints_serve_their_dequantized_model() {
 #[actix_rt::test]
 async fn the_fp8_writer_of_the_gpu_tests_round_trips() {
     let Golden { dir: golden, weights, prompts } = golden_llama("fp8-blocks-golden");
-    let (packed, dequantized, q) = common::quantized::fp8_blocks(&weights, 32);
+    let (packed, dequantized, q) = common::quantized::fp8_blocks(&weights, (32, 32));
     let (model, reference) = (common::scratch("fp8-blocks-model"), common::scratch("fp8-blocks-reference"));
     write_model(golden.path(), model.path(), &packed, Some(q));
     write_model(golden.path(), reference.path(), &dequantized, None);
@@ -188,4 +188,30 @@ async fn the_fp8_writer_of_the_gpu_tests_round_trips() {
     let ckpt = Checkpoint::open(model.path(), actorllm::quantization::packing(&config)).unwrap();
     let kept = ckpt.tensors().filter(|(_, t)| matches!(t.dtype, DType::Rows(_))).count();
     assert_eq!(kept, 21, "projections kept as FP8 rows");
+}
+
+/// `--quantization fp8` on a checkpoint that is not quantized (vLLM's online FP8): each
+/// projection row is scaled by its largest magnitude over 448 and rounded to e4m3 as the
+/// model loads. Served in bf16, the tiny model gives what the test's own writer gives for
+/// the same rows quantized (one block a row) and dequantized.
+#[actix_rt::test]
+async fn fp8_at_load_quantizes_each_projection_row() {
+    use actorllm::config::DTypeArg;
+    let Golden { dir: golden, weights, prompts } = golden_llama("fp8-online-golden");
+    let (_, dequantized, _) = common::quantized::fp8_blocks(&weights, (1, usize::MAX));
+    let reference = common::scratch("fp8-online-reference");
+    write_model(golden.path(), reference.path(), &dequantized, None);
+    assert!(rounded(&dequantized, &weights), "no weight moved");
+    let bf16 = |dir: &Path, q: Option<&str>| EngineArgs {
+        dtype: DTypeArg::Bfloat16,
+        quantization: q.map(Into::into),
+        ..common::args(dir)
+    };
+    common::quantized::assert_args_serve_reference(
+        "fp8 at load",
+        bf16(golden.path(), Some("fp8")),
+        bf16(reference.path(), None),
+        &prompts,
+    )
+    .await;
 }

@@ -23,6 +23,58 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * v
 }
 
+/// The e4m3 byte nearest to `v` (ties to the even byte, as PyTorch's conversion rounds),
+/// saturating at ±448; `table` holds [`e4m3_to_f32`] of bytes 0 ..= 0x7e.
+pub fn e4m3_nearest(table: &[f32], v: f32) -> u8 {
+    let a = v.abs();
+    let i = table.partition_point(|&e| e < a).min(table.len() - 1);
+    let i = match i {
+        0 => 0,
+        _ if a - table[i - 1] < table[i] - a => i - 1,
+        _ if a - table[i - 1] == table[i] - a && i % 2 == 1 => i - 1,
+        _ => i,
+    };
+    i as u8 | if v.is_sign_negative() && a > 0.0 { 0x80 } else { 0 }
+}
+
+/// [`e4m3_to_f32`] of the finite non-negative bytes, 0 ..= 0x7e, ascending.
+pub fn e4m3_table() -> Vec<f32> {
+    (0..0x7fu8).map(e4m3_to_f32).collect()
+}
+
+/// A 2-D weight of `dtype` (a float dtype; `bytes` its elements) quantized at load
+/// (`--quantization fp8` on a checkpoint that is not quantized): each row its own scale,
+/// its largest magnitude over 448, each value the nearest e4m3 byte. As FP8 rows widening
+/// to `dtype` where it is 16-bit and the kernels take the row length, else the rounded
+/// values in `dtype`. Rows are quantized in parallel.
+pub fn quantize_rows(bytes: &[u8], (rows, cols): (usize, usize), dtype: DType) -> (DType, Vec<u8>) {
+    use rayon::prelude::*;
+    let table = e4m3_table();
+    let kept =
+        RowFormat::fp8(cols, None, dtype == DType::F16).filter(|_| matches!(dtype, DType::BF16 | DType::F16));
+    let out_row = kept.map_or(dtype.row_bytes(cols), |f| f.row_bytes());
+    let mut out = vec![0u8; rows * out_row];
+    let in_row = dtype.row_bytes(cols);
+    out.par_chunks_mut(out_row).zip(bytes.par_chunks(in_row)).for_each(|(out, row)| {
+        let mut values = Vec::with_capacity(4 * cols);
+        DType::F32.convert_from(dtype, row, &mut values);
+        let values: &[f32] = bytemuck::cast_slice(&values);
+        let scale = values.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
+        let q: Vec<u8> =
+            values.iter().map(|&v| if scale == 0.0 { 0 } else { e4m3_nearest(&table, v / scale) }).collect();
+        let mut encoded = Vec::with_capacity(out.len());
+        match kept {
+            Some(f) => f.push_fp8_row(&q, &[scale], &mut encoded),
+            None => {
+                let rounded: Vec<f32> = q.iter().map(|&b| e4m3_to_f32(b) * scale).collect();
+                encoded = dtype.encode_f32(&rounded);
+            }
+        }
+        out.copy_from_slice(&encoded);
+    });
+    (kept.map_or(dtype, DType::Rows), out)
+}
+
 /// Block edges a block-scaled checkpoint may use, most common first: a scale tensor of
 /// `[⌈rows / b⌉, ⌈cols / b'⌉]` names its block by its own shape only.
 const BLOCKS: [usize; 6] = [128, 64, 32, 256, 16, 512];
@@ -157,6 +209,34 @@ mod tests {
         assert_eq!(b.at(128, 0), 2.0);
         assert_eq!(b.at(299, 199), 5.0);
         assert!(Scales::of((300, 200), &[4, 3], vec![1.0; 12]).unwrap_err().contains("[300, 200]"));
+    }
+
+    #[test]
+    fn values_round_to_the_nearest_byte_and_rows_take_their_own_scale() {
+        let t = e4m3_table();
+        for (v, b) in [(1.0, 0x38), (1.06, 0x38), (1.07, 0x39), (-2.0, 0xc0), (500.0, 0x7e), (0.0, 0x00)] {
+            assert_eq!(e4m3_nearest(&t, v), b, "{v}");
+        }
+        // 1.0625 is halfway between 1.0 (0x38, even) and 1.125 (0x39): to the even byte.
+        assert_eq!(e4m3_nearest(&t, 1.0625), 0x38);
+        assert_eq!(e4m3_nearest(&t, 1.1875), 0x3a);
+        // Two rows of 16 whose largest magnitudes (7 and 28) become ±448 times their row's
+        // scale (1/64 and 1/16); every value within e4m3's 1/16.
+        let values: Vec<f32> = (0..32)
+            .map(|i| if i < 16 { (i as f32 - 8.0) * 0.875 } else { (i as f32 - 15.0) * 1.75 })
+            .collect();
+        let f32_bytes: &[u8] = bytemuck::cast_slice(&values);
+        let mut bf16 = Vec::new();
+        DType::BF16.convert_from(DType::F32, f32_bytes, &mut bf16);
+        let (dtype, bytes) = quantize_rows(&bf16, (2, 16), DType::BF16);
+        let DType::Rows(f) = dtype else { panic!("kept as rows: {dtype:?}") };
+        let mut got = Vec::new();
+        f.dequantize(&bytes, &mut got);
+        assert_eq!((got[0], got[31]), (-7.0, 28.0));
+        assert!(got.iter().zip(&values).all(|(g, v)| (g - v).abs() <= v.abs() / 16.0));
+        let (dtype, bytes) = quantize_rows(f32_bytes, (2, 16), DType::F32);
+        assert_eq!(dtype, DType::F32);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&bytes)[31], 28.0);
     }
 
     #[test]

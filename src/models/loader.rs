@@ -407,6 +407,9 @@ pub struct WeightStore<'a> {
     /// packed in rows of this kind, in groups of this size (None: one a row), as the
     /// checkpoint would hold them.
     dummy_rows: Option<(RowKind, Option<usize>)>,
+    /// `--quantization fp8` on a checkpoint that is not quantized: projections are
+    /// quantized to FP8 as they load ([`super::fp8::quantize_rows`]).
+    online_fp8: bool,
     /// Bytes of every parameter handed out so far, as loaded (blocks kept as blocks).
     served: std::sync::atomic::AtomicUsize,
 }
@@ -432,7 +435,7 @@ impl<'a> WeightStore<'a> {
             let (param, index) = routed.unwrap_or_else(|| (name.to_string(), 0));
             params.entry(param).or_default().insert(index, t);
         }
-        Self { params, dtype, dummy: false, dummy_rows: None, served: Default::default() }
+        Self { params, dtype, dummy: false, dummy_rows: None, online_fp8: false, served: Default::default() }
     }
 
     /// A store without a checkpoint (vLLM's `--load-format dummy`): each parameter is made
@@ -440,7 +443,14 @@ impl<'a> WeightStore<'a> {
     /// shapes need its config.json and tokenizer only.
     pub fn dummy(dtype: DType, rows: Option<(RowKind, Option<usize>)>) -> Self {
         let dummy_rows = rows.filter(|_| matches!(dtype, DType::BF16 | DType::F16));
-        Self { params: HashMap::new(), dtype, dummy: true, dummy_rows, served: Default::default() }
+        Self {
+            params: HashMap::new(),
+            dtype,
+            dummy: true,
+            dummy_rows,
+            online_fp8: false,
+            served: Default::default(),
+        }
     }
 
     pub fn root(&self) -> ParamView<'_, 'a> {
@@ -464,7 +474,23 @@ impl<'a> WeightStore<'a> {
         (self.served_bytes() as u128 * part as u128 / whole.max(1) as u128) as usize
     }
 
-    fn serve(&self, t: HostTensor<'a>) -> HostTensor<'a> {
+    /// The store quantizing its projections to FP8 as they load, or not.
+    pub fn with_online_fp8(self, on: bool) -> Self {
+        Self { online_fp8: on, ..self }
+    }
+
+    /// Parameter `name` as the model gets it: quantized at load where `--quantization fp8`
+    /// asks for it, its bytes counted.
+    fn serve(&self, name: &str, t: HostTensor<'a>) -> HostTensor<'a> {
+        let t = match (&t.shape[..], t.dtype) {
+            (&[rows, cols], DType::F32 | DType::BF16 | DType::F16)
+                if self.online_fp8 && is_projection(name) =>
+            {
+                let (dtype, data) = super::fp8::quantize_rows(&t.data, (rows, cols), t.dtype);
+                HostTensor { dtype, shape: t.shape, data: data.into() }
+            }
+            _ => t,
+        };
         self.served.fetch_add(t.data.len(), std::sync::atomic::Ordering::Relaxed);
         t
     }
@@ -499,10 +525,14 @@ impl<'s, 'a> ParamView<'s, 'a> {
         self.get_part(name, shape, Part::Whole)
     }
 
+    fn full(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
     /// A parameter of a dummy store: `shape`'s values for `name`.
     fn made(&self, name: &str, shape: Vec<usize>) -> HostTensor<'a> {
         let full = format!("{}{name}", self.prefix);
-        let projection = full.contains(".layers.") && full.ends_with("proj.weight");
+        let projection = is_projection(&full);
         let f16 = self.store.dtype == DType::F16;
         if let (Some((kind, group)), true, &[_, k]) = (self.store.dummy_rows, projection, &shape[..])
             && let Some(format) = match kind {
@@ -527,12 +557,12 @@ impl<'s, 'a> ParamView<'s, 'a> {
                 Part::Rows(r) => out[0] = r.len(),
                 Part::Cols(c) => out[1] = c.len(),
             }
-            return Ok(self.store.serve(self.made(name, out)));
+            return Ok(self.store.serve(&self.full(name), self.made(name, out)));
         }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
         check_tensor(&full, shape, t)?;
-        Ok(self.store.serve(self.convert(t, shape, part, true)))
+        Ok(self.store.serve(&full, self.convert(t, shape, part, true)))
     }
 
     /// A stacked parameter: the shards' rows concatenated in order. `rows[i]` is shard i's
@@ -548,7 +578,9 @@ impl<'s, 'a> ParamView<'s, 'a> {
     ) -> Result<HostTensor<'a>, ModelError> {
         if self.store.dummy {
             let total = picks.iter().map(|p| p.len()).sum();
-            return Ok(self.store.serve(self.made(name, cols.map_or(vec![total], |c| vec![total, c]))));
+            return Ok(self
+                .store
+                .serve(&self.full(name), self.made(name, cols.map_or(vec![total], |c| vec![total, c]))));
         }
         let (full, shards) = self.shards(name)?;
         // Blocks stay blocks when every shard is in the same format (q, k and v of one
@@ -578,7 +610,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
             Some(c) => vec![total, c],
             None => vec![total],
         };
-        Ok(self.store.serve(HostTensor { dtype, shape, data: data.into() }))
+        Ok(self.store.serve(&full, HostTensor { dtype, shape, data: data.into() }))
     }
 
     /// Rows `picks` of one parameter of `shape`, concatenated in order (a fused
@@ -592,7 +624,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         if self.store.dummy {
             let mut out = shape.to_vec();
             out[0] = picks.iter().map(|p| p.len()).sum();
-            return Ok(self.store.serve(self.made(name, out)));
+            return Ok(self.store.serve(&self.full(name), self.made(name, out)));
         }
         let (full, shards) = self.shards(name)?;
         let t = shards.get(&0).ok_or_else(|| ModelError::MissingTensor(full.clone()))?;
@@ -605,7 +637,7 @@ impl<'s, 'a> ParamView<'s, 'a> {
         }
         let mut out_shape = shape.to_vec();
         out_shape[0] = picks.iter().map(|p| p.len()).sum();
-        Ok(self.store.serve(HostTensor { dtype, shape: out_shape, data: data.into() }))
+        Ok(self.store.serve(&full, HostTensor { dtype, shape: out_shape, data: data.into() }))
     }
 
     /// `part` of a checked tensor of `shape`: borrowed from the mapped file when it is whole
@@ -682,6 +714,13 @@ fn int_weight(name: String, w: &packed::IntWeight, scales: DType) -> (String, DT
         Some((format, bytes)) => (name, DType::Rows(format), shape, bytes),
         None => (name, scales, shape, scales.encode_f32(&w.values())),
     }
+}
+
+/// Whether parameter `name` is a decoder layer's projection: what quantized checkpoints
+/// quantize (and `--quantization fp8` at load), embeddings, norms, routers and the LM head
+/// aside.
+fn is_projection(name: &str) -> bool {
+    name.contains(".layers.") && name.ends_with("proj.weight")
 }
 
 /// Which part of a parameter a rank loads.

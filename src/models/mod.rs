@@ -65,6 +65,9 @@ pub struct LoadOptions {
     pub lora: Option<LoraCapacity>,
     /// Weights made of the config's shapes instead of read (`--load-format dummy`).
     pub dummy: bool,
+    /// Projections quantized to FP8 as they load (`--quantization fp8` on a checkpoint
+    /// that is not quantized).
+    pub online_fp8: bool,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -682,13 +682,7 @@ pub fn rows_param_bytes(name: &str, shape: &[usize], format: RowFormat) -> Vec<u
     use rayon::prelude::*;
     let k = shape[1];
     let (groups, row_bytes) = (format.groups(), format.row_bytes());
-    // e4m3's non-negative finite values, ascending (bytes 0x00 ..= 0x7e).
-    let e4m3: Vec<f32> = (0..0x7fu8).map(super::fp8::e4m3_to_f32).collect();
-    let nearest = |v: f32| {
-        let i = e4m3.partition_point(|&e| e < v.abs()).min(e4m3.len() - 1);
-        let i = if i > 0 && v.abs() - e4m3[i - 1] < e4m3[i] - v.abs() { i - 1 } else { i };
-        i as u8 | if v < 0.0 { 0x80 } else { 0 }
-    };
+    let e4m3 = super::fp8::e4m3_table();
     let mut out = vec![0u8; shape[0] * row_bytes];
     out.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
         let first = (r * k) as u64;
@@ -713,7 +707,7 @@ pub fn rows_param_bytes(name: &str, shape: &[usize], format: RowFormat) -> Vec<u
                 format.push_int4_row(&q, &vec![8; groups], &scales, &mut bytes);
             }
             RowKind::Fp8 => {
-                let q: Vec<u8> = (0..k).map(|i| nearest(scaled(i))).collect();
+                let q: Vec<u8> = (0..k).map(|i| super::fp8::e4m3_nearest(&e4m3, scaled(i))).collect();
                 format.push_fp8_row(&q, &scales, &mut bytes);
             }
         }

@@ -120,7 +120,8 @@ impl<D: Device> ModelRegistry<D> {
         let config = self.read_config(dir)?;
         let entry = self.entry(&config.architecture)?;
         if opts.dummy {
-            let store = WeightStore::dummy(dtype, crate::quantization::dummy_rows(&config.hf));
+            let store = WeightStore::dummy(dtype, crate::quantization::dummy_rows(&config.hf))
+                .with_online_fp8(opts.online_fp8);
             let model = (entry.construct)(dev, &config, &store, opts)?;
             return Ok(LoadedModel { config, model, dtype });
         }
@@ -130,7 +131,8 @@ impl<D: Device> ModelRegistry<D> {
             entry.stacked_params,
             |n| (entry.skip)(n, &config),
             dtype,
-        );
+        )
+        .with_online_fp8(opts.online_fp8);
         let model = (entry.construct)(dev, &config, &store, opts)?;
         Ok(LoadedModel { config, model, dtype })
     }

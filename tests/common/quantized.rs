@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use actorllm::Engine;
+use actorllm::config::EngineArgs;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::Value;
@@ -48,15 +49,26 @@ pub fn write_model(golden: &Path, dir: &Path, tensors: &Tensors, q: Option<Value
     }
 }
 
-/// Each prompt's greedy tokens with their top-5 logprobs, from the model in `dir`.
-pub async fn greedy(dir: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
-    let engine = Engine::start(super::args(dir)).await.unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+/// Each prompt's greedy tokens with their top-5 logprobs, from the engine `args` start.
+pub async fn greedy(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
+    let dir = args.model.clone();
+    let engine = Engine::start(args).await.unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     futures::future::join_all(prompts.iter().map(|p| super::greedy_top5(&engine, p.clone(), 16))).await
 }
 
 /// The quantized model in `quantized` gives the tokens and top-5 logprobs (within 1e-6) of
 /// the dequantized one in `reference`, for every prompt.
 pub async fn assert_serves_reference(what: &str, quantized: &Path, reference: &Path, prompts: &[Vec<u32>]) {
+    assert_args_serve_reference(what, super::args(quantized), super::args(reference), prompts).await
+}
+
+/// [`assert_serves_reference`] for engines started with `quantized` and `reference`.
+pub async fn assert_args_serve_reference(
+    what: &str,
+    quantized: EngineArgs,
+    reference: EngineArgs,
+    prompts: &[Vec<u32>],
+) {
     let (got, want) = (greedy(quantized, prompts).await, greedy(reference, prompts).await);
     assert_eq!(got.len(), prompts.len());
     for (i, (got, want)) in got.iter().zip(&want).enumerate() {
@@ -155,38 +167,44 @@ pub fn gptq4(weights: &[u8], group: usize, f16: bool) -> (Tensors, Tensors, Valu
     (packed, dequantized, config)
 }
 
-/// The projections of an f32 checkpoint (`weights`, safetensors bytes) as vLLM's `fp8`
-/// format writes them: e4m3 bytes (each the nearest to its value over its scale) beside
-/// `weight_scale_inv` `[⌈out / block⌉, ⌈in / block⌉]` in f32, each block's largest
-/// magnitude at 448; every other tensor in bf16. With it, the same model dequantized (each
+/// The projections of an f32 checkpoint (`weights`, safetensors bytes), rounded to bf16, as
+/// vLLM's `fp8` format writes them: e4m3 bytes (each the nearest to its value over its
+/// scale, ties to even) beside `weight_scale_inv` `[⌈out / block_rows⌉, ⌈in / block_cols⌉]`
+/// in f32, each block's largest magnitude at 448; every other tensor in bf16. With it, the same model dequantized (each
 /// byte's value times its scale, rounded to bf16), and the config's `quantization_config`.
-pub fn fp8_blocks(weights: &[u8], block: usize) -> (Tensors, Tensors, Value) {
+pub fn fp8_blocks(weights: &[u8], (block_rows, block_cols): (usize, usize)) -> (Tensors, Tensors, Value) {
     let st = safetensors::SafeTensors::deserialize(weights).unwrap();
     let e4m3: Vec<f32> = (0..0x7fu8).map(actorllm::models::fp8::e4m3_to_f32).collect();
     let encode = |v: f32| {
         let a = v.abs();
         let i = e4m3.partition_point(|&e| e < a).min(e4m3.len() - 1);
-        let i = if i > 0 && a - e4m3[i - 1] < e4m3[i] - a { i - 1 } else { i };
+        // The nearer value, ties to the even byte.
+        let (below, above) = (if i > 0 { a - e4m3[i - 1] } else { f32::INFINITY }, e4m3[i] - a);
+        let i = if below < above || below == above && i % 2 == 1 { i - 1 } else { i };
         i as u8 | if v < 0.0 { 0x80 } else { 0 }
     };
     let bf16 = |v: &[f32]| v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect::<Vec<u8>>();
     let (mut packed, mut dequantized) = (Tensors::new(), Tensors::new());
     for (name, t) in st.tensors() {
         let shape = t.shape().to_vec();
-        let w: Vec<f32> = bytemuck::pod_collect_to_vec(t.data());
+        // The bf16 model quantized: its values rounded to bf16 first.
+        let w: Vec<f32> = bytemuck::pod_collect_to_vec::<u8, f32>(t.data())
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect();
         if !name.ends_with("proj.weight") {
             packed.insert(name.clone(), (Dtype::BF16, shape.clone(), bf16(&w)));
             dequantized.insert(name, (Dtype::BF16, shape, bf16(&w)));
             continue;
         }
         let (rows, cols) = (shape[0], shape[1]);
-        let (br, bc) = (rows.div_ceil(block), cols.div_ceil(block));
+        let (br, bc) = (rows.div_ceil(block_rows), cols.div_ceil(block_cols));
+        let block_of = |k: usize| (k / cols / block_rows) * bc + (k % cols) / block_cols;
         let mut scales = vec![0f32; br * bc];
         for (k, v) in w.iter().enumerate() {
-            let b = (k / cols / block) * bc + (k % cols) / block;
-            scales[b] = scales[b].max(v.abs() / 448.0);
+            scales[block_of(k)] = scales[block_of(k)].max(v.abs() / 448.0);
         }
-        let scale = |k: usize| scales[(k / cols / block) * bc + (k % cols) / block];
+        let scale = |k: usize| scales[block_of(k)];
         let bytes: Vec<u8> = w
             .iter()
             .enumerate()
@@ -206,7 +224,8 @@ pub fn fp8_blocks(weights: &[u8], block: usize) -> (Tensors, Tensors, Value) {
         packed.insert(name, (Dtype::F8_E4M3, shape, bytes));
     }
     let config = serde_json::json!({
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block],
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [block_rows, block_cols],
     });
     (packed, dequantized, config)
 }

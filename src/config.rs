@@ -130,9 +130,12 @@ pub struct EngineArgs {
     /// `auto`/`safetensors` read the checkpoint; `dummy` makes weights of its shapes instead.
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
-    /// vLLM's quantization method names: `gguf` with a .gguf file as --model (dequantized
-    /// once at import, as a .gguf --model is without the flag); other methods are refused
-    /// by name, as are checkpoints whose config.json names one.
+    /// vLLM's quantization method names: a quantized checkpoint's own method (fp8, gptq,
+    /// gptq_marlin, awq, awq_marlin, compressed-tensors; the flag may be left out), `fp8`
+    /// on a checkpoint that is not quantized (quantized at load, a scale a projection row),
+    /// or `gguf` with a .gguf file as --model (dequantized once at import, as a .gguf
+    /// --model is without the flag); other methods are refused by name, as are checkpoints
+    /// whose config.json names one the loader does not read.
     #[arg(long, short = 'q')]
     pub quantization: Option<String>,
     /// With a .gguf --model on the CPU: keep its Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices in their

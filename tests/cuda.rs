@@ -1557,6 +1557,60 @@ async fn two_gpus_give_the_one_gpu_tokens() {
     }
 }
 
+/// Each prompt's greedy tokens, each with its top logprobs.
+type Outputs = Vec<Vec<(u32, Vec<(u32, f32)>)>>;
+
+/// Each prompt's `tokens` greedy tokens with their top-2 logprobs, from an engine started
+/// with `args` once the runners before it have released their devices.
+async fn top2_outputs(
+    tokens: usize,
+    args: EngineArgs,
+    prompts: &[Vec<u32>],
+) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
+    use futures::StreamExt;
+    runners_released().await;
+    let engine = Engine::start(args).await.unwrap();
+    let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(2), ..greedy(tokens) };
+    let runs = prompts.iter().map(|p| {
+        let (engine, params) = (engine.clone(), params.clone());
+        async move {
+            let mut s = engine.add_request(engine.next_request_id("t"), p.clone(), params).await.unwrap();
+            let mut out = Vec::new();
+            while let Some(ev) = s.next().await {
+                match ev {
+                    actorllm::request::TokenEvent::Token { token_id, logprobs, .. } => {
+                        out.push((token_id, logprobs.expect("asked for logprobs").top));
+                    }
+                    actorllm::request::TokenEvent::Error { message } => panic!("request failed: {message}"),
+                    _ => {}
+                }
+            }
+            assert_eq!(out.len(), tokens, "every run gives its {tokens} tokens");
+            out
+        }
+    });
+    futures::future::join_all(runs).await
+}
+
+/// How many of `got`'s outputs part from `want`'s, asserting that each parts only where
+/// `want`'s two best candidates were within `margin` and then takes `want`'s runner-up.
+fn parted_at_near_ties(what: &str, want: &Outputs, got: &Outputs, margin: f32) -> usize {
+    assert_eq!(want.len(), got.len(), "{what}: outputs");
+    let mut parted = 0;
+    for (i, (want, got)) in want.iter().zip(got).enumerate() {
+        let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
+        parted += 1;
+        let top = &want[at].1;
+        let gap = top[0].1 - top[1].1;
+        assert!(
+            gap < margin && got[at].0 == top[1].0,
+            "{what}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), took {}",
+            got[at].0
+        );
+    }
+    parted
+}
+
 /// bf16 on the GPU against f32 on the CPU (the default model, ACTORLLM_TEST_MODEL or a
 /// random model of its shapes: [`smollm2_model`]): the
 /// greedy outputs may part only where the f32 run's two best candidates were within a
@@ -1564,43 +1618,19 @@ async fn two_gpus_give_the_one_gpu_tokens() {
 #[actix_rt::test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn bf16_parts_from_f32_only_at_near_ties() {
-    use futures::StreamExt;
     let _turn = gpu_turn();
     const MARGIN: f32 = 0.5;
     let model = smollm2_model();
     let prompts: Vec<Vec<u32>> =
         (0..8u32).map(|i| (0..(5 + 13 * i)).map(|j| (i * 31 + j * 11) % 4000 + 20).collect()).collect();
-    async fn outputs(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
-        let engine = Engine::start(args).await.unwrap();
-        let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(2), ..greedy(48) };
-        let runs = prompts.iter().map(|p| {
-            let (engine, params) = (engine.clone(), params.clone());
-            async move {
-                let mut s = engine.add_request(engine.next_request_id("t"), p.clone(), params).await.unwrap();
-                let mut out = Vec::new();
-                while let Some(ev) = s.next().await {
-                    match ev {
-                        actorllm::request::TokenEvent::Token { token_id, logprobs, .. } => {
-                            out.push((token_id, logprobs.expect("asked for logprobs").top));
-                        }
-                        actorllm::request::TokenEvent::Error { message } => {
-                            panic!("request failed: {message}")
-                        }
-                        _ => {}
-                    }
-                }
-                assert_eq!(out.len(), 48, "every run gives its 48 tokens");
-                out
-            }
-        });
-        futures::future::join_all(runs).await
-    }
-    let f32_cpu = outputs(
+    let f32_cpu = top2_outputs(
+        48,
         EngineArgs { device: DeviceArg::Cpu, dtype: DTypeArg::Float32, ..common::args(&model) },
         &prompts,
     )
     .await;
-    let bf16_gpu = outputs(
+    let bf16_gpu = top2_outputs(
+        48,
         EngineArgs {
             device: DeviceArg::Cuda,
             dtype: DTypeArg::Bfloat16,
@@ -1611,18 +1641,7 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     )
     .await;
     assert_eq!((f32_cpu.len(), bf16_gpu.len()), (prompts.len(), prompts.len()));
-    let mut parted = 0;
-    for (i, (want, got)) in f32_cpu.iter().zip(&bf16_gpu).enumerate() {
-        let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
-        parted += 1;
-        let top = &want[at].1;
-        let gap = top[0].1 - top[1].1;
-        assert!(
-            gap < MARGIN && got[at].0 == top[1].0,
-            "prompt {i} parts at token {at}: f32 top two {top:?} (gap {gap}), bf16 took {}",
-            got[at].0
-        );
-    }
+    let parted = parted_at_near_ties("bf16 against f32", &f32_cpu, &bf16_gpu, MARGIN);
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
 }
 
@@ -1636,33 +1655,12 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 #[actix_rt::test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
-    use futures::StreamExt;
     let _turn = gpu_turn();
     const MARGIN: f32 = 0.02;
     let model = tiny_model(47);
     let weights = std::fs::read(model.path().join("model.safetensors")).unwrap();
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(3 + 11 * i)).map(|j| (i * 17 + j * 5) % 250 + 3).collect()).collect();
-    async fn outputs(args: EngineArgs, prompts: &[Vec<u32>]) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
-        runners_released().await;
-        let engine = Engine::start(args).await.unwrap();
-        let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(2), ..greedy(32) };
-        let runs = prompts.iter().map(|p| {
-            let (engine, params) = (engine.clone(), params.clone());
-            async move {
-                let mut s = engine.add_request(engine.next_request_id("t"), p.clone(), params).await.unwrap();
-                let mut out = Vec::new();
-                while let Some(ev) = s.next().await {
-                    if let actorllm::request::TokenEvent::Token { token_id, logprobs, .. } = ev {
-                        out.push((token_id, logprobs.expect("asked for logprobs").top));
-                    }
-                }
-                assert_eq!(out.len(), 32, "every run gives its 32 tokens");
-                out
-            }
-        });
-        futures::future::join_all(runs).await
-    }
     // (label, checkpoint, its dequantized copy, dtype, --quantization): the third is the
     // tiny model itself quantized at load (one FP8 scale a row).
     let (_, per_row, _) = common::quantized::fp8_blocks(&weights, (1, usize::MAX));
@@ -1690,20 +1688,9 @@ async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
             ..common::args(dir)
         };
         for eager in [false, true] {
-            let want = outputs(on_gpu(reference.path(), eager, None), &prompts).await;
-            let got = outputs(on_gpu(model_dir, eager, flag), &prompts).await;
-            let mut parted = 0;
-            for (i, (want, got)) in want.iter().zip(&got).enumerate() {
-                let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
-                parted += 1;
-                let top = &want[at].1;
-                let gap = top[0].1 - top[1].1;
-                assert!(
-                    gap < MARGIN && got[at].0 == top[1].0,
-                    "{label}, eager {eager}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), took {}",
-                    got[at].0
-                );
-            }
+            let want = top2_outputs(32, on_gpu(reference.path(), eager, None), &prompts).await;
+            let got = top2_outputs(32, on_gpu(model_dir, eager, flag), &prompts).await;
+            let parted = parted_at_near_ties(&format!("{label}, eager {eager}"), &want, &got, MARGIN);
             assert!(parted <= 1, "{label}, eager {eager}: {parted} of {} outputs parted", prompts.len());
         }
     }

@@ -116,6 +116,26 @@ __device__ __forceinline__ float row_rscale(NormScale s, int t, int cols) {
 // Where a block's partial sums meet: [warp][C fragment element][lane], for W warps.
 template <int W> using GemvRed = float[W][4][32];
 
+// After PDL's wait, with `scale.sums` (x is a norm's output whose 1/rms is still to apply,
+// `NormScale`): warp t of the first m computes token t's scale into rs[t].
+__device__ __forceinline__ void gemv_row_scales(NormScale scale, int k, int m, float (&rs)[GEMV_TOKENS]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (scale.sums != nullptr && warp < m) {
+        float r = row_rscale(scale, warp, k);
+        if (lane == 0) rs[warp] = r;
+    }
+}
+
+// The end of a gemv_sums: its loads all issued, the next kernel may launch; the warp's C
+// fragment goes to red, and the block meets.
+template <int W> __device__ __forceinline__ void gemv_sums_meet(GemvRed<W>& red, const float (&c)[4]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    grid_dep_launch();
+#pragma unroll
+    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
+    __syncthreads();
+}
+
 // The block's products of weight rows w0 (its rows g) and w1 (its rows g + 8, as the lane's
 // A fragment rows) with token row xr, summed over k into red: after it, red[·][e][l] holds
 // the warps' partial sums of C element e of lane l, and the block has synchronized.
@@ -149,10 +169,7 @@ __device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T*
         }
     }
     grid_dep_wait();
-    if (scale.sums != nullptr && warp < m) {
-        float r = row_rscale(scale, warp, k);
-        if (lane == 0) rs[warp] = r;
-    }
+    gemv_row_scales(scale, k, m, rs);
     for (; c0 + (GEMV_UNROLL - 1) * W < full; c0 += W * GEMV_UNROLL) {
         uint4 xb[GEMV_UNROLL];
 #pragma unroll
@@ -176,10 +193,7 @@ __device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T*
         uint4 a = in ? ld_stream(w0 + off) : zero, b = in ? ld_stream(w1 + off) : zero;
         gemv_chunk<T>(c, a, b, in ? *(const uint4*)(xr + off) : zero);
     }
-    grid_dep_launch();
-#pragma unroll
-    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
-    __syncthreads();
+    gemv_sums_meet<W>(red, c);
 }
 
 // Thread i < 128's sum: C element e = i / 32 of lane l = i % 32, which is weight row
@@ -267,10 +281,7 @@ __device__ __forceinline__ void gemv_sums_int4(GemvRed<W>& red, const unsigned c
     };
     load(warp);
     grid_dep_wait();
-    if (scale.sums != nullptr && warp < m) {
-        float r = row_rscale(scale, warp, k);
-        if (lane == 0) rs[warp] = r;
-    }
+    gemv_row_scales(scale, k, m, rs);
     for (int s0 = warp; s0 < supers; s0 += W * INT4_UNROLL) {
         if (s0 != warp) load(s0);
 #pragma unroll
@@ -286,10 +297,7 @@ __device__ __forceinline__ void gemv_sums_int4(GemvRed<W>& red, const unsigned c
             }
         }
     }
-    grid_dep_launch();
-#pragma unroll
-    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
-    __syncthreads();
+    gemv_sums_meet<W>(red, c);
 }
 
 // FP8 weights (kernels/rows.rs's Fp8 rows): each row's e4m3 bytes, then an f32 scale for
@@ -345,10 +353,7 @@ __device__ __forceinline__ void gemv_sums_fp8(GemvRed<W>& red, const unsigned ch
     };
     load(warp);
     grid_dep_wait();
-    if (scale.sums != nullptr && warp < m) {
-        float r = row_rscale(scale, warp, k);
-        if (lane == 0) rs[warp] = r;
-    }
+    gemv_row_scales(scale, k, m, rs);
     for (int s0 = warp; s0 < supers; s0 += W * FP8_UNROLL) {
         if (s0 != warp) load(s0);
 #pragma unroll
@@ -361,10 +366,7 @@ __device__ __forceinline__ void gemv_sums_fp8(GemvRed<W>& red, const unsigned ch
             gemv_chunk<T>(c, fp8_words<T>(a[u].z, a[u].w, sa[u]), fp8_words<T>(b[u].z, b[u].w, sb[u]), x1);
         }
     }
-    grid_dep_launch();
-#pragma unroll
-    for (int e = 0; e < 4; e++) red[warp][e][lane] = c[e];
-    __syncthreads();
+    gemv_sums_meet<W>(red, c);
 }
 
 // The weights a GEMV reads, as the kernels below take them: `sums` is gemv_sums over the

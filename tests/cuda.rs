@@ -349,17 +349,92 @@ fn sampling_matches_the_host(g: &CudaDevice, c: &CpuDevice, cols: usize) {
 fn packed_rows_match_the_cpu(g: &CudaDevice, c: &CpuDevice, t: HostTensor<'static>, tol: f32) {
     let (n, k) = (t.shape[0], t.shape[1]);
     let what = format!("{:?}", t.dtype);
+    let w8a8 = w8a8_reference(g, &t);
     let copy = HostTensor { dtype: t.dtype, shape: t.shape.clone(), data: t.data.clone() };
     let (wc, wg) = (c.upload(copy).unwrap(), g.upload(t).unwrap());
     let x = rand(40 * k, 9);
     let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg, None).unwrap()).unwrap();
     let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc, None).unwrap()).unwrap();
-    close(&format!("{what} linear of 40 rows, n {n}, k {k}"), &all, &cpu, tol);
+    let label = |m: usize| format!("{what} linear of {m} rows, n {n}, k {k}");
+    match &w8a8 {
+        // Past the GEMV's 8 rows, FP8 rows with one scale a row multiply x quantized to FP8.
+        // Hopper's FP8 tensor cores keep about 14 bits of their running sums (DeepSeek-V3's
+        // report), so an output may be off by some 2^-12 of its terms' magnitudes.
+        Some(reference) => {
+            for (i, (&a, &(b, l1))) in all.iter().zip(&reference(&x)).enumerate() {
+                let tol = 1e-4 * (1.0 + b.abs()) + l1 / 4096.0;
+                assert!((a - b).abs() <= tol, "{} (W8A8)[{i}]: gpu {a} vs {b} (terms {l1})", label(40));
+            }
+        }
+        None => close(&label(40), &all, &cpu, tol),
+    }
+    // As a gate/up projection, whose prompts' W8A8 GEMM writes the weights' 16-bit type
+    // for act·mul to read.
+    if let Some(reference) = &w8a8 {
+        let xg = g.from_host(&x, 40, k).unwrap();
+        let act = g.to_host(&g.gate_up_act(&xg, &wg, None, Activation::Silu, false).unwrap()).unwrap();
+        let proj: Vec<f32> = reference(&x).into_iter().map(|(v, _)| v).collect();
+        close_silu_mul(&format!("{} gate/up (W8A8)", label(40)), &act, &proj, n / 2, 1e-2);
+    }
     for m in [1, 5, 8, 9, 16] {
         let xm = g.from_host(&x[..m * k], m, k).unwrap();
         let part = g.to_host(&g.linear(&xm, &wg, None).unwrap()).unwrap();
-        close(&format!("{what} linear of {m} rows, n {n}, k {k}"), &part, &all[..m * n], 1e-4);
+        // W8A8 rows alone give what they give among others, up to the FP8 tensor cores'
+        // accumulation, which may differ between the algorithms for 16 and 40 rows.
+        match (&w8a8, m <= 8) {
+            (Some(_), true) => close(&label(m), &part, &cpu[..m * n], tol),
+            (Some(reference), false) => {
+                let want = reference(&x[..m * k]);
+                for (i, (&a, (&b, &(_, l1)))) in part.iter().zip(all.iter().zip(&want)).enumerate() {
+                    assert!((a - b).abs() <= 1e-4 + l1 / 4096.0, "{} [{i}]: {a} vs {b} among 40", label(m));
+                }
+            }
+            (None, _) => close(&label(m), &part, &all[..m * n], 1e-4),
+        }
     }
+}
+
+/// For FP8 rows with one scale a row and outputs in fours on a GPU with FP8 tensor cores
+/// (sm_89 on), the W8A8 GEMM's result for rows of x: each row rounded to the weights' 16-bit type, scaled by its
+/// largest magnitude over 448 and rounded to e4m3 (nearest, ties to even), multiplied by
+/// the weights' e4m3 values in f32, then by both scales. None for other weights or GPUs.
+fn w8a8_reference(g: &CudaDevice, t: &HostTensor<'_>) -> Option<impl Fn(&[f32]) -> Vec<(f32, f32)> + use<>> {
+    use actorllm::kernels::rows::RowKind;
+    use actorllm::models::fp8::{e4m3_nearest, e4m3_to_f32};
+    let DType::Rows(f) = t.dtype else { return None };
+    let sm: u32 = g.arch().trim_start_matches("sm_").parse().unwrap();
+    if f.kind != RowKind::Fp8 || f.group != 0 || sm < 89 || !t.shape[0].is_multiple_of(4) {
+        return None;
+    }
+    let (n, k, row_bytes) = (t.shape[0], t.shape[1], f.row_bytes());
+    let rows: Vec<(Vec<f32>, f32)> = t
+        .data
+        .chunks_exact(row_bytes)
+        .map(|r| {
+            (
+                r[..k].iter().map(|&b| e4m3_to_f32(b)).collect(),
+                f32::from_le_bytes(r[k..k + 4].try_into().unwrap()),
+            )
+        })
+        .collect();
+    assert_eq!(rows.len(), n);
+    let table: Vec<f32> = (0..0x7fu8).map(e4m3_to_f32).collect();
+    Some(move |x: &[f32]| {
+        // Each output and the sum of its terms' magnitudes.
+        let mut out = Vec::new();
+        for xr in x.chunks_exact(k) {
+            let x16: Vec<f32> = xr.iter().map(|&v| f.round(v)).collect();
+            let amax = x16.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let sx = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+            let q: Vec<f32> = x16.iter().map(|&v| e4m3_to_f32(e4m3_nearest(&table, v / sx))).collect();
+            for (w, sw) in &rows {
+                let dot: f32 = q.iter().zip(w).map(|(a, b)| a * b).sum();
+                let l1: f32 = q.iter().zip(w).map(|(a, b)| (a * b).abs()).sum();
+                out.push((dot * sx * sw, l1 * sx * sw));
+            }
+        }
+        out
+    })
 }
 
 #[test]
@@ -466,9 +541,11 @@ fn every_kernel_matches_its_cpu_twin() {
         }
     }
     // FP8 rows: k = 48 leaves a 64-element superchunk partly empty, 2048 in blocks of 128
-    // spreads them over the warps; one scale a row too.
+    // spreads them over the warps; one scale a row too, whose rows past 8 run W8A8 where
+    // the outputs come in fours (n = 96) and widen for cuBLAS where they do not (6403).
     for f16 in [false, true] {
-        for (n, k, group) in [(97, 48, Some(16)), (97, 2048, Some(128)), (6403, 160, None)] {
+        for (n, k, group) in [(97, 48, Some(16)), (97, 2048, Some(128)), (6403, 160, None), (96, 2048, None)]
+        {
             let format = actorllm::kernels::rows::RowFormat::fp8(k, group, f16).unwrap();
             let mut bytes = Vec::new();
             for r in 0..n {
@@ -1560,17 +1637,13 @@ async fn two_gpus_give_the_one_gpu_tokens() {
 /// Each prompt's greedy tokens, each with its top logprobs.
 type Outputs = Vec<Vec<(u32, Vec<(u32, f32)>)>>;
 
-/// Each prompt's `tokens` greedy tokens with their top-2 logprobs, from an engine started
-/// with `args` once the runners before it have released their devices.
-async fn top2_outputs(
-    tokens: usize,
-    args: EngineArgs,
-    prompts: &[Vec<u32>],
-) -> Vec<Vec<(u32, Vec<(u32, f32)>)>> {
+/// Each prompt's `tokens` greedy tokens with their `top` best logprobs, from an engine
+/// started with `args` once the runners before it have released their devices.
+async fn top_outputs(tokens: usize, top: usize, args: EngineArgs, prompts: &[Vec<u32>]) -> Outputs {
     use futures::StreamExt;
     runners_released().await;
     let engine = Engine::start(args).await.unwrap();
-    let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(2), ..greedy(tokens) };
+    let params = actorllm::SamplingParams { ignore_eos: true, logprobs: Some(top), ..greedy(tokens) };
     let runs = prompts.iter().map(|p| {
         let (engine, params) = (engine.clone(), params.clone());
         async move {
@@ -1592,8 +1665,8 @@ async fn top2_outputs(
     futures::future::join_all(runs).await
 }
 
-/// How many of `got`'s outputs part from `want`'s, asserting that each parts only where
-/// `want`'s two best candidates were within `margin` and then takes `want`'s runner-up.
+/// How many of `got`'s outputs part from `want`'s, asserting that each parts only to one
+/// of `want`'s listed candidates whose logprob was within `margin` of the best.
 fn parted_at_near_ties(what: &str, want: &Outputs, got: &Outputs, margin: f32) -> usize {
     assert_eq!(want.len(), got.len(), "{what}: outputs");
     let mut parted = 0;
@@ -1601,10 +1674,11 @@ fn parted_at_near_ties(what: &str, want: &Outputs, got: &Outputs, margin: f32) -
         let Some(at) = want.iter().zip(got).position(|(w, g)| w.0 != g.0) else { continue };
         parted += 1;
         let top = &want[at].1;
-        let gap = top[0].1 - top[1].1;
+        let took = top.iter().find(|c| c.0 == got[at].0);
+        let gap = took.map(|c| top[0].1 - c.1);
         assert!(
-            gap < margin && got[at].0 == top[1].0,
-            "{what}: prompt {i} parts at token {at}: top two {top:?} (gap {gap}), took {}",
+            gap.is_some_and(|g| g < margin),
+            "{what}: prompt {i} parts at token {at}: candidates {top:?}, took {} (behind by {gap:?})",
             got[at].0
         );
     }
@@ -1623,14 +1697,16 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     let model = smollm2_model();
     let prompts: Vec<Vec<u32>> =
         (0..8u32).map(|i| (0..(5 + 13 * i)).map(|j| (i * 31 + j * 11) % 4000 + 20).collect()).collect();
-    let f32_cpu = top2_outputs(
+    let f32_cpu = top_outputs(
         48,
+        2,
         EngineArgs { device: DeviceArg::Cpu, dtype: DTypeArg::Float32, ..common::args(&model) },
         &prompts,
     )
     .await;
-    let bf16_gpu = top2_outputs(
+    let bf16_gpu = top_outputs(
         48,
+        2,
         EngineArgs {
             device: DeviceArg::Cuda,
             dtype: DTypeArg::Bfloat16,
@@ -1647,16 +1723,24 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
 
 /// Quantized checkpoints on the GPU keep their projections packed: a GPTQ one (4-bit,
 /// groups of 32 in order, f16 scales), an FP8 one (vLLM's format, blocks of 64, bf16
-/// elsewhere), and a 16-bit one quantized to FP8 at load (`--quantization fp8`). Decode steps read them in the GEMVs (the fused gate/up, residual norm and
-/// qkv RoPE ones included), prompts widen them for cuBLAS. Each gives the tokens of the
-/// same model dequantized on the GPU, with graphs and eager; outputs may part only where
-/// the dequantized model's two best candidates were within a hair (the sums are taken in
-/// another order).
+/// elsewhere), and a 16-bit one quantized to FP8 at load (`--quantization fp8`). Decode
+/// steps read them in the GEMVs (the fused gate/up, residual norm and qkv RoPE ones
+/// included); prompts widen them for cuBLAS, except FP8 weights with one scale a row (all
+/// of the one quantized at load, the 64-column ones of the blocks), whose prompts run W8A8
+/// on GPUs with FP8 tensor cores. Each gives the tokens of the same model dequantized on
+/// the GPU, with graphs and eager; outputs may part only where the dequantized model's two
+/// best candidates were within a hair (the sums are taken in another order), or, where
+/// prompts quantize x to FP8 too, within the margin that rounding moves logprobs by.
 #[actix_rt::test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
     let _turn = gpu_turn();
     const MARGIN: f32 = 0.02;
+    // x rounded to e4m3 in the prompts' GEMMs (3 mantissa bits, some 4 % of each value)
+    // moves this random model's logprobs, whose best five often lie within a nat, by up to
+    // 0.85 nats at the first token (the GEMMs themselves match a W8A8 reference in
+    // `every_kernel_matches_its_cpu_twin`).
+    const W8A8_MARGIN: f32 = 1.0;
     let model = tiny_model(47);
     let weights = std::fs::read(model.path().join("model.safetensors")).unwrap();
     let prompts: Vec<Vec<u32>> =
@@ -1665,11 +1749,18 @@ async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
     // tiny model itself quantized at load (one FP8 scale a row).
     let (_, per_row, _) = common::quantized::fp8_blocks(&weights, (1, usize::MAX));
     let checkpoints = [
-        ("GPTQ", Some(common::quantized::gptq4(&weights, 32, true)), None, DTypeArg::Float16, None),
-        ("FP8", Some(common::quantized::fp8_blocks(&weights, (64, 64))), None, DTypeArg::Bfloat16, None),
-        ("FP8 at load", None, Some(per_row), DTypeArg::Bfloat16, Some("fp8")),
+        ("GPTQ", Some(common::quantized::gptq4(&weights, 32, true)), None, DTypeArg::Float16, None, MARGIN),
+        (
+            "FP8",
+            Some(common::quantized::fp8_blocks(&weights, (64, 64))),
+            None,
+            DTypeArg::Bfloat16,
+            None,
+            W8A8_MARGIN,
+        ),
+        ("FP8 at load", None, Some(per_row), DTypeArg::Bfloat16, Some("fp8"), W8A8_MARGIN),
     ];
-    for (label, written, online, dtype, flag) in checkpoints {
+    for (label, written, online, dtype, flag, margin) in checkpoints {
         let (quantized, reference) = (common::scratch("gpu-packed"), common::scratch("gpu-packed-reference"));
         let (model_dir, dequantized) = match (written, online) {
             (Some((packed, dequantized, q)), _) => {
@@ -1688,10 +1779,12 @@ async fn packed_checkpoints_on_the_gpu_give_their_dequantized_tokens() {
             ..common::args(dir)
         };
         for eager in [false, true] {
-            let want = top2_outputs(32, on_gpu(reference.path(), eager, None), &prompts).await;
-            let got = top2_outputs(32, on_gpu(model_dir, eager, flag), &prompts).await;
-            let parted = parted_at_near_ties(&format!("{label}, eager {eager}"), &want, &got, MARGIN);
-            assert!(parted <= 1, "{label}, eager {eager}: {parted} of {} outputs parted", prompts.len());
+            let want = top_outputs(32, 5, on_gpu(reference.path(), eager, None), &prompts).await;
+            let got = top_outputs(32, 5, on_gpu(model_dir, eager, flag), &prompts).await;
+            let parted = parted_at_near_ties(&format!("{label}, eager {eager}"), &want, &got, margin);
+            let most = if margin == MARGIN { 1 } else { prompts.len() };
+            assert!(parted <= most, "{label}, eager {eager}: {parted} of {} outputs parted", prompts.len());
+            eprintln!("{label}, eager {eager}: {parted} of {} outputs parted at near ties", prompts.len());
         }
     }
 }

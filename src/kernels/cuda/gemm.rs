@@ -261,6 +261,9 @@ impl CudaDevice {
             return self.with_x16(x, gw.kind, |xp| self.gemv(&gw, (xp, op), (m, n, k), &scale));
         }
         x.final_values("a GEMM")?;
+        if self.with_x16(x, gw.kind, |xp| self.fp8_gemm(xp, m, w, (op, DataType::CUDA_R_32F), beta))? {
+            return Ok(());
+        }
         let (wp, kind) = self.widen_rows(w)?;
         let ty = if kind == 2 { DataType::CUDA_R_16F } else { DataType::CUDA_R_16BF };
         self.with_x16(x, kind, |xp| {
@@ -355,11 +358,15 @@ impl CudaDevice {
             self.lora_gemms(GemmOut { ptr: gp, rows, cols: n, ty }, x, modules, 0.0)?;
             beta = 1.0;
         }
-        let wp = match &w.buf {
-            WeightBuf::Rows { .. } => self.widen_rows(w)?.0,
-            _ => self.gemv_weight(w).expect("16-bit").ptr,
-        };
         self.with_x16(x, kind, |xp| {
+            // FP8 rows with one scale a row: W8A8 on the tensor cores, else widened.
+            if self.fp8_gemm(xp, rows, w, (gp, ty), beta)? {
+                return Ok(());
+            }
+            let wp = match &w.buf {
+                WeightBuf::Rows { .. } => self.widen_rows(w)?.0,
+                _ => self.gemv_weight(w).expect("16-bit").ptr,
+            };
             let _t = self.span(if kind == 2 { "gemm_f16" } else { "gemm_bf16" }, (n, k), rows);
             // SAFETY: w is [n, k] and x [rows, k] of type ty; gate_up holds rows · n values
             // of it.
@@ -474,7 +481,7 @@ impl CudaDevice {
         match &w.buf {
             WeightBuf::Bf16(b) => Some(GemvWeight { ptr: ptr(b), kind: 1, rows: None }),
             WeightBuf::F16(b) => Some(GemvWeight { ptr: ptr(b), kind: 2, rows: None }),
-            WeightBuf::Rows { buf, format } => Some(GemvWeight {
+            WeightBuf::Rows { buf, format, .. } => Some(GemvWeight {
                 ptr: buf.device_ptr(&self.stream).0,
                 kind: if format.f16 { 2 } else { 1 },
                 rows: Some(*format),

@@ -9,7 +9,9 @@
 //! output that only such a GEMM reads is written in the weights' type alone. Decode steps of
 //! up to 8 rows run their projections on our own GEMV (gemv.cu), which also takes over the
 //! small kernels around it: SiLU·mul, the residual add and RMSNorm (its 1/rms left to the
-//! next GEMV), and RoPE with the cache write.
+//! next GEMV), and RoPE with the cache write. Quantized weights stay packed (rows.rs):
+//! the GEMVs read them as they are; larger steps widen them for cuBLAS, or, for FP8 rows
+//! with one scale a row, run W8A8 through cuBLASLt (fp8_gemm.rs, fp8.cu).
 //! The KV cache is f32 for an f32 model and the weights' type for a 16-bit one, written by
 //! the RoPE kernel (or that GEMV); prefill and decode attention of 16-bit models run on
 //! tensor cores (flash.cu). Sampling runs here too (sample.rs, sampling.cu), and so do
@@ -25,6 +27,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchCon
 use super::{AttnShape, CacheShape, DType, DevResult, DeviceError, RopeSpec, TpRank};
 
 mod attend;
+mod fp8_gemm;
 mod gemm;
 mod graph;
 mod lora;
@@ -130,7 +133,13 @@ pub enum WeightBuf {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
     F16(CudaSlice<u16>),
-    Rows { buf: CudaSlice<u8>, format: crate::kernels::rows::RowFormat },
+    /// Packed rows (kernels/rows.rs); for FP8 rows with one scale a row on a GPU with FP8
+    /// tensor cores, those scales again as one vector, for the W8A8 GEMM (fp8_gemm.rs).
+    Rows {
+        buf: CudaSlice<u8>,
+        format: crate::kernels::rows::RowFormat,
+        scales: Option<CudaSlice<f32>>,
+    },
 }
 
 pub struct CudaWeight {
@@ -219,6 +228,11 @@ pub struct CudaDevice {
     /// A 4-bit weight widened to 16 bits for a prompt's GEMM (`widen_int4`), sized at
     /// upload for the largest such weight, so that it never moves under a CUDA graph.
     widened: std::cell::RefCell<Option<CudaSlice<u16>>>,
+    /// W8A8 GEMMs of FP8 rows (fp8_gemm.rs), on GPUs with FP8 tensor cores and a cuBLASLt
+    /// that takes outer-vector scales.
+    fp8: Option<fp8_gemm::Fp8Gemms>,
+    /// x quantized to FP8 for them.
+    fp8_x: fp8_gemm::Fp8Scratch,
     /// GPU time per operation, when `ACTORLLM_PROFILE_KERNELS` asks for it.
     prof: Option<profile::Profiler>,
     /// The 16-bit type of the 2-D weights (1 bf16, 2 f16; 0 for f32): activations that feed
@@ -333,6 +347,9 @@ impl CudaDevice {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(err)? as usize;
         let prof = profile::Profiler::from_env(&ctx);
+        let fp8 = (fp8_gemm::has_fp8_mma(major, minor) && gemms.lt().is_some())
+            .then(fp8_gemm::Fp8Gemms::new)
+            .flatten();
         Ok(Self {
             ctx,
             stream,
@@ -354,6 +371,8 @@ impl CudaDevice {
             graph_pool: Arc::new(BufPool::unbounded()),
             scratch16: std::cell::RefCell::new(None),
             widened: std::cell::RefCell::new(None),
+            fp8,
+            fp8_x: std::cell::RefCell::new(None),
             prof,
             act16: std::cell::Cell::new(0),
             tensor_core_attention: std::cell::Cell::new(None),

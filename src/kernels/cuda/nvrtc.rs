@@ -6,7 +6,7 @@ use super::DeviceError;
 /// Prepended to every source (16-bit types and the rounding store the kernels share).
 pub(super) const COMMON: &str = include_str!("common.cuh");
 
-pub(super) const SOURCES: [(&str, &str); 7] = [
+pub(super) const SOURCES: [(&str, &str); 8] = [
     ("elementwise", include_str!("elementwise.cu")),
     ("attention", include_str!("attention.cu")),
     ("flash", include_str!("flash.cu")),
@@ -14,6 +14,7 @@ pub(super) const SOURCES: [(&str, &str); 7] = [
     ("lora", include_str!("lora.cu")),
     ("gemv", include_str!("gemv.cu")),
     ("moe", include_str!("moe.cu")),
+    ("fp8", include_str!("fp8.cu")),
 ];
 
 /// The split attention kernel's instantiations for one KV cache type, in [`KvKernels`]'

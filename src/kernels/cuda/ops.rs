@@ -98,7 +98,15 @@ impl Device for CudaDevice {
                 if widened.as_ref().is_none_or(|b| b.len() < numel) {
                     *widened = Some(self.zeros(numel)?);
                 }
-                WeightBuf::Rows { buf: self.htod(&t.data)?, format }
+                // FP8 rows with one scale a row: those scales as a vector for the W8A8 GEMM.
+                let scales = match (format.kind, format.group, &self.fp8) {
+                    (crate::kernels::rows::RowKind::Fp8, 0, Some(_)) => {
+                        let k = t.shape[1];
+                        Some(self.htod(&super::fp8_gemm::row_scales(&t.data, format.row_bytes(), k))?)
+                    }
+                    _ => None,
+                };
+                WeightBuf::Rows { buf: self.htod(&t.data)?, format, scales }
             }
             // Stacked experts: the fused MoE kernels read 16-bit weights.
             (DType::Rows(_), _) => {

@@ -145,6 +145,11 @@ impl Gemms {
         Ok(gemms)
     }
 
+    /// cuBLASLt's handle and the workspace (address, bytes), where cuBLASLt is present.
+    pub(super) fn lt(&self) -> Option<(lt::cublasLtHandle_t, CUdeviceptr, usize)> {
+        (!self.handle.is_null()).then_some((self.handle, self.ws_ptr, self.workspace.len()))
+    }
+
     /// The algorithm a GEMM of `m` rows of `key` runs, noting the shape and its rows.
     fn algo(&self, key: ShapeKey, m: usize) -> Algo {
         let mut shapes = self.shapes.borrow_mut();
@@ -195,7 +200,7 @@ impl Gemms {
         let alpha = 1.0f32;
         // SAFETY: the layouts are this shape's; the caller's operands.
         unsafe {
-            Self::set_rows([lx, lo], m)?;
+            set_cols(&[lx, lo], m)?;
             lt::cublasLtMatmul(
                 self.handle,
                 self.desc,
@@ -218,62 +223,79 @@ impl Gemms {
         }
     }
 
-    /// Sets x's and the output's layouts (`[x, out]`) to `m` columns: the GEMM's rows.
-    ///
-    /// # Safety
-    /// The layouts must be live.
-    unsafe fn set_rows(layouts: [lt::cublasLtMatrixLayout_t; 2], m: usize) -> Result<(), CublasError> {
-        let cols = m as u64;
-        let attr = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_COLS;
-        for l in layouts {
-            // SAFETY: the caller's live layout; the attribute is a u64.
-            unsafe { lt::cublasLtMatrixLayoutSetAttribute(l, attr, (&cols as *const u64).cast(), 8) }
-                .result()?;
-        }
-        Ok(())
-    }
-
     /// cuBLASLt's heuristic candidates for `m` rows of `key` (its layouts set to m).
     fn candidates(&self, key: ShapeKey, m: usize) -> Vec<lt::cublasLtMatmulAlgo_t> {
         let shapes = self.shapes.borrow();
-        let Some([lw, lx, lo]) = shapes.get(&key).and_then(|s| s.layouts) else { return Vec::new() };
-        let ws = BLAS_WORKSPACE as u64;
-        let mut pref = std::ptr::null_mut();
-        // SAFETY: cuBLASLt objects of this shape, and out-pointers sized as passed.
+        let Some(layouts) = shapes.get(&key).and_then(|s| s.layouts) else { return Vec::new() };
+        // SAFETY: cuBLASLt objects of this shape.
         unsafe {
-            if Self::set_rows([lx, lo], m).is_err()
-                || lt::cublasLtMatmulPreferenceCreate(&mut pref).result().is_err()
-            {
+            if set_cols(&layouts[1..], m).is_err() {
                 return Vec::new();
             }
-            let attr = lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
-            let mut found = vec![std::mem::zeroed::<lt::cublasLtMatmulHeuristicResult_t>(); CANDIDATES];
-            let mut count = 0;
-            let asked = lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, (&ws as *const u64).cast(), 8)
-                .result()
-                .and_then(|_| {
-                    lt::cublasLtMatmulAlgoGetHeuristic(
-                        self.handle,
-                        self.desc,
-                        lw,
-                        lx,
-                        lo,
-                        lo,
-                        pref,
-                        CANDIDATES as i32,
-                        found.as_mut_ptr(),
-                        &mut count,
-                    )
-                    .result()
-                });
-            lt::cublasLtMatmulPreferenceDestroy(pref);
-            if asked.is_err() {
-                return Vec::new();
-            }
-            found.truncate(count.max(0) as usize);
-            found.into_iter().filter(|r| r.state.result().is_ok()).map(|r| r.algo).collect()
+            heuristic((self.handle, self.desc), layouts, BLAS_WORKSPACE, CANDIDATES)
         }
     }
+}
+
+/// cuBLASLt's heuristic candidates, at most `count`, for `desc` over the layouts of the
+/// weight, x and the output, within `ws` bytes of workspace; none where it offers none.
+///
+/// # Safety
+/// The handle, descriptor and layouts must be live.
+pub(super) unsafe fn heuristic(
+    (handle, desc): (lt::cublasLtHandle_t, lt::cublasLtMatmulDesc_t),
+    [lw, lx, lo]: [lt::cublasLtMatrixLayout_t; 3],
+    ws: usize,
+    count: usize,
+) -> Vec<lt::cublasLtMatmulAlgo_t> {
+    let ws = ws as u64;
+    let mut pref = std::ptr::null_mut();
+    // SAFETY: the caller's live objects, and out-pointers sized as passed.
+    unsafe {
+        if lt::cublasLtMatmulPreferenceCreate(&mut pref).result().is_err() {
+            return Vec::new();
+        }
+        let attr = lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
+        let mut found = vec![std::mem::zeroed::<lt::cublasLtMatmulHeuristicResult_t>(); count];
+        let mut got = 0;
+        let asked = lt::cublasLtMatmulPreferenceSetAttribute(pref, attr, (&ws as *const u64).cast(), 8)
+            .result()
+            .and_then(|_| {
+                lt::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    lw,
+                    lx,
+                    lo,
+                    lo,
+                    pref,
+                    count as i32,
+                    found.as_mut_ptr(),
+                    &mut got,
+                )
+                .result()
+            });
+        lt::cublasLtMatmulPreferenceDestroy(pref);
+        if asked.is_err() {
+            return Vec::new();
+        }
+        found.truncate(got.max(0) as usize);
+        found.into_iter().filter(|r| r.state.result().is_ok()).map(|r| r.algo).collect()
+    }
+}
+
+/// Sets layouts (x's and the output's) to `m` columns: the GEMM's rows.
+///
+/// # Safety
+/// The layouts must be live.
+pub(super) unsafe fn set_cols(layouts: &[lt::cublasLtMatrixLayout_t], m: usize) -> Result<(), CublasError> {
+    let cols = m as u64;
+    let attr = lt::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_COLS;
+    for &l in layouts {
+        // SAFETY: the caller's live layout; the attribute is a u64.
+        unsafe { lt::cublasLtMatrixLayoutSetAttribute(l, attr, (&cols as *const u64).cast(), 8) }.result()?;
+    }
+    Ok(())
 }
 
 impl Drop for Gemms {

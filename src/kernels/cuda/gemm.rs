@@ -243,8 +243,9 @@ impl CudaDevice {
     }
 
     /// `out = x @ wᵀ + beta · out` for packed rows (4-bit, FP8): up to [`GEMV_ROWS`] rows
-    /// the GEMV reads them as they are; past them (prompts) they are widened to their
-    /// 16-bit type for cuBLAS (`widen_rows`).
+    /// the GEMV reads them as they are; past them (prompts), FP8 rows with one scale a row
+    /// run W8A8 (`fp8_gemm`) and others are widened to their 16-bit type for cuBLAS
+    /// (`widen_rows`).
     fn gemm_rows(
         &self,
         x: &CudaTensor,

@@ -406,17 +406,9 @@ fn w8a8_reference(g: &CudaDevice, t: &HostTensor<'_>) -> Option<impl Fn(&[f32]) 
     if f.kind != RowKind::Fp8 || f.group != 0 || sm < 89 || !t.shape[0].is_multiple_of(4) {
         return None;
     }
-    let (n, k, row_bytes) = (t.shape[0], t.shape[1], f.row_bytes());
-    let rows: Vec<(Vec<f32>, f32)> = t
-        .data
-        .chunks_exact(row_bytes)
-        .map(|r| {
-            (
-                r[..k].iter().map(|&b| e4m3_to_f32(b)).collect(),
-                f32::from_le_bytes(r[k..k + 4].try_into().unwrap()),
-            )
-        })
-        .collect();
+    let (n, k) = (t.shape[0], t.shape[1]);
+    let values = t.data.chunks_exact(f.row_bytes()).map(|r| r[..k].iter().map(|&b| e4m3_to_f32(b)).collect());
+    let rows: Vec<(Vec<f32>, f32)> = values.zip(f.scales(&t.data)).collect();
     assert_eq!(rows.len(), n);
     let table: Vec<f32> = (0..0x7fu8).map(e4m3_to_f32).collect();
     Some(move |x: &[f32]| {

@@ -163,6 +163,15 @@ impl RowFormat {
         }
     }
 
+    /// The groups' scales of whole rows, row by row.
+    pub fn scales(self, bytes: &[u8]) -> Vec<f32> {
+        let groups = self.groups();
+        bytes
+            .chunks_exact(self.row_bytes())
+            .flat_map(|row| (0..groups).map(move |g| self.scale(row, g)))
+            .collect()
+    }
+
     /// Appends the f32 values of whole rows, each rounded to the 16-bit type as the
     /// checkpoint's dequantization rounds it.
     pub fn dequantize(self, bytes: &[u8], out: &mut Vec<f32>) {
@@ -268,6 +277,7 @@ mod tests {
         f.dequantize(&bytes, &mut got);
         assert_eq!(got[..16], [1.125; 16]);
         assert_eq!(got[16..], [-6.0; 16]);
+        assert_eq!(f.scales(&bytes), [1.0 + 2f32.powi(-10), -3.0]);
         assert_eq!(f.bad_value(&bytes), None);
         let mut nan = bytes.clone();
         nan[20] = 0x7f;

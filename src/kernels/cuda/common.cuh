@@ -77,6 +77,22 @@ __device__ __forceinline__ float4 ld4(const __half* p) {
     float2 a = __half22float2(*(__half2*)&u.x), b = __half22float2(*(__half2*)&u.y);
     return make_float4(a.x, a.y, b.x, b.y);
 }
+// Two 16-bit values of a word, and eight at p (16-byte aligned), as floats.
+__device__ __forceinline__ float2 pair_f(unsigned w, const __nv_bfloat16*) {
+    return __bfloat1622float2(*(const __nv_bfloat162*)&w);
+}
+__device__ __forceinline__ float2 pair_f(unsigned w, const __half*) { return __half22float2(*(const __half2*)&w); }
+template <typename T> __device__ __forceinline__ void ld8f(const T* p, float (&v)[8]) {
+    uint4 u = *(const uint4*)p;
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 f = pair_f(w[i], p);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
 // Four values stored at p as T, in one store (16-byte aligned for f32, 8-byte for 16-bit types).
 __device__ __forceinline__ void st4(float* p, float4 v) { *(float4*)p = v; }
 __device__ __forceinline__ void st4(__nv_bfloat16* p, float4 v) {

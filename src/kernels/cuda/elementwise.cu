@@ -156,22 +156,6 @@ template <typename T> __device__ __forceinline__ int silu_width(int inter) {
     return sizeof(T) == 2 && (inter & 7) == 0 ? 8 : 4;
 }
 
-// Eight 16-bit values at p (16-byte aligned) as floats.
-__device__ __forceinline__ float2 pair_f(unsigned w, const __nv_bfloat16*) {
-    return __bfloat1622float2(*(const __nv_bfloat162*)&w);
-}
-__device__ __forceinline__ float2 pair_f(unsigned w, const __half*) { return __half22float2(*(const __half2*)&w); }
-template <typename T> __device__ __forceinline__ void ld8f(const T* p, float (&v)[8]) {
-    uint4 u = *(const uint4*)p;
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 f = pair_f(w[i], p);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
 template <typename T>
 __device__ __forceinline__ void act_mul(const T* __restrict__ gate_up, float* __restrict__ out, void* out16, int kind,
                                         int inter, int rows, int act) {

@@ -16,13 +16,6 @@ __device__ __forceinline__ float fp8_block_max(float v) {
     return v;
 }
 
-__device__ __forceinline__ float2 fp8_pair_of(unsigned u, __nv_bfloat16*) {
-    return __bfloat1622float2(*(const __nv_bfloat162*)&u);
-}
-__device__ __forceinline__ float2 fp8_pair_of(unsigned u, __half*) {
-    return __half22float2(*(const __half2*)&u);
-}
-
 // x [m, k] (k % 8 == 0) into q [m, k] e4m3 bytes and scales [m]: a block a row, 8 values a
 // thread at a time. A row of zeros takes scale 1.
 template <typename T>
@@ -30,29 +23,25 @@ __device__ void quantize_fp8_rows(const T* __restrict__ x, int k, unsigned char*
                                   float* __restrict__ scales) {
     grid_dep_wait();
     const size_t row = blockIdx.x;
-    const uint4* xr = (const uint4*)(x + row * k);
+    const T* xr = x + row * k;
     const int chunks = k / 8;
     float amax = 0.f;
     for (int c = threadIdx.x; c < chunks; c += FP8_THREADS) {
-        const uint4 v = xr[c];
-        const unsigned u[4] = {v.x, v.y, v.z, v.w};
-        for (int j = 0; j < 4; ++j) {
-            const float2 f = fp8_pair_of(u[j], (T*)nullptr);
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
+        float v[8];
+        ld8f(xr + 8 * c, v);
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
     }
     amax = fp8_block_max(amax);
     const float scale = amax > 0.f ? amax / 448.f : 1.f;
     if (threadIdx.x == 0) scales[row] = scale;
     uint2* qr = (uint2*)(q + row * k);
     for (int c = threadIdx.x; c < chunks; c += FP8_THREADS) {
-        const uint4 v = xr[c];
-        const unsigned u[4] = {v.x, v.y, v.z, v.w};
+        float v[8];
+        ld8f(xr + 8 * c, v);
         unsigned short pairs[4];
         for (int j = 0; j < 4; ++j) {
-            const float2 f = fp8_pair_of(u[j], (T*)nullptr);
-            pairs[j] = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(f.x, scale), __fdiv_rn(f.y, scale)),
-                                                __NV_SATFINITE, __NV_E4M3);
+            const float2 f = make_float2(__fdiv_rn(v[2 * j], scale), __fdiv_rn(v[2 * j + 1], scale));
+            pairs[j] = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);
         }
         qr[c] = make_uint2(pairs[0] | ((unsigned)pairs[1] << 16), pairs[2] | ((unsigned)pairs[3] << 16));
     }
@@ -82,26 +71,15 @@ extern "C" __global__ void fp8_scale_sums(const float* __restrict__ raw, const f
         const float4 v = ((const float4*)raw)[i];
         const float4 w = *(const float4*)(w_scales + r);
         const float sx = x_scales[t];
-        float o[4] = {v.x * sx * w.x, v.y * sx * w.y, v.z * sx * w.z, v.w * sx * w.w};
-        if (kind == 0) {
-            float4* p = (float4*)out + i;
-            if (beta != 0.f) {
-                const float4 b = *p;
-                o[0] += beta * b.x, o[1] += beta * b.y, o[2] += beta * b.z, o[3] += beta * b.w;
-            }
-            *p = make_float4(o[0], o[1], o[2], o[3]);
-        } else {
-            if (beta != 0.f) {
-                const uint2 b = ((const uint2*)out)[i];
-                const unsigned u[2] = {b.x, b.y};
-                for (int j = 0; j < 2; ++j) {
-                    const float2 f = kind == 1 ? fp8_pair_of(u[j], (__nv_bfloat16*)nullptr)
-                                               : fp8_pair_of(u[j], (__half*)nullptr);
-                    o[2 * j] += beta * f.x, o[2 * j + 1] += beta * f.y;
-                }
-            }
-            store16x4(out, 4 * i, o[0], o[1], o[2], o[3], kind);
+        float4 o = make_float4(v.x * sx * w.x, v.y * sx * w.y, v.z * sx * w.z, v.w * sx * w.w);
+        if (beta != 0.f) {
+            const float4 b = kind == 0   ? ld4((const float*)out + 4 * i)
+                             : kind == 1 ? ld4((const __nv_bfloat16*)out + 4 * i)
+                                         : ld4((const __half*)out + 4 * i);
+            o = make_float4(o.x + beta * b.x, o.y + beta * b.y, o.z + beta * b.z, o.w + beta * b.w);
         }
+        if (kind == 0) st4((float*)out + 4 * i, o);
+        else store16x4(out, 4 * i, o.x, o.y, o.z, o.w, kind);
     }
     grid_dep_launch();
 }

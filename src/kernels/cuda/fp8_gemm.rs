@@ -297,12 +297,6 @@ impl CudaDevice {
     }
 }
 
-/// The row scales of FP8 rows with one scale a row, as the W8A8 GEMM takes them: the f32
-/// after each row's `k` values.
-pub(super) fn row_scales(bytes: &[u8], row_bytes: usize, k: usize) -> Vec<f32> {
-    bytes.chunks_exact(row_bytes).map(|r| f32::from_le_bytes([r[k], r[k + 1], r[k + 2], r[k + 3]])).collect()
-}
-
 /// Where the device keeps x's FP8 values for these GEMMs: grown as needed, like the
 /// 16-bit scratch (the profiling step's largest batch comes before any graph).
 pub(super) type Fp8Scratch = RefCell<Option<CudaSlice<u8>>>;

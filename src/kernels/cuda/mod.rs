@@ -228,8 +228,8 @@ pub struct CudaDevice {
     /// A 4-bit weight widened to 16 bits for a prompt's GEMM (`widen_int4`), sized at
     /// upload for the largest such weight, so that it never moves under a CUDA graph.
     widened: std::cell::RefCell<Option<CudaSlice<u16>>>,
-    /// W8A8 GEMMs of FP8 rows (fp8_gemm.rs), on GPUs with FP8 tensor cores and a cuBLASLt
-    /// that takes outer-vector scales.
+    /// W8A8 GEMMs of FP8 rows (fp8_gemm.rs), on GPUs with FP8 tensor cores where cuBLASLt
+    /// is present.
     fp8: Option<fp8_gemm::Fp8Gemms>,
     /// x quantized to FP8 for them.
     fp8_x: fp8_gemm::Fp8Scratch,

@@ -101,8 +101,7 @@ impl Device for CudaDevice {
                 // FP8 rows with one scale a row: those scales as a vector for the W8A8 GEMM.
                 let scales = match (format.kind, format.group, &self.fp8) {
                     (crate::kernels::rows::RowKind::Fp8, 0, Some(_)) => {
-                        let k = t.shape[1];
-                        Some(self.htod(&super::fp8_gemm::row_scales(&t.data, format.row_bytes(), k))?)
+                        Some(self.htod(&format.scales(&t.data))?)
                     }
                     _ => None,
                 };

@@ -207,8 +207,13 @@ async fn malformed_models_are_refused_by_field_not_by_panic() {
         std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
         dir
     };
-    let cases: [(&str, &str, Value); 6] = [
+    let cases: [(&str, &str, Value); 7] = [
         ("num_hidden_layers is 0", "num_hidden_layers", 0.into()),
+        (
+            "num_hidden_layers 1000000000000 is more than 4096",
+            "num_hidden_layers",
+            1_000_000_000_000u64.into(),
+        ),
         ("head_dim is 0", "head_dim", 0.into()),
         ("vocab_size is 0", "vocab_size", 0.into()),
         ("partial_rotary_factor", "partial_rotary_factor", 1e9.into()),

@@ -98,6 +98,9 @@ pub fn unsupported(
     ))
 }
 
+/// The most decoder layers a config may declare (the largest served models have under 200).
+pub const MAX_LAYERS: usize = 4096;
+
 impl ModelConfig {
     /// The shared part of `hf` for `architecture`, checked: heads divide the hidden size
     /// (unless `head_dim` is given), KV heads divide the heads. LoRA targets are the model
@@ -116,6 +119,11 @@ impl ModelConfig {
             if v == 0 {
                 return Err(bad(format!("{field} is 0")));
             }
+        }
+        // Layers size per-layer tables as the config is read, before any weight: a count
+        // past every real model's is refused here rather than allocated.
+        if c.num_hidden_layers > MAX_LAYERS {
+            return Err(bad(format!("num_hidden_layers {} is more than {MAX_LAYERS}", c.num_hidden_layers)));
         }
         if c.head_dim.is_none() && !c.hidden_size.is_multiple_of(c.num_attention_heads) {
             return Err(bad(format!(

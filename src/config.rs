@@ -175,6 +175,8 @@ pub struct EngineArgs {
     pub tensor_parallel_size: usize,
     #[command(flatten)]
     pub lora: LoraArgs,
+    #[command(flatten)]
+    pub cluster: crate::cluster::ClusterArgs,
     /// CPU kernel family: the widest this CPU has (`auto`), or one forced for tests and
     /// comparisons (avx512, avx2: AVX2 with FMA and F16C, portable).
     #[arg(long, value_enum, default_value_t = crate::kernels::cpu::family::CpuKernels::Auto)]
@@ -331,6 +333,7 @@ impl Default for EngineArgs {
             device: DeviceArg::Cpu,
             tensor_parallel_size: 1,
             lora: LoraArgs::default(),
+            cluster: crate::cluster::ClusterArgs::default(),
             cpu_kernels: crate::kernels::cpu::family::CpuKernels::Auto,
             offline: false,
         }

@@ -25,7 +25,7 @@ use crate::core::scheduler::SchedulerConfig;
 pub use crate::error::EngineError;
 use crate::kernels::cpu::CpuDevice;
 use crate::kernels::cuda::CudaDevice;
-use crate::kernels::{Device, DeviceError};
+use crate::kernels::{Device, RemoteRanks};
 use crate::metrics::Metrics;
 use crate::models::config::ModelConfig;
 use crate::models::registry::ModelRegistry;
@@ -58,6 +58,8 @@ struct Inner {
     stream_backlog: std::sync::atomic::AtomicUsize,
     /// Structured output's grammar compiler, built on the first constrained request.
     grammars: crate::structured::LazyGrammars,
+    /// The ranks on other nodes, when the tensor-parallel group spans processes.
+    remote: Option<Arc<dyn RemoteRanks>>,
 }
 
 /// Events each choice may leave unread before its request is aborted, by default.
@@ -105,7 +107,11 @@ impl Engine {
             let tp = args.tensor_parallel_size;
             let mut registry = ModelRegistry::<CudaDevice>::default();
             A::register(&mut registry);
-            Self::start_on(args, registry, move || CudaDevice::group(tp)).await
+            args.cluster.check(tp, false).map_err(EngineError::Cluster)?;
+            Self::start_on(args, registry, move |_| {
+                CudaDevice::group(tp).map_err(|e| EngineError::Device(e.to_string()))
+            })
+            .await
         } else {
             let mut registry = ModelRegistry::<CpuDevice>::default();
             A::register(&mut registry);
@@ -120,9 +126,22 @@ impl Engine {
         registry: ModelRegistry<CpuDevice>,
     ) -> Result<Engine, EngineError> {
         let tp = args.tensor_parallel_size;
+        let cluster = args.cluster.clone();
+        cluster.check(tp, true).map_err(EngineError::Cluster)?;
+        if cluster.node_rank > 0 {
+            return Err(EngineError::Cluster(format!(
+                "--node-rank {} runs headless: start it with `actorllm serve`, which then serves no API",
+                cluster.node_rank
+            )));
+        }
         let family = crate::kernels::cpu::family::choose(args.cpu_kernels).map_err(EngineError::Device)?;
         tracing::info!(family = family.name(), threads = rayon::current_num_threads(), "CPU kernels");
-        Self::start_on(args, registry, move || {
+        Self::start_on(args, registry, move |setup| {
+            if cluster.nnodes > 1 {
+                let lead =
+                    crate::cluster::lead::Lead::accept(&cluster, setup).map_err(EngineError::Cluster)?;
+                return Ok(vec![CpuDevice::in_group(0, lead.clone(), Some(lead)).with_family(family)]);
+            }
             Ok(CpuDevice::group(tp).into_iter().map(|d| d.with_family(family)).collect())
         })
         .await
@@ -134,22 +153,9 @@ impl Engine {
     pub async fn start_on<D: Device>(
         mut args: EngineArgs,
         registry: ModelRegistry<D>,
-        make: impl FnOnce() -> Result<Vec<D>, DeviceError> + Send + 'static,
+        make: impl FnOnce(&crate::cluster::GroupSetup) -> Result<Vec<D>, EngineError> + Send + 'static,
     ) -> Result<Engine, EngineError> {
-        import_if_gguf(&mut args)?;
-        let located =
-            crate::hub::locate(&args.model, args.revision.as_deref(), args.download_dir.as_deref())?;
-        if let Some(commit) = &located.commit {
-            tracing::info!(model = %args.model.display(), commit, dir = %located.dir.display(), "model found in the Hugging Face cache");
-        }
-        args.model = located.dir;
-        log_inapplicable(&args);
-        let model_config = registry.read_config(&args.model)?;
-        crate::quantization::check_flag(&model_config.hf, args.quantization.as_deref())?;
-        // A device that reports its memory (a GPU) sizes the KV cache from it after a
-        // profiling step, and checks --max-model-len then.
-        let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();
-        let mut config = EngineConfig::resolve(&args, &model_config, sized_by_device)?;
+        let (model_config, mut config) = resolve_model(&mut args, &registry)?;
         config.sampling_defaults = sampling_defaults(&args)?;
         let mut tokenizer = Tokenizer::load(&config.model_dir, &model_config.eos_token_ids)?;
         if let Some(t) = &args.chat_template {
@@ -157,18 +163,11 @@ impl Engine {
         }
         let tokenizer = Arc::new(tokenizer);
         let (dir, dtype) = (config.model_dir.clone(), config.dtype);
-        let opts = LoadOptions {
-            lora: config.lora.as_ref().map(|l| LoraCapacity {
-                slots: l.max_loras,
-                max_rank: l.max_rank,
-                bf16: l.bf16,
-            }),
-            dummy: args.load_format == crate::config::LoadFormat::Dummy,
-            online_fp8: crate::quantization::online_fp8(&model_config.hf, args.quantization.as_deref()),
-        };
+        let opts = load_options(&args, &model_config, &config);
+        let setup = crate::cluster::GroupSetup::of(&args, &model_config, &config);
         let started = std::time::Instant::now();
         let ranks = actix_rt::task::spawn_blocking(move || -> Result<_, EngineError> {
-            let devs = make().map_err(|e| EngineError::Device(e.to_string()))?;
+            let devs = make(&setup)?;
             tracing::info!(seconds = started.elapsed().as_secs_f32(), "devices open");
             let (registry, dir) = (&registry, &dir);
             std::thread::scope(|s| {
@@ -181,13 +180,18 @@ impl Engine {
                         })
                     })
                     .collect();
-                loads
+                let ranks = loads
                     .into_iter()
                     .map(|h| {
                         h.join()
                             .map_err(|_| EngineError::Device("a rank's loading thread panicked".into()))?
                     })
-                    .collect::<Result<Vec<_>, _>>()
+                    .collect::<Result<Vec<(D, _)>, _>>()?;
+                if let Some(r) = ranks[0].0.remote_ranks() {
+                    // The other nodes answer once their weights are loaded.
+                    r.join_step().map_err(|e| EngineError::Cluster(e.to_string()))?;
+                }
+                Ok(ranks)
             })
         })
         .await
@@ -207,6 +211,7 @@ impl Engine {
             );
         }
         let dev_name = ranks[0].0.name();
+        let remote = ranks[0].0.remote_ranks();
         tracing::info!(
             model = %config.model_dir.display(),
             dtype = ?config.dtype,
@@ -318,12 +323,19 @@ impl Engine {
                 next_id: std::sync::atomic::AtomicU64::new(0),
                 stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
                 grammars: Default::default(),
+                remote,
             }),
         };
         if !args.disable_log_stats {
             spawn_stats_log(&engine);
         }
         Ok(engine)
+    }
+
+    /// Why the engine can no longer run steps, once a rank on another node is lost: it
+    /// stays so until restarted.
+    pub fn failure(&self) -> Option<String> {
+        self.inner.remote.as_ref().and_then(|r| r.failure())
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -484,6 +496,42 @@ fn spawn_stats_log(engine: &Engine) {
 
 /// The template `--chat-template` gives, as vLLM reads it: a path that exists is a file to
 /// read, anything else the template itself.
+/// Finds the model (importing a GGUF file, fetching from the hub's cache) and reads its
+/// config, then the engine's settings from the flags and it. `args.model` becomes the
+/// model's directory.
+pub(crate) fn resolve_model<D: Device>(
+    args: &mut EngineArgs,
+    registry: &ModelRegistry<D>,
+) -> Result<(ModelConfig, EngineConfig), EngineError> {
+    import_if_gguf(args)?;
+    let located = crate::hub::locate(&args.model, args.revision.as_deref(), args.download_dir.as_deref())?;
+    if let Some(commit) = &located.commit {
+        tracing::info!(model = %args.model.display(), commit, dir = %located.dir.display(), "model found in the Hugging Face cache");
+    }
+    args.model = located.dir;
+    log_inapplicable(args);
+    let model_config = registry.read_config(&args.model)?;
+    crate::quantization::check_flag(&model_config.hf, args.quantization.as_deref())?;
+    // A device that reports its memory (a GPU) sizes the KV cache from it after a
+    // profiling step, and checks --max-model-len then.
+    let sized_by_device = D::SIZES_KV_CACHE && args.num_gpu_blocks_override.is_none();
+    let config = EngineConfig::resolve(args, &model_config, sized_by_device)?;
+    Ok((model_config, config))
+}
+
+/// How each rank loads its weights, from the flags and the resolved settings.
+pub(crate) fn load_options(args: &EngineArgs, model: &ModelConfig, config: &EngineConfig) -> LoadOptions {
+    LoadOptions {
+        lora: config.lora.as_ref().map(|l| LoraCapacity {
+            slots: l.max_loras,
+            max_rank: l.max_rank,
+            bf16: l.bf16,
+        }),
+        dummy: args.load_format == crate::config::LoadFormat::Dummy,
+        online_fp8: crate::quantization::online_fp8(&model.hf, args.quantization.as_deref()),
+    }
+}
+
 fn chat_template_arg(t: &str) -> Result<String, EngineError> {
     match std::fs::read_to_string(t) {
         Ok(text) => Ok(text),

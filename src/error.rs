@@ -39,6 +39,9 @@ pub enum EngineError {
     QueueFull { waiting: usize, limit: usize },
     #[error("device: {0}")]
     Device(String),
+    /// The nodes of a tensor-parallel group across processes: their flags, handshake or link.
+    #[error("{0}")]
+    Cluster(String),
     /// The HTTP server could not start: its address or its TLS files.
     #[error("server: {0}")]
     Server(String),

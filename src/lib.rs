@@ -31,6 +31,7 @@
 
 pub mod actors;
 pub mod bench;
+pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod engine;

@@ -477,7 +477,7 @@ async fn async_scheduling_gives_the_same_outputs_as_one_step_at_a_time() {
             max_model_len: Some(128),
             ..common::args(&model)
         };
-        let feeding = || Ok(vec![CpuDevice::feeding_sampled_tokens()]);
+        let feeding = |_: &_| Ok(vec![CpuDevice::feeding_sampled_tokens()]);
         let fed = Engine::start_on(args, ModelRegistry::<CpuDevice>::default(), feeding).await.unwrap();
         assert_eq!(work(&fed, &p, &params).await, a, "async scheduling {async_scheduling}");
         let fed_steps = fed.metrics().profile.fed_steps.load(std::sync::atomic::Ordering::Relaxed);

@@ -26,13 +26,15 @@ use actix::{Actor, Addr, Handler, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::attn::AttnMetadata;
-use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, SampleTicket};
+use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, RemoteRanks, SampleTicket};
 use crate::models::CausalLM;
 use crate::request::SamplingParams;
 use crate::sampling::{self, SampleInput, TokenHistory};
 use crate::structured::GuideState;
 
 mod messages;
+mod wire;
+pub use wire::WireLora;
 
 use messages::ReplySlot;
 pub use messages::{
@@ -167,6 +169,8 @@ pub struct ModelRunner<D: Device> {
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
     peers: Vec<Addr<ModelRunner<D>>>,
+    /// Ranks of the group in other processes (on rank 0 of a group across nodes).
+    remote: Option<Arc<dyn RemoteRanks>>,
     /// Decode forwards recorded as graphs, by (with adapters, batch size, context bound),
     /// ascending.
     graphs: Vec<((bool, usize, usize), D::Graph)>,
@@ -223,6 +227,7 @@ impl<D: Device> ModelRunner<D> {
         cfg: RunnerConfig,
         eos_ids: Arc<[u32]>,
     ) -> Result<Self, DeviceError> {
+        let remote = dev.remote_ranks();
         let mut runner = Self {
             dev,
             model,
@@ -230,6 +235,7 @@ impl<D: Device> ModelRunner<D> {
             block_size: cfg.block_size,
             eos_ids,
             seqs: HashMap::new(),
+            remote,
             peers: Vec::new(),
             graphs: Vec::new(),
             last_done: None,
@@ -297,7 +303,7 @@ impl<D: Device> ModelRunner<D> {
     /// (recorded first: it reads one input more), so that steps without adapters skip them.
     fn capture_graphs(&mut self, sizes: &[usize], bounds: &[usize]) -> Result<usize, DeviceError> {
         self.graphs.clear();
-        if !self.peers.is_empty() {
+        if !self.peers.is_empty() || self.remote.is_some() {
             return Ok(0);
         }
         let sets: &[bool] = if self.model.has_lora() { &[true, false] } else { &[false] };
@@ -471,21 +477,24 @@ impl<D: Device> ModelRunner<D> {
             return Ok(Issued::Done(StepOutput::default()));
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
-        if !self.peers.is_empty() {
-            let (shared_ids, shared_meta): (Arc<[u32]>, _) = (ids.as_slice().into(), Arc::new(meta.clone()));
+        if !self.peers.is_empty() || self.remote.is_some() {
+            let step = ShardStep {
+                ids: ids.as_slice().into(),
+                meta: Arc::new(meta.clone()),
+                lora_loads: batch_lora_loads.clone(),
+                copies: copies.clone(),
+                prompt_rows: prompt.rows.as_slice().into(),
+            };
+            if let Some(remote) = &self.remote {
+                remote.send_step(&step.encode())?;
+            }
             for p in &self.peers {
-                peer_steps.push(p.send(ShardStep {
-                    ids: shared_ids.clone(),
-                    meta: shared_meta.clone(),
-                    lora_loads: batch_lora_loads.clone(),
-                    copies: copies.clone(),
-                    prompt_rows: prompt.rows.as_slice().into(),
-                }));
+                peer_steps.push(p.send(step.clone()));
             }
         }
         if ids.is_empty() {
             // A batch of adapter loads or block copies only: every rank has done them.
-            join_peers(peer_steps)?;
+            self.join_ranks(peer_steps)?;
             return Ok(Issued::Done(StepOutput::default()));
         }
         let t1 = Instant::now();
@@ -517,14 +526,14 @@ impl<D: Device> ModelRunner<D> {
         };
         let Some(logits) = logits else {
             self.dev.synchronize()?;
-            join_peers(peer_steps)?;
+            self.join_ranks(peer_steps)?;
             let t3 = Instant::now();
             self.last_done = Some(t3);
             timing.device_ns = ns(t2, t3);
             timing.device_allocs = self.dev.allocations() - allocs;
             return Ok(Issued::Done(StepOutput { sampled: Vec::new(), prompt_logprobs, timing }));
         };
-        join_peers(peer_steps)?;
+        self.join_ranks(peer_steps)?;
         // The device samples (a GPU sends back only token ids and requested logprobs),
         // issued right behind the forward: waiting for the forward first cost the H200 about
         // 0.05 ms a batch-1 step of the 8B model (the host's wake-up and the sampler's
@@ -641,23 +650,24 @@ struct Deferred {
     issued: Instant,
 }
 
-/// Waits for the other ranks' share of a step (sent as [`ShardStep`]s), rank 1 first.
-fn join_peers(
-    steps: Vec<impl std::future::Future<Output = Result<Result<(), RunnerError>, actix::MailboxError>>>,
-) -> Result<(), RunnerError> {
-    for (rank, done) in steps.into_iter().enumerate() {
-        futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
+impl<D: Device> ModelRunner<D> {
+    /// Waits for the other ranks' share of a step (sent as [`ShardStep`]s), rank 1 first,
+    /// then for the ranks in other processes.
+    fn join_ranks(
+        &self,
+        steps: Vec<impl std::future::Future<Output = Result<Result<(), RunnerError>, actix::MailboxError>>>,
+    ) -> Result<(), RunnerError> {
+        for (rank, done) in steps.into_iter().enumerate() {
+            futures::executor::block_on(done).map_err(|_| RunnerError::RankGone(rank + 1))??;
+        }
+        if let Some(remote) = &self.remote {
+            remote.join_step()?;
+        }
+        Ok(())
     }
-    Ok(())
-}
 
-impl<D: Device> Actor for ModelRunner<D> {
-    type Context = SyncContext<Self>;
-}
-
-impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
-    type Result = Result<(), RunnerError>;
-    fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) -> Self::Result {
+    /// A rank's share of rank 0's step: adapters placed, blocks copied, then the forward.
+    pub fn run_shard(&mut self, msg: &ShardStep) -> Result<(), RunnerError> {
         for (slot, adapter) in &msg.lora_loads {
             self.model.set_lora_slot(&self.dev, *slot, Some(adapter))?;
         }
@@ -669,6 +679,17 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
             self.forward(&msg.ids, &msg.meta, &rows)?;
         }
         Ok(())
+    }
+}
+
+impl<D: Device> Actor for ModelRunner<D> {
+    type Context = SyncContext<Self>;
+}
+
+impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
+    type Result = Result<(), RunnerError>;
+    fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) -> Self::Result {
+        self.run_shard(&msg)
     }
 }
 

@@ -3,7 +3,7 @@
 //! the kernels, which read it.
 
 /// Per-step metadata for flat tokens of mixed prefill and decode sequences.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct AttnMetadata {
     /// Per token: its position in its sequence (also the RoPE position).
     pub positions: Vec<u32>,

@@ -232,6 +232,18 @@ impl TpRank {
     pub const SINGLE: TpRank = TpRank { rank: 0, world: 1 };
 }
 
+/// The ranks of a tensor-parallel group that run in other processes (other nodes), as rank
+/// 0 sees them: each step's inputs go to them encoded, and each answers once its share of
+/// the forward is done. Once a rank is lost the group stays failed.
+pub trait RemoteRanks: Send + Sync {
+    /// Sends one step's encoded inputs to every remote rank.
+    fn send_step(&self, step: &[u8]) -> DevResult<()>;
+    /// Waits until every remote rank has run the step sent last.
+    fn join_step(&self) -> DevResult<()>;
+    /// Why the group can no longer run, once it cannot.
+    fn failure(&self) -> Option<String>;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("weight has {got} bytes, shape {shape:?} of {dtype:?} needs {need}")]
@@ -304,6 +316,11 @@ pub trait Device: Send + Unpin + 'static {
     /// Every rank's `[rows, c]` shard, its first `keep` columns, side by side in rank order
     /// and cut at `total` columns: `[rows, total]` on every rank (ParallelLMHead's gather).
     fn all_gather_cols(&self, x: &Self::Tensor, keep: usize, total: usize) -> DevResult<Self::Tensor>;
+    /// The ranks of this device's group that run in other processes, on rank 0 of a group
+    /// that spans nodes.
+    fn remote_ranks(&self) -> Option<std::sync::Arc<dyn RemoteRanks>> {
+        None
+    }
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;

@@ -44,6 +44,9 @@ pub async fn start(state: &web::Data<AppState>, prepared: Prepared) -> Result<St
     if !state.serving() {
         return Err(ApiError::Unavailable("the server is shutting down; no new requests are taken".into()));
     }
+    if let Some(why) = state.engine.failure() {
+        return Err(ApiError::Unavailable(format!("the engine has failed: {why}")));
+    }
     let prefix = match prepared.endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",

@@ -18,11 +18,14 @@ use super::AppState;
 use super::errors::ApiError;
 use crate::actors::lora_manager::GetLoraStats;
 
-/// 200 while the step loop answers and no step has run longer than
-/// `--engine-iteration-timeout`, else 503.
+/// 200 while the step loop answers, no step has run longer than
+/// `--engine-iteration-timeout` and no node of the tensor-parallel group is lost, else 503.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
     if !state.serving() {
         return ApiError::Unavailable("the server is shutting down".into()).error_response();
+    }
+    if let Some(why) = state.engine.failure() {
+        return ApiError::Unavailable(format!("the engine has failed: {why}")).error_response();
     }
     let stuck = state.timeouts.engine_iteration;
     let stats = actix_rt::time::timeout(Duration::from_secs(2), state.engine.stats()).await;

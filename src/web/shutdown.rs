@@ -26,6 +26,13 @@ pub const CUT_MESSAGE: &str = "the server is shutting down: the request was ende
 
 /// Serves until SIGTERM or SIGINT, then drains and stops as the module describes.
 pub async fn serve<A: Architectures>(args: ServeArgs) -> Result<(), EngineError> {
+    if args.engine.cluster.node_rank > 0 {
+        // A node other than node 0 serves no API: it runs its rank's steps until node 0 goes.
+        let engine = args.engine.clone();
+        return actix_rt::task::spawn_blocking(move || crate::cluster::worker::run(engine))
+            .await
+            .map_err(|e| EngineError::Cluster(format!("the node's thread: {e}")))?;
+    }
     let drain = Duration::from_secs_f64(args.shutdown_timeout);
     let engine = crate::Engine::start_with_architectures::<A>(args.engine.clone()).await?;
     let (server, _, state) = super::bind(args, engine, true)?;

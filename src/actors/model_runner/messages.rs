@@ -119,7 +119,7 @@ pub struct RunnerTiming {
 }
 
 /// Rank 0's flat inputs of one step, for the other ranks of a tensor-parallel group.
-#[derive(Message)]
+#[derive(Message, Clone)]
 #[rtype(result = "Result<(), RunnerError>")]
 pub struct ShardStep {
     pub ids: Arc<[u32]>,

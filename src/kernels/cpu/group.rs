@@ -6,6 +6,69 @@
 
 use std::sync::{Condvar, Mutex, RwLock};
 
+use crate::kernels::{DevResult, DeviceError};
+
+/// How the ranks of a CPU group meet for their collectives: threads of one process
+/// ([`CpuGroup`]) or processes on other nodes joined by a network channel. Every rank ends
+/// with the same, bit-identical result: parts are combined in rank order.
+pub trait Collective: Send + Sync {
+    fn world(&self) -> usize;
+    /// `x ← Σ_ranks x`, summed in rank order.
+    fn all_reduce(&self, rank: usize, x: &mut [f32]) -> DevResult<()>;
+    /// Each rank's `[rows, cols]` part → `[rows, total]`: the first `keep` columns of each
+    /// part side by side in rank order, cut at `total`.
+    fn all_gather_cols(
+        &self,
+        rank: usize,
+        x: &[f32],
+        rows: usize,
+        keep: usize,
+        total: usize,
+    ) -> DevResult<Vec<f32>>;
+    /// Marks the group broken: this rank has gone and no collective can complete.
+    fn abandon(&self);
+}
+
+/// `x ← Σ parts`, in rank order (rank 0's part first).
+pub fn sum_in_rank_order(x: &mut [f32], parts: &[&[f32]]) -> DevResult<()> {
+    x.copy_from_slice(parts[0]);
+    for p in &parts[1..] {
+        if p.len() != x.len() {
+            return Err(DeviceError::Other(format!(
+                "all-reduce: a rank sent {} values, {} expected",
+                p.len(),
+                x.len()
+            )));
+        }
+        for (a, b) in x.iter_mut().zip(p.iter()) {
+            *a += b;
+        }
+    }
+    Ok(())
+}
+
+/// The parts of an all-gather (each `[rows, cols]`, in rank order) joined as
+/// [`Collective::all_gather_cols`] says.
+pub fn gather_cols(parts: &[&[f32]], rows: usize, keep: usize, total: usize) -> DevResult<Vec<f32>> {
+    let cols = parts[0].len().checked_div(rows).unwrap_or(0);
+    if keep > cols || parts.iter().any(|p| p.len() != rows * cols) {
+        return Err(DeviceError::Other(format!(
+            "all-gather: parts of {:?} values, {rows} rows of {cols} expected",
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>()
+        )));
+    }
+    let mut out = Vec::with_capacity(rows * total);
+    for r in 0..rows {
+        let mut left = total;
+        for p in parts {
+            let take = keep.min(left);
+            out.extend_from_slice(&p[r * cols..r * cols + take]);
+            left -= take;
+        }
+    }
+    Ok(out)
+}
+
 /// The shared state of one group of `world` rank threads.
 pub struct CpuGroup {
     world: usize,
@@ -32,13 +95,6 @@ impl CpuGroup {
         }
     }
 
-    /// Marks the group broken: a rank has gone and no collective can complete.
-    pub fn abandon(&self) {
-        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
-        s.broken = true;
-        self.arrivals.notify_all();
-    }
-
     /// Waits until every rank has arrived. Panics when the group is broken: the rank's
     /// runner fails (and with rank 0, every request in flight) rather than wait forever.
     fn wait(&self) {
@@ -54,10 +110,6 @@ impl CpuGroup {
             s = self.arrivals.wait(s).unwrap_or_else(|e| e.into_inner());
         }
         assert!(s.generation != generation, "tensor-parallel group broken: a peer rank has stopped");
-    }
-
-    pub fn world(&self) -> usize {
-        self.world
     }
 
     /// Publishes `data` as `rank`'s part of the collective in progress.
@@ -79,44 +131,34 @@ impl CpuGroup {
         self.wait();
         out
     }
+}
 
-    /// `x ← Σ_ranks x`, summed in rank order.
-    pub fn all_reduce(&self, rank: usize, x: &mut [f32]) {
-        self.publish(rank, x);
-        self.combine(|parts| {
-            x.copy_from_slice(parts[0]);
-            for p in &parts[1..] {
-                for (a, b) in x.iter_mut().zip(p.iter()) {
-                    *a += b;
-                }
-            }
-        });
+impl Collective for CpuGroup {
+    fn world(&self) -> usize {
+        self.world
     }
 
-    /// Each rank's `[rows, cols]` part → `[rows, total]`: the first `keep` columns of each
-    /// part side by side in rank order, cut at `total`.
-    pub fn all_gather_cols(
+    fn all_reduce(&self, rank: usize, x: &mut [f32]) -> DevResult<()> {
+        self.publish(rank, x);
+        self.combine(|parts| sum_in_rank_order(x, parts))
+    }
+
+    fn all_gather_cols(
         &self,
         rank: usize,
         x: &[f32],
         rows: usize,
         keep: usize,
         total: usize,
-    ) -> Vec<f32> {
-        let cols = x.len().checked_div(rows).unwrap_or(0);
+    ) -> DevResult<Vec<f32>> {
         self.publish(rank, x);
-        self.combine(|parts| {
-            let mut out = Vec::with_capacity(rows * total);
-            for r in 0..rows {
-                let mut left = total;
-                for p in parts {
-                    let take = keep.min(left);
-                    out.extend_from_slice(&p[r * cols..r * cols + take]);
-                    left -= take;
-                }
-            }
-            out
-        })
+        self.combine(|parts| gather_cols(parts, rows, keep, total))
+    }
+
+    fn abandon(&self) {
+        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        s.broken = true;
+        self.arrivals.notify_all();
     }
 }
 
@@ -131,7 +173,9 @@ mod tests {
         let waiting = {
             let g = g.clone();
             std::thread::spawn(move || {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.all_reduce(0, &mut [1.0])))
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    g.all_reduce(0, &mut [1.0]).unwrap()
+                }))
             })
         };
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -149,10 +193,10 @@ mod tests {
                     let g = g.clone();
                     s.spawn(move || {
                         let mut x: Vec<f32> = (0..4).map(|i| (rank * 10 + i) as f32).collect();
-                        g.all_reduce(rank, &mut x);
+                        g.all_reduce(rank, &mut x).unwrap();
                         // 2 rows of 3 columns, of which 2 are kept; 5 columns in all.
                         let part: Vec<f32> = (0..6).map(|i| (rank * 100 + i) as f32).collect();
-                        let gathered = g.all_gather_cols(rank, &part, 2, 2, 5);
+                        let gathered = g.all_gather_cols(rank, &part, 2, 2, 5).unwrap();
                         (x, gathered)
                     })
                 })

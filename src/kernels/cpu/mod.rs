@@ -37,7 +37,7 @@ use super::{
 use crate::kernels::attn::AttnMetadata;
 use crate::sampling::SampleInput;
 pub use family::Family;
-use group::CpuGroup;
+use group::{Collective, CpuGroup};
 pub use matmul::WeightData;
 
 /// Row-major `[rows, cols]` f32 activations.
@@ -153,8 +153,10 @@ struct FedSamples {
 /// One rank's membership of a group; when its last handle goes (the rank's runner is
 /// dropped, also after a panic), the group is broken so that the others fail, not hang.
 struct Member {
-    group: Arc<CpuGroup>,
+    group: Arc<dyn Collective>,
     rank: usize,
+    /// On rank 0 of a group that spans processes: the other ranks.
+    remote: Option<Arc<dyn crate::kernels::RemoteRanks>>,
 }
 
 impl Drop for Member {
@@ -172,10 +174,20 @@ impl CpuDevice {
         let g = Arc::new(CpuGroup::new(world));
         (0..world)
             .map(|rank| CpuDevice {
-                group: Some(Arc::new(Member { group: g.clone(), rank })),
+                group: Some(Arc::new(Member { group: g.clone(), rank, remote: None })),
                 ..CpuDevice::default()
             })
             .collect()
+    }
+
+    /// Rank `rank` of a group whose collectives `group` carries (other processes' ranks
+    /// among them); on rank 0, `remote` sends each step to those ranks.
+    pub fn in_group(
+        rank: usize,
+        group: Arc<dyn Collective>,
+        remote: Option<Arc<dyn crate::kernels::RemoteRanks>>,
+    ) -> CpuDevice {
+        CpuDevice { group: Some(Arc::new(Member { group, rank, remote })), ..CpuDevice::default() }
     }
 
     /// The same device running the kernel family `family` (which this CPU must support:
@@ -251,16 +263,20 @@ impl Device for CpuDevice {
     }
 
     fn all_reduce(&self, x: &mut CpuTensor) -> DevResult<()> {
-        if let Some(m) = &self.group {
-            m.group.all_reduce(m.rank, &mut x.data);
+        match &self.group {
+            Some(m) => m.group.all_reduce(m.rank, &mut x.data),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    fn remote_ranks(&self) -> Option<Arc<dyn crate::kernels::RemoteRanks>> {
+        self.group.as_ref().and_then(|m| m.remote.clone())
     }
 
     fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> DevResult<CpuTensor> {
         Ok(match &self.group {
             Some(m) => CpuTensor {
-                data: m.group.all_gather_cols(m.rank, &x.data, x.rows, keep, total),
+                data: m.group.all_gather_cols(m.rank, &x.data, x.rows, keep, total)?,
                 rows: x.rows,
                 cols: total,
             },

@@ -25,7 +25,7 @@ use crate::core::scheduler::SchedulerConfig;
 pub use crate::error::EngineError;
 use crate::kernels::cpu::CpuDevice;
 use crate::kernels::cuda::CudaDevice;
-use crate::kernels::{Device, RemoteRanks};
+use crate::kernels::{Device, GroupHealth};
 use crate::metrics::Metrics;
 use crate::models::config::ModelConfig;
 use crate::models::registry::ModelRegistry;
@@ -58,8 +58,8 @@ struct Inner {
     stream_backlog: std::sync::atomic::AtomicUsize,
     /// Structured output's grammar compiler, built on the first constrained request.
     grammars: crate::structured::LazyGrammars,
-    /// The ranks on other nodes, when the tensor-parallel group spans processes.
-    remote: Option<Arc<dyn RemoteRanks>>,
+    /// The tensor-parallel group's health, under tensor parallelism on the CPU.
+    group: Option<Arc<dyn GroupHealth>>,
 }
 
 /// Events each choice may leave unread before its request is aborted, by default.
@@ -142,7 +142,8 @@ impl Engine {
                     crate::cluster::lead::Lead::accept(&cluster, setup).map_err(EngineError::Cluster)?;
                 return Ok(vec![CpuDevice::in_group(0, lead.clone(), Some(lead)).with_family(family)]);
             }
-            Ok(CpuDevice::group(tp).into_iter().map(|d| d.with_family(family)).collect())
+            let ranks = CpuDevice::group_with_timeout(tp, cluster.timeout());
+            Ok(ranks.into_iter().map(|d| d.with_family(family)).collect())
         })
         .await
     }
@@ -211,7 +212,7 @@ impl Engine {
             );
         }
         let dev_name = ranks[0].0.name();
-        let remote = ranks[0].0.remote_ranks();
+        let group = ranks[0].0.group_health();
         tracing::info!(
             model = %config.model_dir.display(),
             dtype = ?config.dtype,
@@ -323,7 +324,7 @@ impl Engine {
                 next_id: std::sync::atomic::AtomicU64::new(0),
                 stream_backlog: std::sync::atomic::AtomicUsize::new(DEFAULT_STREAM_BACKLOG),
                 grammars: Default::default(),
-                remote,
+                group,
             }),
         };
         if !args.disable_log_stats {
@@ -332,10 +333,11 @@ impl Engine {
         Ok(engine)
     }
 
-    /// Why the engine can no longer run steps, once a rank on another node is lost: it
-    /// stays so until restarted.
+    /// Why the engine can no longer run steps, once a rank of its tensor-parallel group is
+    /// lost (failed, stopped, or too slow to reach a collective): it stays so until
+    /// restarted.
     pub fn failure(&self) -> Option<String> {
-        self.inner.remote.as_ref().and_then(|r| r.failure())
+        self.inner.group.as_ref().and_then(|g| g.failure())
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {

@@ -52,7 +52,7 @@ fn node(model: &Path, nnodes: usize, rank: usize, port: u16, extra: &[&str]) -> 
     let (n, r, p) = (nnodes.to_string(), rank.to_string(), port.to_string());
     let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--device", "cpu"];
     args.extend(["--tensor-parallel-size", &n, "--nnodes", &n, "--node-rank", &r, "--master-port", &p]);
-    args.extend(["--node-timeout", "20"]);
+    args.extend(["--rank-timeout", "20"]);
     args.extend(extra);
     let child = Command::new(env!("CARGO_BIN_EXE_actorllm"))
         .args(&args)
@@ -68,7 +68,7 @@ fn node(model: &Path, nnodes: usize, rank: usize, port: u16, extra: &[&str]) -> 
 fn lead_args(model: &Path, nnodes: usize, port: u16) -> EngineArgs {
     EngineArgs {
         tensor_parallel_size: nnodes,
-        cluster: ClusterArgs { nnodes, master_port: port, node_timeout: 20.0, ..ClusterArgs::default() },
+        cluster: ClusterArgs { nnodes, master_port: port, rank_timeout: 20.0, ..ClusterArgs::default() },
         ..common::args(model)
     }
 }
@@ -171,9 +171,9 @@ async fn nodes_whose_settings_differ_refuse_each_other() {
     let mut args = lead_args(tiny.path(), 2, port);
     args.cluster.node_rank = 1;
     assert!(refused(args).await.contains("runs headless"));
-    // Nobody joins: node 0 gives up after 10 × --node-timeout, naming who is missing.
+    // Nobody joins: node 0 gives up after 10 × --rank-timeout, naming who is missing.
     let mut args = lead_args(tiny.path(), 2, free_port());
-    args.cluster.node_timeout = 0.1;
+    args.cluster.rank_timeout = 0.1;
     let e = refused(args).await;
     assert!(e.contains("node(s) 1 did not join"), "{e}");
 }

@@ -2,7 +2,9 @@
 //! tiny random Llama, wrapped and registered out of tree): a step that hangs makes
 //! `/health` answer 503 until it ends; a step that fails in the middle of a stream ends
 //! that stream with an error event (SSE) or frame (WebSocket), and the server goes on
-//! serving.
+//! serving. Under tensor parallelism, a rank that hangs past `--rank-timeout` or fails
+//! part-way fails the group: the stream ends with an error naming the rank, no other
+//! rank stays blocked, and `/health` answers 503 from then on.
 
 mod common;
 
@@ -29,10 +31,23 @@ const STALL_AT: u32 = 40;
 const FAIL_AT: u32 = 30;
 
 static RELEASED: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
+/// Releases rank 1's stall ([`Fault::StallRank1`]), apart from the test above's.
+static RANK_RELEASED: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
+
+fn release(gate: &(Mutex<bool>, Condvar)) {
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
+}
 
 fn release_stalled_step() {
-    *RELEASED.0.lock().unwrap() = true;
-    RELEASED.1.notify_all();
+    release(&RELEASED);
+}
+
+fn wait_for(gate: &(Mutex<bool>, Condvar)) {
+    let mut released = gate.0.lock().unwrap();
+    while !*released {
+        released = gate.1.wait(released).unwrap();
+    }
 }
 
 /// What the wrapped model does at its position.
@@ -40,6 +55,10 @@ fn release_stalled_step() {
 enum Fault {
     Stall,
     Fail,
+    /// Rank 1 of a tensor-parallel group hangs at [`STALL_AT`] until released.
+    StallRank1,
+    /// Rank 1 of a tensor-parallel group fails at [`FAIL_AT`].
+    FailRank1,
 }
 
 struct Faulty {
@@ -59,11 +78,12 @@ impl CausalLM<CpuDevice> for Faulty {
             Fault::Fail if meta.positions.contains(&FAIL_AT) => {
                 return Err(DeviceError::Other(format!("injected failure at position {FAIL_AT}")));
             }
-            Fault::Stall if meta.positions.contains(&STALL_AT) => {
-                let mut released = RELEASED.0.lock().unwrap();
-                while !*released {
-                    released = RELEASED.1.wait(released).unwrap();
-                }
+            Fault::Stall if meta.positions.contains(&STALL_AT) => wait_for(&RELEASED),
+            Fault::StallRank1 if dev.tp().rank == 1 && meta.positions.contains(&STALL_AT) => {
+                wait_for(&RANK_RELEASED)
+            }
+            Fault::FailRank1 if dev.tp().rank == 1 && meta.positions.contains(&FAIL_AT) => {
+                return Err(DeviceError::Other(format!("injected failure on rank 1 at position {FAIL_AT}")));
             }
             _ => {}
         }
@@ -114,6 +134,12 @@ async fn faulty_server(fault: Fault, tweak: impl FnOnce(&mut ServeArgs)) -> Test
         },
         Fault::Fail => |d, c, w, o| -> Result<Box<dyn CausalLM<CpuDevice>>, ModelError> {
             Ok(Box::new(Faulty { inner: LlamaForCausalLM::load(d, c, w, o)?, fault: Fault::Fail }))
+        },
+        Fault::StallRank1 => |d, c, w, o| -> Result<Box<dyn CausalLM<CpuDevice>>, ModelError> {
+            Ok(Box::new(Faulty { inner: LlamaForCausalLM::load(d, c, w, o)?, fault: Fault::StallRank1 }))
+        },
+        Fault::FailRank1 => |d, c, w, o| -> Result<Box<dyn CausalLM<CpuDevice>>, ModelError> {
+            Ok(Box::new(Faulty { inner: LlamaForCausalLM::load(d, c, w, o)?, fault: Fault::FailRank1 }))
         },
     };
     registry.register_model(
@@ -230,4 +256,65 @@ async fn a_failure_in_the_middle_of_a_stream_ends_it_with_an_error_and_the_serve
     let (st, v) = s.post("/v1/completions", &short).await;
     assert_eq!((st, v["usage"]["completion_tokens"].as_u64()), (200, Some(5)), "{v}");
     assert_eq!(s.get_text("/health").await.0, 200);
+}
+
+/// Streams a long request and returns its events' data (the last is `[DONE]`), with how
+/// long after the first token the stream ended.
+async fn stream_until_it_ends(s: &TestServer) -> (Vec<String>, Duration) {
+    let body =
+        json!({"prompt": [3, 4, 5], "max_tokens": 100, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut r = s.client.post(s.url("/v1/completions")).send_json(&body).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let (mut text, mut first) = (String::new(), None);
+    while let Some(chunk) =
+        tokio::time::timeout(Duration::from_secs(60), r.next()).await.expect("a chunk in time")
+    {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+        first.get_or_insert_with(Instant::now);
+    }
+    (common::server::parse_sse(&text), first.unwrap().elapsed())
+}
+
+/// The error event a stream ended with, checked to come right before `[DONE]`.
+fn last_error(data: &[String]) -> String {
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let v: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    v["error"]["message"].as_str().expect("an error event before [DONE]").to_string()
+}
+
+#[actix_rt::test]
+async fn a_rank_that_hangs_past_the_rank_timeout_fails_the_group_by_name() {
+    let s = faulty_server(Fault::StallRank1, |a| {
+        a.engine.tensor_parallel_size = 2;
+        a.engine.cluster.rank_timeout = 1.0;
+    })
+    .await;
+    let (data, took) = stream_until_it_ends(&s).await;
+    let message = last_error(&data);
+    assert!(message.contains("rank 1 did not reach a collective within 1.0 s"), "{message}");
+    assert!(took < Duration::from_secs(20), "the stream ended {took:?} after its first token");
+    // The group stays failed, and says why.
+    let body = health_becomes(&s, 503).await;
+    assert!(body.contains("rank 1 did not reach"), "{body}");
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": [3, 4], "max_tokens": 2})).await;
+    assert_eq!(status, 503, "{v}");
+    // The hung rank, released, finds the group failed and stops waiting too.
+    release(&RANK_RELEASED);
+}
+
+#[actix_rt::test]
+async fn a_rank_that_fails_part_way_fails_the_group_at_once() {
+    // A rank timeout far past the test's own: the others stop waiting because rank 1
+    // failed the group, not because it timed out.
+    let s = faulty_server(Fault::FailRank1, |a| {
+        a.engine.tensor_parallel_size = 2;
+        a.engine.cluster.rank_timeout = 600.0;
+    })
+    .await;
+    let (data, took) = stream_until_it_ends(&s).await;
+    let message = last_error(&data);
+    assert!(message.contains("injected failure on rank 1"), "{message}");
+    assert!(took < Duration::from_secs(20), "the stream ended {took:?} after its first token");
+    let body = health_becomes(&s, 503).await;
+    assert!(body.contains("rank 1: "), "{body}");
 }

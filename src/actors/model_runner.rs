@@ -171,6 +171,8 @@ pub struct ModelRunner<D: Device> {
     peers: Vec<Addr<ModelRunner<D>>>,
     /// Ranks of the group in other processes (on rank 0 of a group across nodes).
     remote: Option<Arc<dyn RemoteRanks>>,
+    /// The step in progress was sent to the group's other ranks and not yet joined.
+    in_group_step: bool,
     /// Decode forwards recorded as graphs, by (with adapters, batch size, context bound),
     /// ascending.
     graphs: Vec<((bool, usize, usize), D::Graph)>,
@@ -236,6 +238,7 @@ impl<D: Device> ModelRunner<D> {
             eos_ids,
             seqs: HashMap::new(),
             remote,
+            in_group_step: false,
             peers: Vec::new(),
             graphs: Vec::new(),
             last_done: None,
@@ -485,6 +488,7 @@ impl<D: Device> ModelRunner<D> {
                 copies: copies.clone(),
                 prompt_rows: prompt.rows.as_slice().into(),
             };
+            self.in_group_step = true;
             if let Some(remote) = &self.remote {
                 remote.send_step(&step.encode())?;
             }
@@ -654,7 +658,7 @@ impl<D: Device> ModelRunner<D> {
     /// Waits for the other ranks' share of a step (sent as [`ShardStep`]s), rank 1 first,
     /// then for the ranks in other processes.
     fn join_ranks(
-        &self,
+        &mut self,
         steps: Vec<impl std::future::Future<Output = Result<Result<(), RunnerError>, actix::MailboxError>>>,
     ) -> Result<(), RunnerError> {
         for (rank, done) in steps.into_iter().enumerate() {
@@ -663,6 +667,7 @@ impl<D: Device> ModelRunner<D> {
         if let Some(remote) = &self.remote {
             remote.join_step()?;
         }
+        self.in_group_step = false;
         Ok(())
     }
 
@@ -689,7 +694,12 @@ impl<D: Device> Actor for ModelRunner<D> {
 impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
     type Result = Result<(), RunnerError>;
     fn handle(&mut self, msg: ShardStep, _: &mut SyncContext<Self>) -> Self::Result {
-        self.run_shard(&msg)
+        let done = self.run_shard(&msg);
+        if let Err(e) = &done {
+            // Left part-way, the step leaves the other ranks waiting in a collective.
+            self.dev.fail_group(&e.to_string());
+        }
+        done
     }
 }
 
@@ -742,6 +752,10 @@ impl<D: Device> Handler<ExecuteBatch> for ModelRunner<D> {
         }
         let followed = msg.followed;
         let issued = self.issue(msg);
+        if let (Err(e), true) = (&issued, std::mem::take(&mut self.in_group_step)) {
+            // Rank 0 left a step its other ranks run: they would wait in a collective.
+            self.dev.fail_group(&e.to_string());
+        }
         self.answer_deferred();
         match issued {
             Ok(Issued::Sampling(d)) if followed && self.defers() => {

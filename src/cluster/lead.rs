@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::channel::{Channel, Tag};
 use super::{ClusterArgs, GroupSetup, PROTOCOL_VERSION};
 use crate::kernels::cpu::group::{Collective, gather_cols, sum_in_rank_order};
-use crate::kernels::{DevResult, DeviceError, RemoteRanks};
+use crate::kernels::{DevResult, DeviceError, GroupHealth, RemoteRanks};
 
 /// The first frame a node sends.
 #[derive(Debug, Serialize, Deserialize)]
@@ -49,7 +49,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Lead {
     /// Listens on `--master-addr:--master-port` until every other node has joined with this
-    /// protocol's version and `setup`, or 10 × `--node-timeout` has passed. A connection that
+    /// protocol's version and `setup`, or 10 × `--rank-timeout` has passed. A connection that
     /// is no node of ours is dropped; a node whose version or settings differ is refused,
     /// and so is the start.
     pub fn accept(args: &ClusterArgs, setup: &GroupSetup) -> Result<Arc<Lead>, String> {
@@ -71,7 +71,7 @@ impl Lead {
                             .map(|r| r.to_string())
                             .collect();
                         return Err(format!(
-                            "node(s) {} did not join {addr} within {:.0} s (10 × --node-timeout)",
+                            "node(s) {} did not join {addr} within {:.0} s (10 × --rank-timeout)",
                             missing.join(", "),
                             (timeout * 10).as_secs_f64()
                         ));
@@ -140,12 +140,12 @@ impl Lead {
             return Err(DeviceError::Other(format!("the tensor-parallel group has failed: {why}")));
         }
         f().map_err(|why| {
-            self.fail(why.clone());
+            self.break_group(why.clone());
             DeviceError::Other(format!("the tensor-parallel group has failed: {why}"))
         })
     }
 
-    fn fail(&self, why: String) {
+    fn break_group(&self, why: String) {
         let mut s = lock(&self.state);
         if s.broken.is_none() {
             tracing::error!(reason = %why, "the tensor-parallel group has failed");
@@ -200,8 +200,14 @@ impl Collective for Lead {
         })
     }
 
-    fn abandon(&self) {
-        self.fail("node 0 has stopped".into());
+    fn fail(&self, why: String) {
+        self.break_group(why);
+    }
+}
+
+impl GroupHealth for Lead {
+    fn failure(&self) -> Option<String> {
+        lock(&self.state).broken.clone()
     }
 }
 
@@ -234,16 +240,13 @@ impl RemoteRanks for Lead {
             Ok(())
         })
     }
-
-    fn failure(&self) -> Option<String> {
-        lock(&self.state).broken.clone()
-    }
 }
 
 /// A node's end of the group (ranks 1..): its parts go to node 0, which answers with the
 /// collective's result.
 pub struct Follower {
     chan: Mutex<Channel>,
+    broken: Mutex<Option<String>>,
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -251,7 +254,7 @@ pub struct Follower {
 
 impl Follower {
     /// Joins node 0 at `--master-addr:--master-port`, trying again until node 0 listens or
-    /// 10 × `--node-timeout` has passed, with this node's `setup`.
+    /// 10 × `--rank-timeout` has passed, with this node's `setup`.
     pub fn join(args: &ClusterArgs, setup: &GroupSetup) -> Result<Follower, String> {
         let addr = format!("{}:{}", args.master_addr, args.master_port);
         let timeout = args.timeout();
@@ -278,7 +281,13 @@ impl Follower {
         };
         chan.send(Tag::Hello, &serde_json::to_vec(&hello).expect("a greeting serializes"))?;
         chan.expect(Tag::Welcome, Some(timeout * 10))?;
-        Ok(Follower { chan: Mutex::new(chan), rank: args.node_rank, world: args.nnodes, timeout })
+        Ok(Follower {
+            chan: Mutex::new(chan),
+            broken: Mutex::default(),
+            rank: args.node_rank,
+            world: args.nnodes,
+            timeout,
+        })
     }
 
     /// The next step's inputs, waiting as long as node 0 has none; an error once node 0
@@ -331,7 +340,15 @@ impl Collective for Follower {
         Ok(out)
     }
 
-    fn abandon(&self) {
+    fn fail(&self, why: String) {
+        tracing::error!(reason = %why, "this node leaves the tensor-parallel group");
+        *lock(&self.broken) = Some(why);
         lock(&self.chan).close();
+    }
+}
+
+impl GroupHealth for Follower {
+    fn failure(&self) -> Option<String> {
+        lock(&self.broken).clone()
     }
 }

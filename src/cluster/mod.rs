@@ -7,7 +7,7 @@
 //! On the CPU one process is one rank, and the collectives travel over that channel too:
 //! node 0 gathers every rank's part, combines them in rank order and sends the result back
 //! ([`lead::Lead`], [`worker`]), so every rank holds bit-identical sums, as in one process.
-//! A node that closes its connection or does not answer within `--node-timeout` fails the
+//! A node that closes its connection or does not answer within `--rank-timeout` fails the
 //! step in flight with an error naming it; node 0 then stays failed (its `/health` answers
 //! 503) until it is restarted, and the other nodes exit.
 
@@ -25,7 +25,8 @@ use crate::models::config::ModelConfig;
 /// The protocol's version: nodes of different versions refuse each other at the handshake.
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// How the processes of one tensor-parallel group find each other.
+/// How the processes of one tensor-parallel group find each other, and how long a rank may
+/// keep the others waiting.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
     /// Nodes (processes) the tensor-parallel group spans. On the CPU each node is one rank:
@@ -41,10 +42,11 @@ pub struct ClusterArgs {
     pub master_addr: String,
     #[arg(long, default_value_t = 29501)]
     pub master_port: u16,
-    /// Seconds a node may take to answer within a step (and node 0 waits for the others
-    /// to join at start, 10 times as long) before it is given up as lost.
+    /// Seconds a tensor-parallel rank (a thread, or a process on another node) may take to
+    /// reach a collective or answer within a step before the group is failed, naming it.
+    /// Node 0 waits 10 times as long for the other nodes to join and load.
     #[arg(long, default_value_t = 30.0)]
-    pub node_timeout: f64,
+    pub rank_timeout: f64,
 }
 
 impl Default for ClusterArgs {
@@ -54,14 +56,14 @@ impl Default for ClusterArgs {
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: 29501,
-            node_timeout: 30.0,
+            rank_timeout: 30.0,
         }
     }
 }
 
 impl ClusterArgs {
     pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.node_timeout.max(0.001))
+        Duration::from_secs_f64(self.rank_timeout.max(0.001))
     }
 
     /// The flags checked against each other and the tensor-parallel size (`tp`).
@@ -72,8 +74,8 @@ impl ClusterArgs {
         if self.node_rank >= self.nnodes {
             return Err(format!("--node-rank {} must be below --nnodes {}", self.node_rank, self.nnodes));
         }
-        if !(self.node_timeout.is_finite() && self.node_timeout > 0.0) {
-            return Err(format!("--node-timeout {} must be a positive number of seconds", self.node_timeout));
+        if !(self.rank_timeout.is_finite() && self.rank_timeout > 0.0) {
+            return Err(format!("--rank-timeout {} must be a positive number of seconds", self.rank_timeout));
         }
         if self.nnodes > 1 && !cpu {
             return Err(format!(

@@ -232,16 +232,21 @@ impl TpRank {
     pub const SINGLE: TpRank = TpRank { rank: 0, world: 1 };
 }
 
+/// Whether a tensor-parallel group can still run. Once a rank is lost (it failed, stopped
+/// or did not reach a collective in time) the group stays failed: its ranks are out of step.
+pub trait GroupHealth: Send + Sync {
+    /// Why the group can no longer run, once it cannot.
+    fn failure(&self) -> Option<String>;
+}
+
 /// The ranks of a tensor-parallel group that run in other processes (other nodes), as rank
 /// 0 sees them: each step's inputs go to them encoded, and each answers once its share of
-/// the forward is done. Once a rank is lost the group stays failed.
+/// the forward is done.
 pub trait RemoteRanks: Send + Sync {
     /// Sends one step's encoded inputs to every remote rank.
     fn send_step(&self, step: &[u8]) -> DevResult<()>;
     /// Waits until every remote rank has run the step sent last.
     fn join_step(&self) -> DevResult<()>;
-    /// Why the group can no longer run, once it cannot.
-    fn failure(&self) -> Option<String>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -320,6 +325,16 @@ pub trait Device: Send + Unpin + 'static {
     /// that spans nodes.
     fn remote_ranks(&self) -> Option<std::sync::Arc<dyn RemoteRanks>> {
         None
+    }
+    /// The health of this device's tensor-parallel group (None outside one, or where the
+    /// device does not watch it).
+    fn group_health(&self) -> Option<std::sync::Arc<dyn GroupHealth>> {
+        None
+    }
+    /// Fails this device's group: this rank left a step part-way (an error in its forward),
+    /// so the others must stop waiting for it.
+    fn fail_group(&self, why: &str) {
+        let _ = why;
     }
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;

@@ -1,17 +1,19 @@
 //! Tensor parallelism on the CPU: the ranks are threads of one process, and the collectives
 //! meet at a barrier over shared buffers. Every rank sums or joins the buffers in rank
 //! order, so all ranks end with bit-identical results. A rank that goes away (its device
-//! dropped, as when its thread panics) breaks the group: the others stop waiting for it
-//! and fail instead of hanging.
+//! dropped, as when its thread panics), fails a step part-way, or does not reach a
+//! collective within the group's timeout breaks the group: the others stop waiting for it
+//! and fail with the reason instead of hanging, and the group stays failed.
 
 use std::sync::{Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
-use crate::kernels::{DevResult, DeviceError};
+use crate::kernels::{DevResult, DeviceError, GroupHealth};
 
 /// How the ranks of a CPU group meet for their collectives: threads of one process
 /// ([`CpuGroup`]) or processes on other nodes joined by a network channel. Every rank ends
 /// with the same, bit-identical result: parts are combined in rank order.
-pub trait Collective: Send + Sync {
+pub trait Collective: GroupHealth {
     fn world(&self) -> usize;
     /// `x ← Σ_ranks x`, summed in rank order.
     fn all_reduce(&self, rank: usize, x: &mut [f32]) -> DevResult<()>;
@@ -25,8 +27,13 @@ pub trait Collective: Send + Sync {
         keep: usize,
         total: usize,
     ) -> DevResult<Vec<f32>>;
-    /// Marks the group broken: this rank has gone and no collective can complete.
-    fn abandon(&self);
+    /// Marks the group failed for `why` (a rank has gone or left a step part-way): no
+    /// collective can complete, and every rank waiting in one fails with the reason.
+    fn fail(&self, why: String);
+}
+
+fn failed(why: &str) -> DeviceError {
+    DeviceError::Other(format!("the tensor-parallel group has failed: {why}"))
 }
 
 /// `x ← Σ parts`, in rank order (rank 0's part first).
@@ -72,44 +79,68 @@ pub fn gather_cols(parts: &[&[f32]], rows: usize, keep: usize, total: usize) -> 
 /// The shared state of one group of `world` rank threads.
 pub struct CpuGroup {
     world: usize,
+    /// How long a rank waits at a collective for the others before it fails the group.
+    timeout: Duration,
     barrier: Mutex<BarrierState>,
     arrivals: Condvar,
     /// Each rank's contribution to the collective in progress.
     bufs: Vec<RwLock<Vec<f32>>>,
 }
 
-#[derive(Default)]
 struct BarrierState {
-    arrived: usize,
+    /// Which ranks have arrived at the barrier in progress.
+    arrived: Vec<bool>,
     generation: u64,
-    broken: bool,
+    broken: Option<String>,
 }
 
 impl CpuGroup {
-    pub fn new(world: usize) -> Self {
+    pub fn new(world: usize, timeout: Duration) -> Self {
         Self {
             world,
-            barrier: Mutex::default(),
+            timeout,
+            barrier: Mutex::new(BarrierState { arrived: vec![false; world], generation: 0, broken: None }),
             arrivals: Condvar::new(),
             bufs: (0..world).map(|_| RwLock::default()).collect(),
         }
     }
 
-    /// Waits until every rank has arrived. Panics when the group is broken: the rank's
-    /// runner fails (and with rank 0, every request in flight) rather than wait forever.
-    fn wait(&self) {
+    /// Waits until every rank has arrived: an error once the group has failed, or when a
+    /// rank has not arrived within the timeout (which fails the group, naming the ranks).
+    fn wait(&self, rank: usize) -> DevResult<()> {
         let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = &s.broken {
+            return Err(failed(why));
+        }
         let generation = s.generation;
-        s.arrived += 1;
-        if s.arrived == self.world {
-            s.arrived = 0;
+        s.arrived[rank] = true;
+        if s.arrived.iter().all(|&a| a) {
+            s.arrived.iter_mut().for_each(|a| *a = false);
             s.generation += 1;
             self.arrivals.notify_all();
+            return Ok(());
         }
-        while s.generation == generation && !s.broken {
-            s = self.arrivals.wait(s).unwrap_or_else(|e| e.into_inner());
+        let deadline = Instant::now() + self.timeout;
+        while s.generation == generation && s.broken.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<String> =
+                    (0..self.world).filter(|&r| !s.arrived[r]).map(|r| r.to_string()).collect();
+                s.broken = Some(format!(
+                    "rank {} did not reach a collective within {:.1} s",
+                    missing.join(", "),
+                    self.timeout.as_secs_f64()
+                ));
+                tracing::error!(reason = s.broken.as_deref(), "the tensor-parallel group has failed");
+                self.arrivals.notify_all();
+                break;
+            }
+            s = self.arrivals.wait_timeout(s, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        assert!(s.generation != generation, "tensor-parallel group broken: a peer rank has stopped");
+        match &s.broken {
+            Some(why) if s.generation == generation => Err(failed(why)),
+            _ => Ok(()),
+        }
     }
 
     /// Publishes `data` as `rank`'s part of the collective in progress.
@@ -121,15 +152,21 @@ impl CpuGroup {
 
     /// Waits for every rank's part, then runs `combine` over all parts (in rank order);
     /// returns once every rank has read them.
-    fn combine<R>(&self, combine: impl FnOnce(&[&[f32]]) -> R) -> R {
-        self.wait();
+    fn combine<R>(&self, rank: usize, combine: impl FnOnce(&[&[f32]]) -> DevResult<R>) -> DevResult<R> {
+        self.wait(rank)?;
         let guards: Vec<_> = self.bufs.iter().map(|b| b.read().unwrap_or_else(|e| e.into_inner())).collect();
         let parts: Vec<&[f32]> = guards.iter().map(|g| g.as_slice()).collect();
         let out = combine(&parts);
         drop(guards);
         // Nobody may overwrite its part before every rank has read all of them.
-        self.wait();
+        self.wait(rank)?;
         out
+    }
+}
+
+impl GroupHealth for CpuGroup {
+    fn failure(&self) -> Option<String> {
+        self.barrier.lock().unwrap_or_else(|e| e.into_inner()).broken.clone()
     }
 }
 
@@ -140,7 +177,7 @@ impl Collective for CpuGroup {
 
     fn all_reduce(&self, rank: usize, x: &mut [f32]) -> DevResult<()> {
         self.publish(rank, x);
-        self.combine(|parts| sum_in_rank_order(x, parts))
+        self.combine(rank, |parts| sum_in_rank_order(x, parts))
     }
 
     fn all_gather_cols(
@@ -152,12 +189,15 @@ impl Collective for CpuGroup {
         total: usize,
     ) -> DevResult<Vec<f32>> {
         self.publish(rank, x);
-        self.combine(|parts| gather_cols(parts, rows, keep, total))
+        self.combine(rank, |parts| gather_cols(parts, rows, keep, total))
     }
 
-    fn abandon(&self) {
+    fn fail(&self, why: String) {
         let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
-        s.broken = true;
+        if s.broken.is_none() {
+            tracing::error!(reason = %why, "the tensor-parallel group has failed");
+            s.broken = Some(why);
+        }
         self.arrivals.notify_all();
     }
 }
@@ -167,26 +207,43 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    const LONG: Duration = Duration::from_secs(60);
+
     #[test]
     fn a_rank_that_goes_away_fails_the_others_instead_of_hanging() {
-        let g = Arc::new(CpuGroup::new(2));
+        let g = Arc::new(CpuGroup::new(2, LONG));
         let waiting = {
             let g = g.clone();
-            std::thread::spawn(move || {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    g.all_reduce(0, &mut [1.0]).unwrap()
-                }))
-            })
+            std::thread::spawn(move || g.all_reduce(0, &mut [1.0]))
         };
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        g.abandon();
-        let outcome = waiting.join().unwrap();
-        assert!(outcome.is_err(), "rank 0 gave up on the collective");
+        std::thread::sleep(Duration::from_millis(50));
+        g.fail("rank 1 has stopped".into());
+        let e = waiting.join().unwrap().unwrap_err().to_string();
+        assert!(e.contains("rank 1 has stopped"), "{e}");
+        // The group stays failed: the next collective fails at once, with the reason.
+        let e = g.all_reduce(1, &mut [1.0]).unwrap_err().to_string();
+        assert!(e.contains("rank 1 has stopped"), "{e}");
+        assert_eq!(g.failure().as_deref(), Some("rank 1 has stopped"));
+    }
+
+    #[test]
+    fn a_rank_that_does_not_arrive_in_time_fails_the_group_by_name() {
+        let g = CpuGroup::new(3, Duration::from_millis(100));
+        let start = Instant::now();
+        let e = std::thread::scope(|s| {
+            let one = s.spawn(|| g.all_reduce(1, &mut [2.0]));
+            let zero = g.all_reduce(0, &mut [1.0]);
+            one.join().unwrap().unwrap_err();
+            zero.unwrap_err().to_string()
+        });
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(e.contains("rank 2 did not reach a collective within 0.1 s"), "{e}");
+        assert!(g.failure().unwrap().contains("rank 2"));
     }
 
     #[test]
     fn all_reduce_and_gather_agree_on_every_rank() {
-        let g = Arc::new(CpuGroup::new(3));
+        let g = Arc::new(CpuGroup::new(3, LONG));
         let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..3)
                 .map(|rank| {

@@ -161,17 +161,26 @@ struct Member {
 
 impl Drop for Member {
     fn drop(&mut self) {
-        self.group.abandon();
+        self.group.fail(format!("rank {} has stopped", self.rank));
     }
 }
+
+/// How long a rank of a CPU group waits at a collective for the others by default.
+pub const DEFAULT_RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl CpuDevice {
     /// The ranks of a tensor-parallel group of `world` CPU devices (one thread each).
     pub fn group(world: usize) -> Vec<CpuDevice> {
+        Self::group_with_timeout(world, DEFAULT_RANK_TIMEOUT)
+    }
+
+    /// As [`CpuDevice::group`], a rank that has not reached a collective `timeout` after
+    /// another failing the group.
+    pub fn group_with_timeout(world: usize, timeout: std::time::Duration) -> Vec<CpuDevice> {
         if world == 1 {
             return vec![CpuDevice::default()];
         }
-        let g = Arc::new(CpuGroup::new(world));
+        let g = Arc::new(CpuGroup::new(world, timeout));
         (0..world)
             .map(|rank| CpuDevice {
                 group: Some(Arc::new(Member { group: g.clone(), rank, remote: None })),
@@ -271,6 +280,16 @@ impl Device for CpuDevice {
 
     fn remote_ranks(&self) -> Option<Arc<dyn crate::kernels::RemoteRanks>> {
         self.group.as_ref().and_then(|m| m.remote.clone())
+    }
+
+    fn group_health(&self) -> Option<Arc<dyn crate::kernels::GroupHealth>> {
+        self.group.as_ref().map(|m| m.group.clone() as Arc<dyn crate::kernels::GroupHealth>)
+    }
+
+    fn fail_group(&self, why: &str) {
+        if let Some(m) = &self.group {
+            m.group.fail(format!("rank {}: {why}", m.rank));
+        }
     }
 
     fn all_gather_cols(&self, x: &CpuTensor, keep: usize, total: usize) -> DevResult<CpuTensor> {

@@ -129,24 +129,39 @@ try {
   }
 
   /** Sends a message and records the distinct texts seen while it streams, and whether
-   * the message list was scrolled to its bottom at each of them. */
+   * the message list was scrolled to its bottom at each of them. The page records them
+   * itself at each render (a MutationObserver), so that a test process slowed by a busy
+   * machine misses none. */
   async function sendAndWatch(text) {
     const before = await page.locator(".turn.assistant").count();
+    await page.evaluate((before) => {
+      const conv = document.querySelector("#conversation");
+      const watch = { seen: [], atBottom: [] };
+      window.__watch?.observer.disconnect();
+      watch.observer = new MutationObserver(() => {
+        const bodies = conv.querySelectorAll(".turn.assistant .body");
+        if (bodies.length <= before) return;
+        const t = bodies[bodies.length - 1].innerText;
+        if (t && !watch.seen.includes(t)) {
+          watch.seen.push(t);
+          watch.atBottom.push(conv.scrollHeight - conv.scrollTop - conv.clientHeight <= 48);
+        }
+      });
+      watch.observer.observe(conv, { childList: true, subtree: true, characterData: true });
+      window.__watch = watch;
+    }, before);
     await page.fill("#input", text);
     await page.press("#input", "Enter");
     await page.waitForFunction((n) => document.querySelectorAll(".turn.assistant").length > n, before);
-    const seen = new Set();
-    const atBottom = [];
-    for (let i = 0; i < 3000; i++) {
-      const t = await assistant().locator(".body").innerText();
-      if (t && !seen.has(t)) {
-        seen.add(t);
-        atBottom.push(await page.$eval("#conversation", (c) => c.scrollHeight - c.scrollTop - c.clientHeight <= 48));
-      }
-      if ((await assistant().getAttribute("data-done")) === "true") break;
-      await page.waitForTimeout(5);
-    }
-    return { seen, atBottom, final: await assistant().locator(".body").innerText(), stats: await assistant().locator(".stats").innerText() };
+    await page.waitForFunction(() => {
+      const turns = document.querySelectorAll(".turn.assistant");
+      return turns[turns.length - 1].getAttribute("data-done") === "true";
+    }, null, { timeout: 60000 });
+    const { seen, atBottom } = await page.evaluate(() => {
+      window.__watch.observer.disconnect();
+      return { seen: window.__watch.seen, atBottom: window.__watch.atBottom };
+    });
+    return { seen: new Set(seen), atBottom, final: await assistant().locator(".body").innerText(), stats: await assistant().locator(".stats").innerText() };
   }
 
   // 1. Streaming over SSE and over WebSocket: text appears in more than one step.

@@ -275,6 +275,18 @@ async fn stream_until_it_ends(s: &TestServer) -> (Vec<String>, Duration) {
     (common::server::parse_sse(&text), first.unwrap().elapsed())
 }
 
+/// A server on two ranks with `fault` and `--rank-timeout rank_timeout`, and a long
+/// stream's events on it, as [`stream_until_it_ends`] gives them.
+async fn two_ranks_stream(fault: Fault, rank_timeout: f64) -> (TestServer, Vec<String>, Duration) {
+    let s = faulty_server(fault, |a| {
+        a.engine.tensor_parallel_size = 2;
+        a.engine.cluster.rank_timeout = rank_timeout;
+    })
+    .await;
+    let (data, took) = stream_until_it_ends(&s).await;
+    (s, data, took)
+}
+
 /// The error event a stream ended with, checked to come right before `[DONE]`.
 fn last_error(data: &[String]) -> String {
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
@@ -284,12 +296,7 @@ fn last_error(data: &[String]) -> String {
 
 #[actix_rt::test]
 async fn a_rank_that_hangs_past_the_rank_timeout_fails_the_group_by_name() {
-    let s = faulty_server(Fault::StallRank1, |a| {
-        a.engine.tensor_parallel_size = 2;
-        a.engine.cluster.rank_timeout = 1.0;
-    })
-    .await;
-    let (data, took) = stream_until_it_ends(&s).await;
+    let (s, data, took) = two_ranks_stream(Fault::StallRank1, 1.0).await;
     let message = last_error(&data);
     assert!(message.contains("rank 1 did not reach a collective within 1.0 s"), "{message}");
     assert!(took < Duration::from_secs(20), "the stream ended {took:?} after its first token");
@@ -306,12 +313,7 @@ async fn a_rank_that_hangs_past_the_rank_timeout_fails_the_group_by_name() {
 async fn a_rank_that_fails_part_way_fails_the_group_at_once() {
     // A rank timeout far past the test's own: the others stop waiting because rank 1
     // failed the group, not because it timed out.
-    let s = faulty_server(Fault::FailRank1, |a| {
-        a.engine.tensor_parallel_size = 2;
-        a.engine.cluster.rank_timeout = 600.0;
-    })
-    .await;
-    let (data, took) = stream_until_it_ends(&s).await;
+    let (s, data, took) = two_ranks_stream(Fault::FailRank1, 600.0).await;
     let message = last_error(&data);
     assert!(message.contains("injected failure on rank 1"), "{message}");
     assert!(took < Duration::from_secs(20), "the stream ended {took:?} after its first token");

@@ -59,17 +59,28 @@ impl Channel {
         self.peer = peer;
     }
 
-    pub fn send(&mut self, tag: Tag, payload: &[u8]) -> Result<(), String> {
-        let mut frame = Vec::with_capacity(5 + payload.len());
-        frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    /// A frame's header for `len` payload bytes, with room for them.
+    fn frame(tag: Tag, len: usize) -> Vec<u8> {
+        let mut frame = Vec::with_capacity(5 + len);
+        frame.extend_from_slice(&(len as u32).to_le_bytes());
         frame.push(tag as u8);
+        frame
+    }
+
+    fn write(&mut self, frame: &[u8]) -> Result<(), String> {
+        self.stream.write_all(frame).map_err(|e| format!("{}: the connection failed: {e}", self.peer))
+    }
+
+    pub fn send(&mut self, tag: Tag, payload: &[u8]) -> Result<(), String> {
+        let mut frame = Self::frame(tag, payload.len());
         frame.extend_from_slice(payload);
-        self.stream.write_all(&frame).map_err(|e| format!("{}: the connection failed: {e}", self.peer))
+        self.write(&frame)
     }
 
     pub fn send_f32(&mut self, tag: Tag, values: &[f32]) -> Result<(), String> {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.send(tag, &bytes)
+        let mut frame = Self::frame(tag, 4 * values.len());
+        frame.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        self.write(&frame)
     }
 
     /// The next frame, waiting at most `timeout` (None: as long as it takes).

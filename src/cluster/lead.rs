@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::channel::{Channel, Tag};
 use super::{ClusterArgs, GroupSetup, PROTOCOL_VERSION};
-use crate::kernels::cpu::group::{Collective, gather_cols, sum_in_rank_order};
+use crate::kernels::cpu::group::{Collective, add_in_rank_order, gather_cols};
 use crate::kernels::{DevResult, DeviceError, GroupHealth, RemoteRanks};
 
 /// The first frame a node sends.
@@ -175,10 +175,8 @@ impl Collective for Lead {
     fn all_reduce(&self, _rank: usize, x: &mut [f32]) -> DevResult<()> {
         self.guarded(|| {
             let parts = self.parts()?;
-            let own = x.to_vec();
-            let all: Vec<&[f32]> =
-                std::iter::once(own.as_slice()).chain(parts.iter().map(Vec::as_slice)).collect();
-            sum_in_rank_order(x, &all).map_err(|e| e.to_string())?;
+            let others: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
+            add_in_rank_order(x, &others).map_err(|e| e.to_string())?;
             self.send_all(x)
         })
     }

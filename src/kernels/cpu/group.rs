@@ -39,7 +39,12 @@ fn failed(why: &str) -> DeviceError {
 /// `x ← Σ parts`, in rank order (rank 0's part first).
 pub fn sum_in_rank_order(x: &mut [f32], parts: &[&[f32]]) -> DevResult<()> {
     x.copy_from_slice(parts[0]);
-    for p in &parts[1..] {
+    add_in_rank_order(x, &parts[1..])
+}
+
+/// `x ← x + Σ parts`, in order: rank 0 adds the other ranks' parts to its own in place.
+pub fn add_in_rank_order(x: &mut [f32], parts: &[&[f32]]) -> DevResult<()> {
+    for p in parts {
         if p.len() != x.len() {
             return Err(DeviceError::Other(format!(
                 "all-reduce: a rank sent {} values, {} expected",

@@ -14,8 +14,11 @@ changes at (dynamic NTK, LongRoPE), where it has one; the short ones generate pa
 
     python scripts/make_model_goldens.py tests/fixtures/models [MODEL ...]
 
-(granite, which examples/granite.rs registers out of tree, goes to tests/fixtures/out-of-tree/.)
+(granite, which examples/granite.rs registers out of tree, goes to tests/fixtures/out-of-tree/.
+The models of KV_FP8 are run a second time with an FP8 KV cache, into tests/fixtures/kv-fp8/;
+name `kv-fp8` to make only those.)
 """
+import contextlib
 import json
 import math
 import os
@@ -144,6 +147,56 @@ LONG_PROMPTS = {"phi3-longrope": (18, 30), "llama-dynamic": (26, 40)}
 # Gemma scales its embeddings by √hidden and ties its head: with ±1 embeddings the residual
 # is the last token's embedding and every step repeats it.
 EMBED_SCALE = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05, "opt-post-norm": 4.0}
+# Run again with every key and value rounded to FP8 as it enters the cache (vLLM's
+# --kv-cache-dtype fp8 without calibrated scales): a plain model, and one with soft caps and
+# alternating sliding windows.
+KV_FP8 = ["llama", "gemma2"]
+# The least distance, as a share of the gap between the two e4m3 values around it, from any
+# key or value to the midpoint where its rounding turns: a value nearer than float noise
+# could round either way in another implementation.
+MIN_KV_MARGIN = 3e-5
+# The least such distance of the keys and values rounded since the last run.
+KV_MARGIN = [float("inf")]
+
+
+def kv_margin(x, r):
+    """The least distance of x's values from the rounding midpoint around them (r: their
+    rounded values), as a share of the gap there; saturated values are not counted."""
+    a, b = x.abs().float(), r.abs().float()
+    low = torch.minimum(a, b).clamp(min=2.0 ** -6)
+    gap = torch.exp2(torch.floor(torch.log2(low)) - 3)
+    frac = (a - b).abs() / gap
+    inside = a < 448.0
+    return (0.5 - frac[inside]).min().item() if inside.any() else float("inf")
+
+
+@contextlib.contextmanager
+def fp8_kv_cache():
+    """transformers' cache layers store each key and value rounded to e4m3 (nearest even,
+    saturated at ±448: scale 1), and attention reads them back from there, the step's own
+    keys and values included; KV_MARGIN keeps how near a rounding midpoint they came."""
+    from transformers import cache_utils
+    saved = []
+    for name in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+        cls = getattr(cache_utils, name, None)
+        if cls is None or "update" not in cls.__dict__:
+            continue
+        orig = cls.__dict__["update"]
+
+        def update(self, key_states, value_states, *args, _orig=orig, **kwargs):
+            def e4m3(x):
+                r = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+                KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(x, r))
+                return r
+            return _orig(self, e4m3(key_states), e4m3(value_states), *args, **kwargs)
+        saved.append((cls, orig))
+        cls.update = update
+    assert saved, "no cache layer to round the keys and values of"
+    try:
+        yield
+    finally:
+        for cls, orig in saved:
+            cls.update = orig
 
 
 def build_moe(cls, cfg, embed_scale):
@@ -224,39 +277,54 @@ def run(model, ids):
 
 def main(out_dir, only=None):
     os.makedirs(out_dir, exist_ok=True)
-    for key, (cfg_class, model_class, extra) in MODELS.items():
+    for key in MODELS:
         if only and key not in only:
             continue
-        rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
-        embed_scale = EMBED_SCALE.get(key, 1.0)
-        cfg, model, params, routers = build(key, cfg_class, model_class, extra, embed_scale)
-        window = extra.get("sliding_window") or 0
-        runs, tried = [], 0
-        while len(runs) < PROMPTS and tried < 400:
-            # Short prompts and, every other one, prompts past the sliding window.
-            long = LONG_PROMPTS.get(key, (window + 4, window + 16))
-            length = int(rng.integers(3, 9)) if tried % 2 == 0 else int(rng.integers(*long))
-            tried += 1
-            ids = [int(x) for x in rng.integers(3, VOCAB, length)]
-            tokens, steps, gap = run(model, ids)
-            routed = routers is None or router_gap(routers) >= MIN_ROUTER_GAP
-            if gap >= MIN_GAP and routed:
-                runs.append({"prompt_ids": ids, "output_ids": tokens, "top_logprobs": steps, "min_gap": gap})
-        assert len(runs) == PROMPTS, f"{key}: only {len(runs)} prompts with margins in {tried}"
-        config = json.loads(cfg.to_json_string(use_diff=False))
-        config["architectures"] = [model_class]
-        golden = {"model": key, "transformers": transformers.__version__, "config": config, "params": params,
-                  "embed_scale": embed_scale,
-                  "tokens": TOKENS, "runs": runs}
-        # Architectures served out of tree go beside, in fixtures/out-of-tree/.
-        where = out_dir if key not in OUT_OF_TREE else os.path.join(os.path.dirname(out_dir.rstrip("/")), "out-of-tree")
-        os.makedirs(where, exist_ok=True)
-        path = os.path.join(where, f"{key}.json")
-        with open(path, "w") as fh:
-            json.dump(golden, fh, separators=(",", ":"))
-        print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,
-              "min gap", min(r["min_gap"] for r in runs),
-              "distinct tokens", [len(set(r["output_ids"])) for r in runs], flush=True)
+        make(key, out_dir)
+    if not only or "kv-fp8" in only:
+        where = os.path.join(os.path.dirname(out_dir.rstrip("/")), "kv-fp8")
+        for key in KV_FP8:
+            with fp8_kv_cache():
+                make(key, where, kv_cache_dtype="fp8")
+
+
+def make(key, where, kv_cache_dtype=None):
+    cfg_class, model_class, extra = MODELS[key]
+    rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
+    embed_scale = EMBED_SCALE.get(key, 1.0)
+    cfg, model, params, routers = build(key, cfg_class, model_class, extra, embed_scale)
+    window = extra.get("sliding_window") or 0
+    runs, tried = [], 0
+    while len(runs) < PROMPTS and tried < 400:
+        # Short prompts and, every other one, prompts past the sliding window.
+        long = LONG_PROMPTS.get(key, (window + 4, window + 16))
+        length = int(rng.integers(3, 9)) if tried % 2 == 0 else int(rng.integers(*long))
+        tried += 1
+        ids = [int(x) for x in rng.integers(3, VOCAB, length)]
+        KV_MARGIN[0] = float("inf")
+        tokens, steps, gap = run(model, ids)
+        routed = routers is None or router_gap(routers) >= MIN_ROUTER_GAP
+        rounded = not kv_cache_dtype or KV_MARGIN[0] >= MIN_KV_MARGIN
+        if gap >= MIN_GAP and routed and rounded:
+            runs.append({"prompt_ids": ids, "output_ids": tokens, "top_logprobs": steps, "min_gap": gap})
+    assert len(runs) == PROMPTS, f"{key}: only {len(runs)} prompts with margins in {tried}"
+    config = json.loads(cfg.to_json_string(use_diff=False))
+    config["architectures"] = [model_class]
+    golden = {"model": key, "transformers": transformers.__version__, "config": config, "params": params,
+              "embed_scale": embed_scale,
+              "tokens": TOKENS, "runs": runs}
+    if kv_cache_dtype:
+        golden["kv_cache_dtype"] = kv_cache_dtype
+    # Architectures served out of tree go beside, in fixtures/out-of-tree/.
+    if key in OUT_OF_TREE:
+        where = os.path.join(os.path.dirname(where.rstrip("/")), "out-of-tree")
+    os.makedirs(where, exist_ok=True)
+    path = os.path.join(where, f"{key}.json")
+    with open(path, "w") as fh:
+        json.dump(golden, fh, separators=(",", ":"))
+    print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,
+          "min gap", min(r["min_gap"] for r in runs),
+          "distinct tokens", [len(set(r["output_ids"])) for r in runs], flush=True)
 
 
 if __name__ == "__main__":

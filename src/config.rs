@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::kernels::DType;
+use crate::kernels::{DType, KvDtype};
 use crate::models::config::ModelConfig;
 use crate::models::lora::{LoraSplit, Shard};
 use crate::request::MAX_LOGPROBS;
@@ -118,6 +118,11 @@ pub struct EngineArgs {
     /// KV cache size in GiB on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE).
     #[arg(long, default_value_t = 4.0)]
     pub kv_cache_space: f64,
+    /// KV cache element type: `auto` (f32 on the CPU; on a GPU the 16-bit type of a 16-bit
+    /// model, else f32) or `fp8` (alias `fp8_e4m3`: e4m3 with a scale of 1, saturating at
+    /// ±448; half a 16-bit cache's bytes, so twice the tokens in the same memory).
+    #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
+    pub kv_cache_dtype: KvDtype,
     /// Exact number of KV cache blocks, overriding the size computed from memory.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
@@ -320,6 +325,7 @@ impl Default for EngineArgs {
             max_num_batched_tokens: None,
             block_size: 16,
             kv_cache_space: 4.0,
+            kv_cache_dtype: KvDtype::Auto,
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
@@ -392,6 +398,7 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    pub kv_cache_dtype: KvDtype,
     pub lora: Option<LoraConfig>,
     pub tensor_parallel_size: usize,
     /// Most logprobs per token a request may ask for (--max-logprobs, at most
@@ -494,9 +501,11 @@ impl EngineConfig {
         }
         let tp = args.tensor_parallel_size;
         check_tensor_parallel(model, tp)?;
-        // f32 cache on the CPU: K and V per layer per token, of one rank's KV heads.
+        // The CPU's cache (f32, or FP8's byte): K and V per layer per token, of one rank's
+        // KV heads.
         let kv_heads = kv_heads_per_rank(model, tp);
-        let bytes_per_block = 2 * model.num_layers * bs * kv_heads * model.head_dim * 4;
+        let elem_bytes = args.kv_cache_dtype.elem_bytes(4);
+        let bytes_per_block = 2 * model.num_layers * bs * kv_heads * model.head_dim * elem_bytes;
         let num_blocks = match args.num_gpu_blocks_override {
             Some(n) => n,
             None => (args.kv_cache_space * (1u64 << 30) as f64) as usize / bytes_per_block,
@@ -571,6 +580,7 @@ impl EngineConfig {
             max_num_batched_tokens,
             block_size: bs,
             num_blocks,
+            kv_cache_dtype: args.kv_cache_dtype,
             tensor_parallel_size: tp,
         })
     }
@@ -675,5 +685,38 @@ mod tests {
             .unwrap();
         let c = EngineConfig::resolve(&EngineArgs::default(), &model, false).unwrap();
         assert_eq!((c.max_num_seqs, c.max_num_batched_tokens), (256, 2048));
+    }
+
+    /// `--kv-cache-dtype` takes vLLM's names (`fp8_e5m2`, not served, is refused with the
+    /// choices), and an FP8 cache fits four times the f32 cache's blocks in the CPU's
+    /// --kv-cache-space.
+    #[test]
+    fn an_fp8_kv_cache_holds_four_times_the_blocks_of_an_f32_one() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let parse = |v: &str| {
+            <Cli as clap::Parser>::try_parse_from(["actorllm", "--kv-cache-dtype", v])
+                .map(|c| c.engine.kv_cache_dtype)
+        };
+        assert_eq!(parse("auto").unwrap(), KvDtype::Auto);
+        assert_eq!(parse("fp8").unwrap(), KvDtype::Fp8E4m3);
+        assert_eq!(parse("fp8_e4m3").unwrap(), KvDtype::Fp8E4m3);
+        let refused = parse("fp8_e5m2").unwrap_err().to_string();
+        assert!(refused.contains("fp8_e5m2") && refused.contains("auto, fp8"), "{refused}");
+        let dir = crate::scratch::ScratchDir::new("config-kv").unwrap();
+        let shape = crate::models::random::Preset::Tiny.shape();
+        crate::models::random::make_random_model(shape, dir.path(), DType::F32, 1, 1.0).unwrap();
+        let model = crate::models::registry::ModelRegistry::<crate::kernels::cpu::CpuDevice>::default()
+            .read_config(dir.path())
+            .unwrap();
+        let blocks = |kv_cache_dtype| {
+            let args = EngineArgs { kv_cache_space: 0.01, kv_cache_dtype, ..EngineArgs::default() };
+            EngineConfig::resolve(&args, &model, false).unwrap().num_blocks
+        };
+        let (f32_blocks, fp8_blocks) = (blocks(KvDtype::Auto), blocks(KvDtype::Fp8E4m3));
+        assert!(f32_blocks > 0 && fp8_blocks / f32_blocks == 4, "{f32_blocks} vs {fp8_blocks}");
     }
 }

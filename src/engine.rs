@@ -200,7 +200,7 @@ impl Engine {
         // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
         // and a profiling step at the largest batch (see `size_kv_cache`).
         let profile = ranks[0].0.memory_info().is_some() && args.num_gpu_blocks_override.is_none();
-        let elem_bytes = ranks[0].0.kv_cache_elem_bytes();
+        let elem_bytes = ranks[0].0.kv_cache_elem_bytes(config.kv_cache_dtype);
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "weights loaded");
         let weight_bytes = ranks.iter().map(|(_, m)| m.weight_bytes()).sum();
         let active_weight_bytes = ranks.iter().map(|(_, m)| m.active_weight_bytes()).sum();
@@ -218,6 +218,7 @@ impl Engine {
             dtype = ?config.dtype,
             weights_mib = weight_bytes >> 20,
             kv_blocks = config.num_blocks,
+            kv_cache_dtype = ?config.kv_cache_dtype,
             block_size = config.block_size,
             max_model_len = config.max_model_len,
             tensor_parallel_size = ranks.len(),
@@ -226,7 +227,8 @@ impl Engine {
         let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
         let (profile_step, profile_blocks) = profile_batch(&config);
         let num_blocks = if profile { profile_blocks } else { config.num_blocks };
-        let runner_cfg = RunnerConfig { num_blocks, block_size: config.block_size };
+        let runner_cfg =
+            RunnerConfig { num_blocks, block_size: config.block_size, kv_dtype: config.kv_cache_dtype };
         let mut runners = ranks
             .into_iter()
             .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg, eos.clone()))

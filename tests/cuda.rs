@@ -12,11 +12,11 @@ use actorllm::Engine;
 use actorllm::actors::model_runner::{BatchSeq, ExecuteBatch, ModelRunner, NewSeq, RunnerConfig};
 use actorllm::config::{DTypeArg, DeviceArg, EngineArgs};
 use actorllm::kernels::attn::AttnMetadata;
-use actorllm::kernels::cpu::{CpuDevice, CpuTensor};
+use actorllm::kernels::cpu::{CpuDevice, CpuTensor, KvCells};
 use actorllm::kernels::cuda::CudaDevice;
 use actorllm::kernels::{
-    Activation, AttnShape, CacheShape, DType, Device, HostTensor, LoraShape, LoraSlotWeights, RopeByLen,
-    RopeSpec,
+    Activation, AttnShape, CacheShape, DType, Device, HostTensor, KvDtype, LoraShape, LoraSlotWeights,
+    RopeByLen, RopeSpec,
 };
 use actorllm::models::LoadOptions;
 use actorllm::models::registry::ModelRegistry;
@@ -399,18 +399,18 @@ fn packed_rows_match_the_cpu(g: &CudaDevice, c: &CpuDevice, t: HostTensor<'stati
 /// largest magnitude over 448 and rounded to e4m3 (nearest, ties to even), multiplied by
 /// the weights' e4m3 values in f32, then by both scales. None for other weights or GPUs.
 fn w8a8_reference(g: &CudaDevice, t: &HostTensor<'_>) -> Option<impl Fn(&[f32]) -> Vec<(f32, f32)> + use<>> {
+    use actorllm::kernels::e4m3;
     use actorllm::kernels::rows::RowKind;
-    use actorllm::models::fp8::{e4m3_nearest, e4m3_to_f32};
     let DType::Rows(f) = t.dtype else { return None };
     let sm: u32 = g.arch().trim_start_matches("sm_").parse().unwrap();
     if f.kind != RowKind::Fp8 || f.group != 0 || sm < 89 || !t.shape[0].is_multiple_of(4) {
         return None;
     }
     let (n, k) = (t.shape[0], t.shape[1]);
-    let values = t.data.chunks_exact(f.row_bytes()).map(|r| r[..k].iter().map(|&b| e4m3_to_f32(b)).collect());
+    let values =
+        t.data.chunks_exact(f.row_bytes()).map(|r| r[..k].iter().map(|&b| e4m3::decode(b)).collect());
     let rows: Vec<(Vec<f32>, f32)> = values.zip(f.scales(&t.data)).collect();
     assert_eq!(rows.len(), n);
-    let table: Vec<f32> = (0..0x7fu8).map(e4m3_to_f32).collect();
     Some(move |x: &[f32]| {
         // Each output and the sum of its terms' magnitudes.
         let mut out = Vec::new();
@@ -418,7 +418,7 @@ fn w8a8_reference(g: &CudaDevice, t: &HostTensor<'_>) -> Option<impl Fn(&[f32]) 
             let x16: Vec<f32> = xr.iter().map(|&v| f.round(v)).collect();
             let amax = x16.iter().fold(0f32, |a, v| a.max(v.abs()));
             let sx = if amax > 0.0 { amax / 448.0 } else { 1.0 };
-            let q: Vec<f32> = x16.iter().map(|&v| e4m3_to_f32(e4m3_nearest(&table, v / sx))).collect();
+            let q: Vec<f32> = x16.iter().map(|&v| e4m3::decode(e4m3::encode(v / sx))).collect();
             for (w, sw) in &rows {
                 let dot: f32 = q.iter().zip(w).map(|(a, b)| a * b).sum();
                 let l1: f32 = q.iter().zip(w).map(|(a, b)| (a * b).abs()).sum();
@@ -619,9 +619,12 @@ fn every_kernel_matches_its_cpu_twin() {
         by_len: RopeByLen::Long { original: 10, long: plain.iter().map(|f| f / 4.0).collect() },
     };
     let cache_shape = CacheShape { num_blocks: 12, block_size: 4, num_kv_heads: 2, head_dim: 32 };
-    let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
+    let (mut cc, mut cg) = (
+        c.alloc_cache(cache_shape, KvDtype::Auto).unwrap(),
+        g.alloc_cache(cache_shape, KvDtype::Auto).unwrap(),
+    );
     // A second GPU cache, filled by qkv_attention (RoPE writing K and V into the cache).
-    let mut cg2 = g.alloc_cache(cache_shape).unwrap();
+    let mut cg2 = g.alloc_cache(cache_shape, KvDtype::Auto).unwrap();
     let tables = vec![vec![5, 2, 9], vec![7, 1, 11, 0]];
     // First a 13-token prefill of sequence 1 so that its cache holds a context.
     let mut step = |positions: Vec<u32>, token_seq: Vec<u32>, seed| {
@@ -1031,7 +1034,8 @@ fn the_qkv_gemv_applies_rope_into_the_cache_as_the_rope_kernel_does() {
         let (w0, nw) =
             (up(&rand(hidden * 64, 52), &[hidden, 64], dt), up(&vec![1.0; hidden], &[hidden], DType::F32));
         let shape = CacheShape { num_blocks: 12, block_size: bs, num_kv_heads: kv_heads, head_dim: hd };
-        let (mut fused, mut apart) = (g.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
+        let (mut fused, mut apart) =
+            (g.alloc_cache(shape, KvDtype::Auto).unwrap(), g.alloc_cache(shape, KvDtype::Auto).unwrap());
         let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..4).map(|b| b * 3 + i).collect()).collect();
         type Step<'a> = (&'a [(u32, std::ops::Range<u32>)], bool);
         let steps: [Step; 4] = [
@@ -1075,11 +1079,14 @@ type StepRows = Vec<(u32, std::ops::Range<u32>)>;
 /// Attention steps over one cache of three sequences whose blocks interleave (sequence i
 /// owns blocks i, i + 3, i + 6, ...), each step's rows at the positions its list gives (with
 /// fresh random q, k and v of its seed), each step's output checked against the CPU's within
-/// `tol`; `after` sees the GPU after each step, for the kernels it took.
+/// `tol`; `after` sees the GPU after each step, for the kernels it took. Both caches are of
+/// `kv`'s dtype, and k and v are scaled by its factor; FP8 caches must hold the same bytes
+/// after each step.
 fn attention_steps(
     g: &CudaDevice,
     c: &CpuDevice,
     (s, act, bs, tol): (AttnShape, DType, usize, f32),
+    (kv, amp): (KvDtype, f32),
     steps: &[(StepRows, u64)],
     mut after: impl FnMut(&CudaDevice, u64, &[(u32, std::ops::Range<u32>)]),
 ) {
@@ -1087,15 +1094,15 @@ fn attention_steps(
     let per_seq = 1280 / bs as u32;
     let shape =
         CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
-    let (mut cc, mut cg) = (c.alloc_cache(shape).unwrap(), g.alloc_cache(shape).unwrap());
+    let (mut cc, mut cg) = (c.alloc_cache(shape, kv).unwrap(), g.alloc_cache(shape, kv).unwrap());
     let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
     for (seq_pos, seed) in steps {
         let meta = step_meta(&tables, bs, seq_pos);
         let n = meta.positions.len();
         let (q, k, v) = (
             rand(n * heads * head_dim, *seed),
-            rand(n * kv_heads * head_dim, seed + 1),
-            rand(n * kv_heads * head_dim, seed + 2),
+            rand(n * kv_heads * head_dim, seed + 1).into_iter().map(|x| x * amp).collect::<Vec<_>>(),
+            rand(n * kv_heads * head_dim, seed + 2).into_iter().map(|x| x * amp).collect::<Vec<_>>(),
         );
         let t = |d: &[f32], cols| (CpuTensor::new(d.to_vec(), n, cols), g.from_host(d, n, cols).unwrap());
         let ((qc, qg), (kc, kg), (vc, vg)) =
@@ -1103,9 +1110,13 @@ fn attention_steps(
         let oc = c.paged_attention(&qc, &kc, &vc, &mut cc, s, &meta).unwrap();
         let og = g.paged_attention(&qg, &kg, &vg, &mut cg, s, &meta).unwrap();
         after(g, *seed, seq_pos);
+        if kv == KvDtype::Fp8E4m3 {
+            let kc = same_fp8_bytes(g, &cg, &cc, "attention steps");
+            assert!(kc.iter().any(|&b| b & 0x7f == 0x7e), "some values saturated");
+        }
         close(
             &format!(
-                "attention {heads}:{kv_heads}x{head_dim}, window {}, softcap {}, {n} tokens, {act:?}, blocks of {bs}",
+                "attention {heads}:{kv_heads}x{head_dim}, window {}, softcap {}, {n} tokens, {act:?}, blocks of {bs}, {kv:?} cache",
                 s.window, s.softcap
             ),
             &g.to_host(&og).unwrap(),
@@ -1113,6 +1124,22 @@ fn attention_steps(
             tol,
         );
     }
+}
+
+/// Asserts that an FP8 cache on the GPU holds the bytes of its CPU twin (rounded alike, at
+/// the same slots); the CPU's K bytes.
+fn same_fp8_bytes<'c>(
+    g: &CudaDevice,
+    gpu: &actorllm::kernels::cuda::CudaCache,
+    cpu: &'c actorllm::kernels::cpu::CpuCache,
+    what: &str,
+) -> &'c [u8] {
+    let (k, v) = g.cache_bytes(gpu).unwrap();
+    let (KvCells::Fp8(kc), KvCells::Fp8(vc)) = (&cpu.k, &cpu.v) else { panic!("{what}: an FP8 CPU cache") };
+    let differ = k.iter().zip(kc).chain(v.iter().zip(vc)).filter(|(a, b)| a != b).count();
+    assert_eq!((k.len(), v.len()), (kc.len(), vc.len()), "{what}: cache sizes");
+    assert_eq!(differ, 0, "{what}: FP8 cache bytes the GPU rounded otherwise than the CPU");
+    kc
 }
 
 /// Decode rows at scattered positions of the three sequences (none consecutive, so none is
@@ -1165,7 +1192,7 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 43),
         ];
         let tc_shape = flash && matches!(head_dim, 64 | 128);
-        attention_steps(&g, &c, (s, act, bs, tol), &steps, |g, seed, seq_pos| {
+        attention_steps(&g, &c, (s, act, bs, tol), (KvDtype::Auto, 1.0), &steps, |g, seed, seq_pos| {
             // Prefill runs (more than one position of a sequence) take the tensor-core
             // kernel whenever it applies; decode rows never do.
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
@@ -1216,7 +1243,7 @@ fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
             (vec![(0, 200..201), (1, 301..302), (2, 1..2)], 54),
             (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 55),
         ];
-        attention_steps(&g, &c, (s, act, bs, 1e-2), &steps, |g, seed, seq_pos| {
+        attention_steps(&g, &c, (s, act, bs, 1e-2), (KvDtype::Auto, 1.0), &steps, |g, seed, seq_pos| {
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
             assert_eq!(g.tensor_core_tiles() > 0, prefill && head_dim != 256, "prefill on tensor cores");
             if !prefill || head_dim == 256 {
@@ -1234,6 +1261,53 @@ fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
     g.set_activation_dtype(DType::F32);
 }
 
+/// An FP8 KV cache (--kv-cache-dtype fp8) on every attention kernel that reads one: the GPU
+/// writes the CPU's bytes (nearest even, saturated at ±448: k and v reach ±500) and attends
+/// as the CPU does over them. An f32 model takes the split and one-block-per-head kernels;
+/// on tensor cores (an f32 or a 16-bit model) prefill takes flash_prefill and decode
+/// flash_decode (64 and 128 dims), with windows and soft caps and with cache blocks of 8
+/// and 32 keys; head size 256 takes the one-block-per-head kernel (flash_decode's 256 reads
+/// 16-bit caches only).
+#[test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+fn fp8_caches_match_the_cpu_on_every_kernel() {
+    let (g, _turn) = gpu();
+    let c = CpuDevice::default();
+    let cases = [
+        ((32, 8, 128), false, DType::F32, 16, 0, 0.0),
+        ((12, 1, 64), false, DType::F32, 16, 0, 0.0),
+        ((32, 8, 128), true, DType::F32, 16, 0, 0.0),
+        ((14, 2, 64), true, DType::BF16, 16, 0, 0.0),
+        ((32, 8, 128), true, DType::BF16, 8, 100, 0.0),
+        ((16, 8, 64), true, DType::F16, 32, 0, 0.25),
+        ((8, 4, 256), true, DType::BF16, 16, 100, 0.5),
+    ];
+    const AMP: f32 = 1000.0;
+    for ((heads, kv_heads, head_dim), flash, act, bs, window, softcap) in cases {
+        g.set_tensor_core_attention(flash);
+        g.set_activation_dtype(act);
+        let s =
+            AttnShape { window, softcap, scale: 0.5 / AMP, ..AttnShape::causal(heads, kv_heads, head_dim) };
+        let steps = [
+            (vec![(0, 0..700)], 60),
+            (vec![(0, 700..760), (1, 0..300)], 61),
+            (vec![(0, 760..761), (1, 300..301), (2, 0..1)], 62),
+            (scattered_decode_rows(), 63),
+            (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 64),
+        ];
+        let tc_shape = flash && matches!(head_dim, 64 | 128);
+        let tol = if flash { 2e-2 } else { 1e-4 };
+        attention_steps(&g, &c, (s, act, bs, tol), (KvDtype::Fp8E4m3, AMP), &steps, |g, _, seq_pos| {
+            let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
+            assert_eq!(g.tensor_core_tiles() > 0, tc_shape && prefill, "prefill on tensor cores");
+            if !prefill {
+                assert_eq!(g.tensor_core_decode(), tc_shape, "decode on tensor cores");
+            }
+        });
+    }
+    g.set_activation_dtype(DType::F32);
+}
+
 /// A runner on the GPU, driven step by step: once a step's shapes have been seen, it
 /// allocates no device memory, and seeded sampling repeats exactly.
 #[test]
@@ -1244,7 +1318,7 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
     let loaded = ModelRegistry::<CudaDevice>::default()
         .load(&g, &model, DType::F32, &LoadOptions::default())
         .expect("tiny model loads");
-    let cfg = RunnerConfig { num_blocks: 64, block_size: 16 };
+    let cfg = RunnerConfig { num_blocks: 64, block_size: 16, kv_dtype: KvDtype::Auto };
     let mut runner = ModelRunner::new(g, loaded.model, cfg, vec![0].into()).expect("runner");
     let params = [
         SamplingParams { temperature: 0.0, ..Default::default() },
@@ -1713,6 +1787,67 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
 }
 
+/// An FP8 KV cache on the GPU: the tiny models of tests/fixtures/kv-fp8/ (f32, one with
+/// soft caps and sliding windows) give transformers' tokens with its cache rounded to e4m3,
+/// with graphs and eager; and the default model's shapes in bf16 (tensor-core prefill and
+/// decode over the FP8 cache) part from the CPU's f32 run over an FP8 cache only at near
+/// ties. The cache takes half the bytes of a 16-bit one: twice the blocks in the same
+/// memory.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn an_fp8_kv_cache_on_the_gpu_gives_the_cpu_tokens() {
+    let _turn = gpu_turn();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(24) };
+    for name in ["llama", "gemma2"] {
+        let path = common::fixture(&format!("tests/fixtures/kv-fp8/{name}.json"));
+        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let model = common::scratch(&format!("{name}-kv-fp8"));
+        actorllm::models::random::write_golden_model(&g, &model).unwrap();
+        let want: Vec<Vec<u32>> = g["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+            .collect();
+        for eager in [false, true] {
+            runners_released().await;
+            let args = EngineArgs {
+                device: DeviceArg::Cuda,
+                kv_cache_dtype: KvDtype::Fp8E4m3,
+                enforce_eager: eager,
+                ..common::args(&model)
+            };
+            let gpu = Engine::start(args).await.unwrap();
+            let runs = common::golden_prompts(&g).into_iter().map(|p| run(&gpu, p, params.clone()));
+            let got: Vec<Vec<u32>> =
+                futures::future::join_all(runs).await.into_iter().map(|o| o.tokens[0].clone()).collect();
+            assert_eq!(got, want, "{name}, eager {eager}");
+        }
+    }
+    const MARGIN: f32 = 0.5;
+    let model = smollm2_model();
+    let prompts: Vec<Vec<u32>> =
+        (0..8u32).map(|i| (0..(5 + 61 * i)).map(|j| (i * 31 + j * 11) % 4000 + 20).collect()).collect();
+    let fp8 = |device, dtype| EngineArgs {
+        device,
+        dtype,
+        kv_cache_dtype: KvDtype::Fp8E4m3,
+        num_gpu_blocks_override: Some(2048),
+        ..common::args(&model)
+    };
+    let on_cpu = top_outputs(48, 2, fp8(DeviceArg::Cpu, DTypeArg::Float32), &prompts).await;
+    let on_gpu = top_outputs(48, 2, fp8(DeviceArg::Cuda, DTypeArg::Bfloat16), &prompts).await;
+    let parted = parted_at_near_ties("bf16 over FP8 against f32 over FP8", &on_cpu, &on_gpu, MARGIN);
+    eprintln!("{parted} of {} outputs parted, each at a near tie", prompts.len());
+    // Bytes per cached element: e4m3's one against bf16's two.
+    runners_released().await;
+    let (g, _) = gpu();
+    let bf16 = DType::BF16;
+    g.set_activation_dtype(bf16);
+    assert_eq!((g.kv_cache_elem_bytes(KvDtype::Fp8E4m3), g.kv_cache_elem_bytes(KvDtype::Auto)), (1, 2));
+    g.set_activation_dtype(DType::F32);
+}
+
 /// Quantized checkpoints on the GPU keep their projections packed: a GPTQ one (4-bit,
 /// groups of 32 in order, f16 scales), an FP8 one (vLLM's format, blocks of 64, bf16
 /// elsewhere), and a 16-bit one quantized to FP8 at load (`--quantization fp8`). Decode
@@ -1927,16 +2062,31 @@ fn the_general_ops_match_their_cpu_twins() {
         by_len: RopeByLen::Fixed,
     };
     let qkv = rand(ctx * 128, 57);
-    for (window, softcap) in [(0, 0.0), (64, 0.0), (0, 2.5), (100, 4.0)] {
-        let s = AttnShape { window, softcap, scale: 0.3, ..AttnShape::causal(4, 2, 16) };
-        let (mut cc, mut cg) = (c.alloc_cache(cache_shape).unwrap(), g.alloc_cache(cache_shape).unwrap());
-        let (qc, qg) = both(&qkv, ctx, 128);
-        close(
-            &format!("attention, window {window}, softcap {softcap}"),
-            &g.to_host(&g.qkv_attention(&qg, s, &rope, &mut cg, &meta).unwrap()).unwrap(),
-            &c.to_host(&c.qkv_attention(&qc, s, &rope, &mut cc, &meta).unwrap()).unwrap(),
-            1e-3,
-        );
+    // Over FP8 caches too, which the split writes K and V into rounded as the CPU rounds
+    // them: with the rotation above and with one over whole heads (taken four pairs at a
+    // time).
+    let whole =
+        RopeSpec { inv_freq: (0..8).map(|i| 1.0 / 10000f32.powf(i as f32 / 8.0)).collect(), ..rope.clone() };
+    for (kv, rope) in [(KvDtype::Auto, &rope), (KvDtype::Fp8E4m3, &rope), (KvDtype::Fp8E4m3, &whole)] {
+        for (window, softcap) in [(0, 0.0), (64, 0.0), (0, 2.5), (100, 4.0)] {
+            let s = AttnShape { window, softcap, scale: 0.3, ..AttnShape::causal(4, 2, 16) };
+            let (mut cc, mut cg) =
+                (c.alloc_cache(cache_shape, kv).unwrap(), g.alloc_cache(cache_shape, kv).unwrap());
+            let (qc, qg) = both(&qkv, ctx, 128);
+            let what = format!(
+                "attention, window {window}, softcap {softcap}, {kv:?} cache, rotary {}",
+                rope.inv_freq.len()
+            );
+            close(
+                &what,
+                &g.to_host(&g.qkv_attention(&qg, s, rope, &mut cg, &meta).unwrap()).unwrap(),
+                &c.to_host(&c.qkv_attention(&qc, s, rope, &mut cc, &meta).unwrap()).unwrap(),
+                1e-3,
+            );
+            if kv == KvDtype::Fp8E4m3 {
+                same_fp8_bytes(&g, &cg, &cc, &what);
+            }
+        }
     }
 }
 

@@ -9,17 +9,22 @@ mod common;
 use actorllm::Engine;
 use actorllm::SamplingParams;
 use actorllm::config::EngineArgs;
+use actorllm::kernels::KvDtype;
 use serde_json::Value;
 
 /// Under every CPU kernel family this machine runs.
 async fn matches_transformers(name: &str) {
-    let g = common::model_golden(name);
+    matches_golden(name, &common::model_golden(name), KvDtype::Auto).await;
+}
+
+/// A golden's model served with a KV cache of `kv`, under every CPU kernel family.
+async fn matches_golden(name: &str, g: &Value, kv: KvDtype) {
     let dir = common::scratch(name);
-    actorllm::models::random::write_golden_model(&g, &dir).unwrap();
+    actorllm::models::random::write_golden_model(g, &dir).unwrap();
     for family in actorllm::kernels::cpu::Family::all_supported() {
-        let args = EngineArgs { cpu_kernels: family.arg(), ..common::args(&dir) };
+        let args = EngineArgs { cpu_kernels: family.arg(), kv_cache_dtype: kv, ..common::args(&dir) };
         let engine = Engine::start(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
-        matches_on(&engine, &g, &format!("{name} ({})", family.name())).await;
+        matches_on(&engine, g, &format!("{name} ({})", family.name())).await;
     }
 }
 
@@ -53,6 +58,21 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
                 assert!(*gid == wid || place == want_top.len() - 1, "{what}: token {gid} vs {wid}");
             }
         }
+    }
+}
+
+/// An FP8 KV cache (`--kv-cache-dtype fp8`) against transformers with every key and value
+/// rounded to e4m3 as it enters its cache (tests/fixtures/kv-fp8/, by the same script, on
+/// prompts whose keys and values all keep clear of a rounding midpoint): a plain model, and
+/// one with soft caps and alternating sliding windows. The rounding moves the logprobs by up
+/// to 0.8 from the f32 cache's, so a cache that kept f32 would fail.
+#[actix_rt::test]
+async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
+    for name in ["llama", "gemma2"] {
+        let path = common::fixture(&format!("tests/fixtures/kv-fp8/{name}.json"));
+        let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(g["kv_cache_dtype"], "fp8");
+        matches_golden(&format!("{name}-kv-fp8"), &g, KvDtype::Fp8E4m3).await;
     }
 }
 

@@ -26,7 +26,7 @@ use actix::{Actor, Addr, Handler, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::attn::AttnMetadata;
-use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, RemoteRanks, SampleTicket};
+use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, KvDtype, RemoteRanks, SampleTicket};
 use crate::models::CausalLM;
 use crate::request::SamplingParams;
 use crate::sampling::{self, SampleInput, TokenHistory};
@@ -158,6 +158,8 @@ impl RunnerSeq {
 pub struct RunnerConfig {
     pub num_blocks: usize,
     pub block_size: usize,
+    /// The KV cache's element type (--kv-cache-dtype).
+    pub kv_dtype: KvDtype,
 }
 
 pub struct ModelRunner<D: Device> {
@@ -165,6 +167,7 @@ pub struct ModelRunner<D: Device> {
     model: Box<dyn CausalLM<D>>,
     caches: Vec<D::Cache>,
     block_size: usize,
+    kv_dtype: KvDtype,
     eos_ids: Arc<[u32]>,
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
@@ -235,6 +238,7 @@ impl<D: Device> ModelRunner<D> {
             model,
             caches: Vec::new(),
             block_size: cfg.block_size,
+            kv_dtype: cfg.kv_dtype,
             eos_ids,
             seqs: HashMap::new(),
             remote,
@@ -256,7 +260,8 @@ impl<D: Device> ModelRunner<D> {
         self.graphs.clear();
         self.caches.clear();
         let (layers, shape) = self.model.cache_shape(num_blocks, self.block_size);
-        self.caches = (0..layers).map(|_| self.dev.alloc_cache(shape)).collect::<Result<_, _>>()?;
+        self.caches =
+            (0..layers).map(|_| self.dev.alloc_cache(shape, self.kv_dtype)).collect::<Result<_, _>>()?;
         Ok(())
     }
 

@@ -105,6 +105,7 @@ pub struct GroupSetup {
     pub dtype: String,
     pub num_blocks: usize,
     pub block_size: usize,
+    pub kv_cache_dtype: crate::kernels::KvDtype,
     pub max_loras: usize,
     pub max_lora_rank: usize,
 }
@@ -120,6 +121,7 @@ impl GroupSetup {
             dtype: format!("{:?}", config.dtype),
             num_blocks: config.num_blocks,
             block_size: config.block_size,
+            kv_cache_dtype: config.kv_cache_dtype,
             max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
             max_lora_rank: config.lora.as_ref().map_or(0, |l| l.max_rank),
         }

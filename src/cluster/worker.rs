@@ -27,7 +27,11 @@ pub fn run(mut args: EngineArgs) -> Result<(), EngineError> {
     let link = Arc::new(Follower::join(&cluster, &setup).map_err(EngineError::Cluster)?);
     tracing::info!(node = cluster.node_rank, family = family.name(), "joined: loading this rank's weights");
     let dev = CpuDevice::in_group(cluster.node_rank, link.clone(), None).with_family(family);
-    let runner_cfg = RunnerConfig { num_blocks: config.num_blocks, block_size: config.block_size };
+    let runner_cfg = RunnerConfig {
+        num_blocks: config.num_blocks,
+        block_size: config.block_size,
+        kv_dtype: config.kv_cache_dtype,
+    };
     let opts = load_options(&args, &model_config, &config);
     let runner = registry
         .load(&dev, &config.model_dir, config.dtype, &opts)

@@ -8,6 +8,7 @@
 pub mod attn;
 pub mod cpu;
 pub mod cuda;
+pub mod e4m3;
 pub mod moe;
 pub mod quant;
 mod rope;
@@ -129,6 +130,31 @@ pub struct CacheShape {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+}
+
+/// The KV cache's element type (`--kv-cache-dtype`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+pub enum KvDtype {
+    /// The device's own: f32 on the CPU; on a GPU the 16-bit type of a 16-bit model, else f32.
+    #[default]
+    Auto,
+    /// OCP FP8 E4M3 (`float8_e4m3fn`) with a scale of 1, as vLLM's `fp8` without calibrated
+    /// scales: each value rounded to the nearest of its 8-bit values (ties to even) and
+    /// saturated at ±448. A quarter of f32's bytes, half of a 16-bit type's.
+    #[value(name = "fp8", alias = "fp8_e4m3")]
+    Fp8E4m3,
+}
+
+impl KvDtype {
+    /// Bytes of an element, where `auto` is the bytes of the device's own type.
+    pub fn elem_bytes(self, auto: usize) -> usize {
+        match self {
+            KvDtype::Auto => auto,
+            KvDtype::Fp8E4m3 => 1,
+        }
+    }
 }
 
 /// Shape and options of an attention call: query heads, kv heads, head size, the softmax
@@ -339,15 +365,16 @@ pub trait Device: Send + Unpin + 'static {
     /// (free, total) bytes of device memory; None on the CPU (sized by --kv-cache-space).
     fn memory_info(&self) -> Option<(usize, usize)>;
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
-    fn alloc_cache(&self, shape: CacheShape) -> Result<Self::Cache, DeviceError>;
+    /// One layer's cache of `shape`, its elements of `dtype`.
+    fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<Self::Cache, DeviceError>;
     /// Copies whole blocks of one layer's cache, keys and values, for each (source,
     /// destination) pair in order (a forked beam's copy of its parent's last block). Issued
     /// before the step's forward, on its stream.
     fn copy_blocks(&self, cache: &mut Self::Cache, pairs: &[(u32, u32)]) -> DevResult<()>;
-    /// Bytes per K or V element of the caches `alloc_cache` makes (f32 unless the device
-    /// keeps a 16-bit model's cache in its type).
-    fn kv_cache_elem_bytes(&self) -> usize {
-        4
+    /// Bytes per K or V element of the caches of `dtype` that `alloc_cache` makes (`Auto`:
+    /// f32 unless the device keeps a 16-bit model's cache in its type).
+    fn kv_cache_elem_bytes(&self, dtype: KvDtype) -> usize {
+        dtype.elem_bytes(4)
     }
     /// Device memory allocations made so far (0 where the device does not count them): in
     /// steady state a step makes none.

@@ -177,10 +177,7 @@ impl RowFormat {
     pub fn dequantize(self, bytes: &[u8], out: &mut Vec<f32>) {
         let (cols, groups) = (self.cols as usize, self.groups());
         out.reserve(bytes.len() / self.row_bytes() * cols);
-        let fp8: Vec<f32> = match self.kind {
-            RowKind::Fp8 => (0..=255u8).map(crate::models::fp8::e4m3_to_f32).collect(),
-            RowKind::Int4 => Vec::new(),
-        };
+        let fp8 = super::e4m3::values();
         for row in bytes.chunks_exact(self.row_bytes()) {
             let scales: Vec<f32> = (0..groups).map(|g| self.scale(row, g)).collect();
             let group_of = |i: usize| i * groups / cols;

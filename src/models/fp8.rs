@@ -7,40 +7,8 @@
 //! kernels do not do, and are not read.
 
 use crate::kernels::DType;
+use crate::kernels::e4m3;
 use crate::kernels::rows::RowFormat;
-
-/// One e4m3 byte's value (OCP FP8 E4M3, the `float8_e4m3fn` of PyTorch and safetensors'
-/// `F8_E4M3`): sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, and
-/// 0x7f / 0xff are NaN.
-pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((b >> 3) & 0x0f, b & 0x07);
-    let v = match (e, m) {
-        (0x0f, 0x07) => f32::NAN,
-        (0, _) => m as f32 / 8.0 * 2f32.powi(-6),
-        _ => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
-    };
-    sign * v
-}
-
-/// The e4m3 byte nearest to `v` (ties to the even byte, as PyTorch's conversion rounds),
-/// saturating at ±448; `table` holds [`e4m3_to_f32`] of bytes 0 ..= 0x7e.
-pub fn e4m3_nearest(table: &[f32], v: f32) -> u8 {
-    let a = v.abs();
-    let i = table.partition_point(|&e| e < a).min(table.len() - 1);
-    let i = match i {
-        0 => 0,
-        _ if a - table[i - 1] < table[i] - a => i - 1,
-        _ if a - table[i - 1] == table[i] - a && i % 2 == 1 => i - 1,
-        _ => i,
-    };
-    i as u8 | if v.is_sign_negative() && a > 0.0 { 0x80 } else { 0 }
-}
-
-/// [`e4m3_to_f32`] of the finite non-negative bytes, 0 ..= 0x7e, ascending.
-pub fn e4m3_table() -> Vec<f32> {
-    (0..0x7fu8).map(e4m3_to_f32).collect()
-}
 
 /// A 2-D weight of `dtype` (a float dtype; `bytes` its elements) quantized at load
 /// (`--quantization fp8` on a checkpoint that is not quantized): each row its own scale,
@@ -49,7 +17,6 @@ pub fn e4m3_table() -> Vec<f32> {
 /// values in `dtype`. Rows are quantized in parallel.
 pub fn quantize_rows(bytes: &[u8], (rows, cols): (usize, usize), dtype: DType) -> (DType, Vec<u8>) {
     use rayon::prelude::*;
-    let table = e4m3_table();
     let kept =
         RowFormat::fp8(cols, None, dtype == DType::F16).filter(|_| matches!(dtype, DType::BF16 | DType::F16));
     let out_row = kept.map_or(dtype.row_bytes(cols), |f| f.row_bytes());
@@ -61,12 +28,12 @@ pub fn quantize_rows(bytes: &[u8], (rows, cols): (usize, usize), dtype: DType) -
         let values: &[f32] = bytemuck::cast_slice(&values);
         let scale = values.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
         let q: Vec<u8> =
-            values.iter().map(|&v| if scale == 0.0 { 0 } else { e4m3_nearest(&table, v / scale) }).collect();
+            values.iter().map(|&v| if scale == 0.0 { 0 } else { e4m3::encode(v / scale) }).collect();
         let mut encoded = Vec::with_capacity(out.len());
         match kept {
             Some(f) => f.push_fp8_row(&q, &[scale], &mut encoded),
             None => {
-                let rounded: Vec<f32> = q.iter().map(|&b| e4m3_to_f32(b) * scale).collect();
+                let rounded: Vec<f32> = q.iter().map(|&b| e4m3::decode(b) * scale).collect();
                 encoded = dtype.encode_f32(&rounded);
             }
         }
@@ -130,7 +97,7 @@ impl Scales {
 /// f32), encoded in `dtype` (a float dtype).
 pub fn dequantize(bytes: &[u8], (rows, cols): (usize, usize), scales: &Scales, dtype: DType) -> Vec<u8> {
     assert_eq!(bytes.len(), rows * cols, "one byte an element");
-    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+    let table = e4m3::values();
     let values: Vec<f32> = bytes
         .chunks_exact(cols.max(1))
         .enumerate()
@@ -173,28 +140,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn e4m3_bytes_have_the_formats_values() {
-        // The OCP FP8 specification's landmarks.
-        for (b, v) in [
-            (0x00, 0.0),
-            (0x80, -0.0),
-            (0x38, 1.0),
-            (0xb8, -1.0),
-            (0x40, 2.0),
-            (0x39, 1.125),
-            (0x7e, 448.0),
-            (0xfe, -448.0),
-            (0x08, 2f32.powi(-6)),
-            (0x01, 2f32.powi(-9)),
-            (0x07, 7.0 * 2f32.powi(-9)),
-        ] {
-            assert_eq!(e4m3_to_f32(b), v, "{b:#04x}");
-        }
-        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
-        assert!((0..=255u8).filter(|b| b & 0x7f != 0x7f).all(|b| e4m3_to_f32(b).is_finite()));
-    }
-
-    #[test]
     fn scales_are_told_apart_by_their_shape() {
         assert_eq!(Scales::of((4, 8), &[], vec![0.5]), Ok(Scales::Tensor(0.5)));
         assert_eq!(Scales::of((4, 8), &[1], vec![0.5]), Ok(Scales::Tensor(0.5)));
@@ -213,13 +158,6 @@ mod tests {
 
     #[test]
     fn values_round_to_the_nearest_byte_and_rows_take_their_own_scale() {
-        let t = e4m3_table();
-        for (v, b) in [(1.0, 0x38), (1.06, 0x38), (1.07, 0x39), (-2.0, 0xc0), (500.0, 0x7e), (0.0, 0x00)] {
-            assert_eq!(e4m3_nearest(&t, v), b, "{v}");
-        }
-        // 1.0625 is halfway between 1.0 (0x38, even) and 1.125 (0x39): to the even byte.
-        assert_eq!(e4m3_nearest(&t, 1.0625), 0x38);
-        assert_eq!(e4m3_nearest(&t, 1.1875), 0x3a);
         // Two rows of 16 whose largest magnitudes (7 and 28) become ±448 times their row's
         // scale (1/64 and 1/16); every value within e4m3's 1/16.
         let values: Vec<f32> = (0..32)
@@ -242,7 +180,7 @@ mod tests {
     #[test]
     fn kept_rows_widen_to_the_dequantized_values() {
         // 2 × 32 bytes in blocks of 1 × 16, and per channel; f32 has no 16-bit rows.
-        let bytes: Vec<u8> = (0..64u8).map(|i| (i * 5) % 0x7e).collect();
+        let bytes: Vec<u8> = (0..64u32).map(|i| ((i * 5) % 0x7e) as u8).collect();
         let blocks = Scales::Block { rows: 1, cols: 16, per_row: 2, values: vec![0.5, 2.0, -1.0, 0.25] };
         for scales in [blocks, Scales::Channel(vec![3.0, 0.125])] {
             for dtype in [DType::BF16, DType::F16] {

@@ -682,7 +682,6 @@ pub fn rows_param_bytes(name: &str, shape: &[usize], format: RowFormat) -> Vec<u
     use rayon::prelude::*;
     let k = shape[1];
     let (groups, row_bytes) = (format.groups(), format.row_bytes());
-    let e4m3 = super::fp8::e4m3_table();
     let mut out = vec![0u8; shape[0] * row_bytes];
     out.par_chunks_mut(row_bytes).enumerate().for_each(|(r, row)| {
         let first = (r * k) as u64;
@@ -707,7 +706,7 @@ pub fn rows_param_bytes(name: &str, shape: &[usize], format: RowFormat) -> Vec<u
                 format.push_int4_row(&q, &vec![8; groups], &scales, &mut bytes);
             }
             RowKind::Fp8 => {
-                let q: Vec<u8> = (0..k).map(|i| super::fp8::e4m3_nearest(&e4m3, scaled(i))).collect();
+                let q: Vec<u8> = (0..k).map(|i| crate::kernels::e4m3::encode(scaled(i))).collect();
                 format.push_fp8_row(&q, &scales, &mut bytes);
             }
         }

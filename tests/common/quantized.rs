@@ -174,7 +174,7 @@ pub fn gptq4(weights: &[u8], group: usize, f16: bool) -> (Tensors, Tensors, Valu
 /// byte's value times its scale, rounded to bf16), and the config's `quantization_config`.
 pub fn fp8_blocks(weights: &[u8], (block_rows, block_cols): (usize, usize)) -> (Tensors, Tensors, Value) {
     let st = safetensors::SafeTensors::deserialize(weights).unwrap();
-    let e4m3: Vec<f32> = (0..0x7fu8).map(actorllm::models::fp8::e4m3_to_f32).collect();
+    let e4m3: Vec<f32> = (0..0x7fu8).map(actorllm::kernels::e4m3::decode).collect();
     let encode = |v: f32| {
         let a = v.abs();
         let i = e4m3.partition_point(|&e| e < a).min(e4m3.len() - 1);
@@ -210,11 +210,8 @@ pub fn fp8_blocks(weights: &[u8], (block_rows, block_cols): (usize, usize)) -> (
             .enumerate()
             .map(|(k, &v)| if scale(k) == 0.0 { 0 } else { encode(v / scale(k)) })
             .collect();
-        let values: Vec<f32> = bytes
-            .iter()
-            .enumerate()
-            .map(|(k, &b)| actorllm::models::fp8::e4m3_to_f32(b) * scale(k))
-            .collect();
+        let values: Vec<f32> =
+            bytes.iter().enumerate().map(|(k, &b)| actorllm::kernels::e4m3::decode(b) * scale(k)).collect();
         dequantized.insert(name.clone(), (Dtype::BF16, shape.clone(), bf16(&values)));
         let base = name.strip_suffix("weight").unwrap();
         packed.insert(

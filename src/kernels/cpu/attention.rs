@@ -10,10 +10,14 @@
 //! queries, the block's keys and values are gathered once from the paged cache and the
 //! scores and the output are two small GEMMs, so that a long prompt reads each key once a
 //! block rather than once a query.
+//!
+//! An FP8 cache (`--kv-cache-dtype fp8`) is read through the same kernels: a (token, head)
+//! first widens its visible rows to f32 (a table lookup a byte), and a tile its gathered
+//! ones.
 
 use rayon::prelude::*;
 
-use super::{CpuCache, CpuTensor, Family};
+use super::{CpuCache, CpuTensor, Family, KvCells};
 use crate::kernels::AttnShape;
 use crate::kernels::attn::AttnMetadata;
 
@@ -29,8 +33,8 @@ pub fn write_kv(cache: &mut CpuCache, k: &CpuTensor, v: &CpuTensor, slot_mapping
         }
         let s = slot as usize;
         assert!(s < slots, "write_kv: slot {s} beyond the {slots}-slot cache");
-        cache.k[s * width..(s + 1) * width].copy_from_slice(&k.data[t * width..(t + 1) * width]);
-        cache.v[s * width..(s + 1) * width].copy_from_slice(&v.data[t * width..(t + 1) * width]);
+        cache.k.write(s * width, &k.data[t * width..(t + 1) * width]);
+        cache.v.write(s * width, &v.data[t * width..(t + 1) * width]);
     }
 }
 
@@ -64,11 +68,47 @@ impl Context<'_> {
     }
 }
 
-/// A worker's buffers: one (token, head)'s scores and its positions' cache offsets.
+/// A worker's buffers: one (token, head)'s scores and its positions' cache offsets; over an
+/// FP8 cache, the rows of a (token, KV head) widened to f32, their offsets there, and which
+/// (token, KV head) they are (the query heads of a GQA group come one after another).
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
     offsets: Vec<usize>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    widened: Vec<usize>,
+    widened_for: Option<(usize, usize)>,
+}
+
+impl Scratch {
+    /// The K and V values the offsets' rows of `hd` values read, for token and KV head
+    /// `of`, and the offsets to read them at: the cache's own over an f32 cache, else the
+    /// rows widened into this scratch (once for the heads of a group).
+    fn rows<'a>(
+        &'a mut self,
+        cache: &'a CpuCache,
+        hd: usize,
+        of: (usize, usize),
+    ) -> (&'a [f32], &'a [f32], &'a [usize]) {
+        match (&cache.k, &cache.v) {
+            (KvCells::F32(k), KvCells::F32(v)) => (k, v, &self.offsets),
+            _ if self.widened_for == Some(of) => (&self.k, &self.v, &self.widened),
+            _ => {
+                self.widened_for = Some(of);
+                let n = self.offsets.len();
+                self.k.resize(n * hd, 0.0);
+                self.v.resize(n * hd, 0.0);
+                for (j, &at) in self.offsets.iter().enumerate() {
+                    cache.k.read(at, &mut self.k[j * hd..(j + 1) * hd]);
+                    cache.v.read(at, &mut self.v[j * hd..(j + 1) * hd]);
+                }
+                self.widened.clear();
+                self.widened.extend((0..n).map(|j| j * hd));
+                (&self.k, &self.v, &self.widened)
+            }
+        }
+    }
 }
 
 /// Soft-caps raw scores (`cap · tanh(s / cap)`) when the shape asks for it; a no-op else.
@@ -126,25 +166,27 @@ pub fn attend(
             len: pos + 1 - start,
         };
         let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
-        let Scratch { scores, offsets } = scratch;
         // Every row the heads read lies inside the cache (checked a block at a time, so
         // that the SIMD loops read without bounds checks).
-        ctx.offsets(cache.shape.num_blocks, offsets);
+        ctx.offsets(cache.shape.num_blocks, &mut scratch.offsets);
+        let mut scores = std::mem::take(&mut scratch.scores);
         scores.clear();
         scores.resize(ctx.len, 0.0);
+        let (k, v, offsets) = scratch.rows(cache, hd, (t, h / group));
         // SAFETY: a device runs a family only where the CPU has it, head_dim is a multiple
-        // of the lanes (checked above) and every offset's row is in the cache (its block is
-        // below num_blocks, head_off + hd <= width, and the cache holds its shape's cells).
+        // of the lanes (checked above) and every offset's row is in k and v (in the cache:
+        // its block is below num_blocks, head_off + hd <= width, and the cache holds its
+        // shape's cells; widened: one row of hd values an offset).
         match lanes {
             #[cfg(target_arch = "x86_64")]
-            16 => return unsafe { simd::head16(qv, cache, offsets, s, scores, o) },
+            16 => unsafe { simd::head16(qv, (k, v), offsets, s, &mut scores, o) },
             #[cfg(target_arch = "x86_64")]
-            8 => return unsafe { simd::head8(qv, cache, offsets, s, scores, o) },
+            8 => unsafe { simd::head8(qv, (k, v), offsets, s, &mut scores, o) },
             #[cfg(target_arch = "aarch64")]
-            4 => return unsafe { simd::head4(qv, cache, offsets, s, scores, o) },
-            _ => {}
+            4 => unsafe { simd::head4(qv, (k, v), offsets, s, &mut scores, o) },
+            _ => portable_head(qv, (k, v), offsets, s, &mut scores, o),
         }
-        portable_head(qv, cache, offsets, s, scores, o);
+        scratch.scores = scores;
     });
     if !runs.is_empty() {
         attend_tiled(q, cache, s, meta, &runs, family, &mut out);
@@ -254,8 +296,8 @@ fn attend_tiled(
             for j in 0..nk {
                 let p = kstart + j;
                 let at = (table[p / bs] as usize * bs + p % bs) * width + g * hd;
-                kc[j * hd..(j + 1) * hd].copy_from_slice(&cache.k[at..at + hd]);
-                vc[j * hd..(j + 1) * hd].copy_from_slice(&cache.v[at..at + hd]);
+                cache.k.read(at, &mut kc[j * hd..(j + 1) * hd]);
+                cache.v.read(at, &mut vc[j * hd..(j + 1) * hd]);
             }
             let mut scores = vec![0f32; rows * nk];
             let mut o = vec![0f32; group * rows * hd];
@@ -352,7 +394,7 @@ fn softmax(scores: &mut [f32], family: Family) {
 
 fn portable_head(
     q: &[f32],
-    cache: &CpuCache,
+    (k, v): (&[f32], &[f32]),
     offsets: &[usize],
     s: AttnShape,
     scores: &mut [f32],
@@ -360,12 +402,12 @@ fn portable_head(
 ) {
     let hd = q.len();
     for (sc, &at) in scores.iter_mut().zip(offsets) {
-        *sc = q.iter().zip(&cache.k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * s.scale;
+        *sc = q.iter().zip(&k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * s.scale;
     }
     cap_scores(scores, s.softcap);
     softmax_in_place(scores);
     for (&w, &at) in scores.iter().zip(offsets) {
-        for (oi, vi) in o.iter_mut().zip(&cache.v[at..at + hd]) {
+        for (oi, vi) in o.iter_mut().zip(&v[at..at + hd]) {
             *oi += w * vi;
         }
     }
@@ -380,7 +422,7 @@ mod simd {
     use std::arch::x86_64::{__m256, __m512};
 
     use super::super::simd::Lanes;
-    use super::{AttnShape, CpuCache, cap_scores, softmax_in_place};
+    use super::{AttnShape, cap_scores, softmax_in_place};
 
     /// Positions whose scores are computed together: as many independent FMA chains as
     /// two FMA units need to hide their latency.
@@ -392,11 +434,11 @@ mod simd {
     ///
     /// # Safety
     /// The CPU has `V`'s instructions, `q.len()` is a multiple of `V::N`, and every offset
-    /// starts a row of `q.len()` values inside `cache.k` and `cache.v`.
+    /// starts a row of `q.len()` values inside `k` and `v`.
     #[inline(always)]
     unsafe fn head<V: Lanes>(
         q: &[f32],
-        cache: &CpuCache,
+        (k, v): (&[f32], &[f32]),
         offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
@@ -408,7 +450,7 @@ mod simd {
         // SAFETY (whole body): q and o hold hd values and every cache row read is one of
         // the offsets' rows of hd values (the contract); the instructions are there.
         unsafe {
-            let (k, qp) = (cache.k.as_ptr(), q.as_ptr());
+            let (k, qp) = (k.as_ptr(), q.as_ptr());
             let mut sc = scores.chunks_exact_mut(SCORE_ROWS);
             let mut at = offsets.chunks_exact(SCORE_ROWS);
             for (sc, at) in (&mut sc).zip(&mut at) {
@@ -435,10 +477,10 @@ mod simd {
             let mut c0 = 0;
             while c0 < chunks {
                 c0 += match chunks - c0 {
-                    8.. => weighted::<V, 8>(cache, offsets, scores, c0, o),
-                    4.. => weighted::<V, 4>(cache, offsets, scores, c0, o),
-                    2.. => weighted::<V, 2>(cache, offsets, scores, c0, o),
-                    _ => weighted::<V, 1>(cache, offsets, scores, c0, o),
+                    8.. => weighted::<V, 8>(v, offsets, scores, c0, o),
+                    4.. => weighted::<V, 4>(v, offsets, scores, c0, o),
+                    2.. => weighted::<V, 2>(v, offsets, scores, c0, o),
+                    _ => weighted::<V, 1>(v, offsets, scores, c0, o),
                 };
             }
         }
@@ -450,7 +492,7 @@ mod simd {
     /// As [`head`], with `(c0 + B)·N <= o.len()`.
     #[inline(always)]
     unsafe fn weighted<V: Lanes, const B: usize>(
-        cache: &CpuCache,
+        v: &[f32],
         offsets: &[usize],
         scores: &[f32],
         c0: usize,
@@ -458,7 +500,7 @@ mod simd {
     ) -> usize {
         // SAFETY: the contract; every row holds (c0 + B)·N values and o as many.
         unsafe {
-            let v = cache.v.as_ptr().add(c0 * V::N);
+            let v = v.as_ptr().add(c0 * V::N);
             let mut acc = [V::zero(); B];
             for (&w, &row) in scores.iter().zip(offsets) {
                 let (wv, r) = (V::splat(w), v.add(row));
@@ -481,14 +523,14 @@ mod simd {
     #[target_feature(enable = "avx512f")]
     pub unsafe fn head16(
         q: &[f32],
-        cache: &CpuCache,
+        kv: (&[f32], &[f32]),
         offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<__m512>(q, cache, offsets, s, scores, o) }
+        unsafe { head::<__m512>(q, kv, offsets, s, scores, o) }
     }
 
     /// [`head`] on AVX2.
@@ -499,14 +541,14 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn head8(
         q: &[f32],
-        cache: &CpuCache,
+        kv: (&[f32], &[f32]),
         offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<__m256>(q, cache, offsets, s, scores, o) }
+        unsafe { head::<__m256>(q, kv, offsets, s, scores, o) }
     }
 
     /// [`softmax_in_place`] on AVX-512.
@@ -537,31 +579,37 @@ mod simd {
     #[target_feature(enable = "neon")]
     pub unsafe fn head4(
         q: &[f32],
-        cache: &CpuCache,
+        kv: (&[f32], &[f32]),
         offsets: &[usize],
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { head::<float32x4_t>(q, cache, offsets, s, scores, o) }
+        unsafe { head::<float32x4_t>(q, kv, offsets, s, scores, o) }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::CacheShape;
+    use crate::kernels::{CacheShape, e4m3};
 
     /// Test values in [-1, 1).
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         super::super::test_values(n, seed).into_iter().map(|x| x * 2.0).collect()
     }
 
-    /// softmax(q·Kᵀ) · V in f64 over each token's visible positions, read through the table.
+    /// softmax(q·Kᵀ) · V in f64 over each token's visible positions, read through the table
+    /// (the values the cache holds, widened one at a time).
     fn reference(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> Vec<f32> {
         let (hd, nh) = (s.head_dim, s.num_heads);
         let (group, width, bs) = (nh / s.num_kv_heads, s.num_kv_heads * hd, cache.shape.block_size);
+        let value = |cells: &KvCells, at: usize| {
+            let mut x = [0f32];
+            cells.read(at, &mut x);
+            x[0] as f64
+        };
         let mut out = vec![0f32; q.rows * nh * hd];
         for t in 0..q.rows {
             let pos = meta.positions[t] as usize;
@@ -573,8 +621,7 @@ mod tests {
                 let scores: Vec<f64> = visible
                     .clone()
                     .map(|p| {
-                        let d: f64 =
-                            qv.iter().zip(&cache.k[at(p)..][..hd]).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let d: f64 = (0..hd).map(|d| qv[d] as f64 * value(&cache.k, at(p) + d)).sum();
                         let d = d * s.scale as f64;
                         if s.softcap > 0.0 { s.softcap as f64 * (d / s.softcap as f64).tanh() } else { d }
                     })
@@ -583,7 +630,7 @@ mod tests {
                 let w: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = w.iter().sum();
                 for d in 0..hd {
-                    let o: f64 = visible.clone().zip(&w).map(|(p, w)| w * cache.v[at(p) + d] as f64).sum();
+                    let o: f64 = visible.clone().zip(&w).map(|(p, w)| w * value(&cache.v, at(p) + d)).sum();
                     out[(t * nh + h) * hd + d] = (o / sum) as f32;
                 }
             }
@@ -593,7 +640,8 @@ mod tests {
 
     /// A step as chunked prefill and decoding make them: a prompt chunk after a cached
     /// prefix, a decode token, a whole prompt, a run too short to tile and a second decode
-    /// token; tables that are not in order.
+    /// token; tables that are not in order. Over an f32 cache and an FP8 one (whose
+    /// reference reads the same rounded values).
     #[test]
     fn tiles_and_single_queries_match_the_reference() {
         let (bs, nkv, hd, nh) = (16usize, 2usize, 64usize, 6usize);
@@ -619,7 +667,10 @@ mod tests {
         let rows = positions.len();
         let shape = CacheShape { num_blocks: next as usize, block_size: bs, num_kv_heads: nkv, head_dim: hd };
         let cells = shape.num_blocks * bs * nkv * hd;
-        let cache = CpuCache { shape, k: rand_vec(cells, 1), v: rand_vec(cells, 2) };
+        let (k, v) = (rand_vec(cells, 1), rand_vec(cells, 2));
+        let f32_cache = CpuCache { shape, k: KvCells::F32(k.clone()), v: KvCells::F32(v.clone()) };
+        let fp8 = |x: &[f32]| KvCells::Fp8(x.iter().map(|&x| e4m3::encode(x)).collect());
+        let fp8_cache = CpuCache { shape, k: fp8(&k), v: fp8(&v) };
         let q = CpuTensor::new(rand_vec(rows * nh * hd, 3), rows, nh * hd);
         let meta = AttnMetadata {
             positions,
@@ -631,14 +682,21 @@ mod tests {
             prompt_lens: Vec::new(),
         };
         assert_eq!(tiled_runs(&meta), vec![0..100, 101..251]);
-        for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
-            let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
-            let want = reference(&q, &cache, s, &meta);
-            for family in Family::all_supported() {
-                let got = attend(&q, &cache, s, &meta, family);
-                let worst = got.data.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(worst < 2e-6, "{} window {window} cap {softcap}: off by {worst}", family.name());
+        for (cache, dtype) in [(&f32_cache, "f32"), (&fp8_cache, "fp8")] {
+            for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
+                let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
+                let want = reference(&q, cache, s, &meta);
+                for family in Family::all_supported() {
+                    let got = attend(&q, cache, s, &meta, family);
+                    let worst = got.data.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    let what = format!("{dtype} {} window {window} cap {softcap}", family.name());
+                    assert!(worst < 2e-6, "{what}: off by {worst}");
+                }
             }
         }
+        // The FP8 cache holds values other than the f32 one's: the test tells them apart.
+        let s = AttnShape::causal(nh, nkv, hd);
+        let (a, b) = (reference(&q, &f32_cache, s, &meta), reference(&q, &fp8_cache, s, &meta));
+        assert!(a.iter().zip(&b).any(|(a, b)| (a - b).abs() > 1e-3));
     }
 }

@@ -31,8 +31,8 @@ use rayon::prelude::*;
 
 use super::moe::{self, MoeSpec};
 use super::{
-    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor,
-    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
+    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor, KvDtype,
+    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank, e4m3,
 };
 use crate::kernels::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -129,8 +129,61 @@ fn use_packed(shape: &[usize], family: Family) -> bool {
 /// One layer's paged cache: K and V, each `[num_blocks, block_size, kv_heads, head_dim]`.
 pub struct CpuCache {
     pub shape: CacheShape,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvCells,
+    pub v: KvCells,
+}
+
+/// The elements of one of a layer's K or V caches, in the cache's dtype.
+pub enum KvCells {
+    F32(Vec<f32>),
+    /// e4m3 bytes (`KvDtype::Fp8E4m3`).
+    Fp8(Vec<u8>),
+}
+
+impl KvCells {
+    pub fn new(dtype: KvDtype, n: usize) -> Self {
+        match dtype {
+            KvDtype::Auto => KvCells::F32(vec![0.0; n]),
+            KvDtype::Fp8E4m3 => KvCells::Fp8(vec![0; n]),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            KvCells::F32(c) => c.len(),
+            KvCells::Fp8(c) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stores `src` at element `at`, rounded to the cache's dtype.
+    pub fn write(&mut self, at: usize, src: &[f32]) {
+        match self {
+            KvCells::F32(c) => c[at..at + src.len()].copy_from_slice(src),
+            KvCells::Fp8(c) => {
+                c[at..at + src.len()].iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v))
+            }
+        }
+    }
+
+    /// The values of elements `at .. at + out.len()` into `out`.
+    pub fn read(&self, at: usize, out: &mut [f32]) {
+        match self {
+            KvCells::F32(c) => out.copy_from_slice(&c[at..at + out.len()]),
+            KvCells::Fp8(c) => e4m3::widen(&c[at..at + out.len()], out),
+        }
+    }
+
+    /// Copies elements `src` to `dst` (a forked beam's block).
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
+        match self {
+            KvCells::F32(c) => c.copy_within(src, dst),
+            KvCells::Fp8(c) => c.copy_within(src, dst),
+        }
+    }
 }
 
 /// The CPU, alone or as one rank of an in-process tensor-parallel group.
@@ -361,9 +414,9 @@ impl Device for CpuDevice {
         Ok(CpuWeight { shape: t.shape, layout: Layout::Rows(data) })
     }
 
-    fn alloc_cache(&self, shape: CacheShape) -> Result<CpuCache, DeviceError> {
+    fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<CpuCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
-        Ok(CpuCache { shape, k: vec![0.0; n], v: vec![0.0; n] })
+        Ok(CpuCache { shape, k: KvCells::new(dtype, n), v: KvCells::new(dtype, n) })
     }
 
     fn copy_blocks(&self, cache: &mut CpuCache, pairs: &[(u32, u32)]) -> DevResult<()> {

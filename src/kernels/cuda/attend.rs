@@ -49,7 +49,8 @@ impl CudaDevice {
     /// rows come here too), a GQA group of up to 8 query heads, and rows within its grid's
     /// y bound (65,535).
     pub(super) fn decode_on_flash(&self, s: AttnShape, rows: usize) -> bool {
-        let head_dim = matches!(s.head_dim, 64 | 128) || (s.head_dim == 256 && self.act16.get() != 0);
+        let half_cache = self.act16.get() != 0 && !self.kv_fp8.get();
+        let head_dim = matches!(s.head_dim, 64 | 128) || (s.head_dim == 256 && half_cache);
         self.tensor_cores() && head_dim && s.num_heads / s.num_kv_heads <= 8 && rows <= 65_535
     }
 
@@ -57,6 +58,15 @@ impl CudaDevice {
     /// a prefill took the tensor-core path).
     pub fn tensor_core_tiles(&self) -> usize {
         self.inputs().step.borrow().as_ref().map_or(0, |b| b.num_tiles)
+    }
+
+    /// The bytes of an FP8 cache's K and V, as the kernels wrote them.
+    pub fn cache_bytes(&self, cache: &CudaCache) -> DevResult<(Vec<u8>, Vec<u8>)> {
+        let (super::KvBuf::Fp8(k), super::KvBuf::Fp8(v)) = (&cache.k, &cache.v) else {
+            return Err(crate::kernels::DeviceError::Other("not an FP8 cache".into()));
+        };
+        let host = |b| self.stream.clone_dtoh(b).map_err(cuda("device to host copy"));
+        Ok((host(k)?, host(v)?))
     }
 
     /// Whether the last attention's decode rows were split into partitions that
@@ -75,14 +85,18 @@ impl CudaDevice {
         self.tensor_core_attention.set(Some(on));
     }
 
-    /// The KV cache's element type for caches allocated now (the 16-bit type of the
-    /// weights, else f32) as its kernels' suffix, with those kernels.
+    /// The KV cache's element type for caches allocated now (FP8 where asked, else the
+    /// 16-bit type of the weights, else f32) as its kernels' suffix, with those kernels.
+    /// An FP8 cache is read as an f32 one is (its rows widened as they are loaded), by the
+    /// same kernels.
     pub(super) fn kv_kernels(&self) -> (&'static str, KvKernels) {
         let sfx = match self.act16.get() {
+            _ if self.kv_fp8.get() => "fp8",
             1 => "bf16",
             2 => "f16",
             _ => "f32",
         };
+        let half = matches!(sfx, "bf16" | "f16");
         let f = |name: String| self.f(&name).clone();
         let kernels = KvKernels {
             write_kv: f(format!("write_kv_{sfx}")),
@@ -90,8 +104,8 @@ impl CudaDevice {
             attention: f(format!("paged_attention_{sfx}")),
             flash: [f(format!("flash_prefill_h64_{sfx}")), f(format!("flash_prefill_h128_{sfx}"))],
             decode: [f(format!("flash_decode_h64_{sfx}")), f(format!("flash_decode_h128_{sfx}"))],
-            decode256: (sfx != "f32").then(|| f(format!("flash_decode_h256_{sfx}"))),
-            decode_join: (sfx != "f32").then(|| {
+            decode256: half.then(|| f(format!("flash_decode_h256_{sfx}"))),
+            decode_join: half.then(|| {
                 [f(format!("flash_decode_join_h64_{sfx}")), f(format!("flash_decode_join_h128_{sfx}"))]
             }),
             split: split_names(sfx).map(f).collect(),

@@ -1,6 +1,6 @@
 // Paged KV cache and attention. Cache layout per layer: [num_blocks, block_size, kv_heads,
-// head_dim] for K and for V, of type T: f32, or bf16/f16 for 16-bit models (entry points
-// end in _f32, _bf16, _f16). (common.cuh comes first.)
+// head_dim] for K and for V, of type T: f32, bf16/f16 for 16-bit models, or e4m3 bytes
+// (entry points end in _f32, _bf16, _f16, _fp8). (common.cuh comes first.)
 
 template <typename T>
 __device__ void write_kv(const float* k, const float* v, T* kc, T* vc, const long long* slots, int width) {
@@ -271,9 +271,11 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
 KV_ENTRIES(f32, float)
 KV_ENTRIES(bf16, __nv_bfloat16)
 KV_ENTRIES(f16, __half)
+KV_ENTRIES(fp8, kv_fp8)
 SPLIT_ENTRIES(f32, float)
 SPLIT_ENTRIES(bf16, __nv_bfloat16)
 SPLIT_ENTRIES(f16, __half)
+SPLIT_ENTRIES(fp8, kv_fp8)
 
 // paged_attention_reduce_f32 for a (row, head) of at most REDUCE_REGS parts, as the loops
 // below compute it (same order, same values) but with each thread's loads issued at once:

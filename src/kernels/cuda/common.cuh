@@ -1,6 +1,7 @@
 // Prepended to every kernel source.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 // Programmatic dependent launch (sm_90 and later), the first statement of every kernel:
 // inside a CUDA graph whose kernel-to-kernel edges are programmatic (graph.rs), a kernel is
@@ -58,7 +59,8 @@ __device__ __forceinline__ void store16x4(void* p, size_t i, float a, float b, f
     *(uint2*)((unsigned short*)p + i) = u;
 }
 
-// KV cache elements: f32, or the 16-bit type of a 16-bit model, read and written as f32.
+// KV cache elements: f32, the 16-bit type of a 16-bit model, or kv_fp8 (below), read and
+// written as f32.
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float ld(const __half* p) { return __half2float(*p); }
@@ -102,6 +104,31 @@ __device__ __forceinline__ void st4(__nv_bfloat16* p, float4 v) {
 __device__ __forceinline__ void st4(__half* p, float4 v) {
     __half2 lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
     *(uint2*)p = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
+}
+
+// An FP8 KV cache's element (--kv-cache-dtype fp8): an e4m3 byte of scale 1, written
+// rounded to nearest even and saturated at ±448 (as the CPU's e4m3::encode), read exactly
+// (every e4m3 value is a half). Entry points over such a cache end in _fp8. Four
+// consecutive elements are 4-byte aligned; a byte pair is one conversion.
+struct kv_fp8 {
+    unsigned char b;
+};
+__device__ __forceinline__ __half2 fp8x2_half2(unsigned w) {
+    return __half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffff), __NV_E4M3));
+}
+__device__ __forceinline__ float ld(const kv_fp8* p) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(p->b, __NV_E4M3)));
+}
+__device__ __forceinline__ void st(kv_fp8* p, float v) { p->b = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3); }
+__device__ __forceinline__ float4 ld4(const kv_fp8* p) {
+    unsigned u = *(const unsigned*)p;
+    float2 a = __half22float2(fp8x2_half2(u)), b = __half22float2(fp8x2_half2(u >> 16));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ void st4(kv_fp8* p, float4 v) {
+    unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(v.x, v.y), __NV_SATFINITE, __NV_E4M3);
+    unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(v.z, v.w), __NV_SATFINITE, __NV_E4M3);
+    *(unsigned*)p = (lo & 0xffff) | (hi << 16);
 }
 
 // Sliding windows and soft caps in the flash kernels (flash.cu) and the reduction of their

@@ -432,6 +432,7 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
 SPLIT_ROPE_KV_ENTRY(f32, float)
 SPLIT_ROPE_KV_ENTRY(bf16, __nv_bfloat16)
 SPLIT_ROPE_KV_ENTRY(f16, __half)
+SPLIT_ROPE_KV_ENTRY(fp8, kv_fp8)
 
 // Conversions for cuBLAS GEMMs with 16-bit weights, and the embedding of a 16-bit table.
 

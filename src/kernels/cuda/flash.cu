@@ -221,6 +221,9 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
 
 FLASH_ENTRY(64, f32, float)
 FLASH_ENTRY(128, f32, float)
+// An FP8 cache is staged as an f32 one is, its rows widened as they are loaded.
+FLASH_ENTRY(64, fp8, kv_fp8)
+FLASH_ENTRY(128, fp8, kv_fp8)
 
 // Decode attention on tensor cores (split over partitions of the context, as
 // paged_attention_split, whose reduce kernel joins the partitions). Up to `parts_max` warps
@@ -245,7 +248,7 @@ FLASH_ENTRY(128, f32, float)
 // Rows g + 8 of the A fragments (past the group) are zero and their results are dropped.
 
 // K and V of a 16-bit cache are used as they are, with the mma of that type; an f32 cache
-// is rounded to bf16.
+// is rounded to bf16, and an FP8 one widened to f16 (exactly: every e4m3 value is a half).
 template <typename T> struct Frag16 {
     static __device__ __forceinline__ unsigned pack(float lo, float hi) { return pack_bf16(lo, hi); }
     static __device__ __forceinline__ void mma(float& c0, float& c1, unsigned a0, unsigned a2, unsigned b0,
@@ -272,8 +275,15 @@ template <> struct Frag16<__half> {
     }
 };
 
-// Eight consecutive cache elements as four packed 16-bit pairs.
+template <> struct Frag16<kv_fp8> : Frag16<__half> {};
+
+// Eight consecutive cache elements as four packed 16-bit pairs (of Frag16's type).
 __device__ __forceinline__ uint4 ld8(const __nv_bfloat16* p) { return *(const uint4*)p; }
+__device__ __forceinline__ uint4 ld8(const kv_fp8* p) {
+    uint2 u = *(const uint2*)p;
+    __half2 h[4] = {fp8x2_half2(u.x), fp8x2_half2(u.x >> 16), fp8x2_half2(u.y), fp8x2_half2(u.y >> 16)};
+    return make_uint4(*(unsigned*)&h[0], *(unsigned*)&h[1], *(unsigned*)&h[2], *(unsigned*)&h[3]);
+}
 __device__ __forceinline__ uint4 ld8(const __half* p) { return *(const uint4*)p; }
 __device__ __forceinline__ uint4 ld8(const float* p) {
     float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
@@ -453,8 +463,9 @@ __device__ __forceinline__ void decode_finish(const float (&o)[HD / 8][2], float
     (q, kc, vc, part_out, part_max, part_sum, out, out16, kind, rows, row_meta, tables, heads, kv_heads,       \
      head_dim, block_size, scale, parts_max, join, window, softcap)
 
-// An f32 cache: each lane loads its K and V pieces of a chunk straight into registers
-// (rounded to bf16), every load of the chunk issued before the first use.
+// An f32 or FP8 cache: each lane loads its K and V pieces of a chunk straight into
+// registers (rounded to bf16, widened to f16), every load of the chunk issued before the
+// first use.
 template <int HD, typename T, bool WHOLE>
 __device__ __forceinline__ void flash_decode_regs(DECODE_ARGS(T)) {
     constexpr int NC = HD / 32, NT = HD / 8;
@@ -787,11 +798,11 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
     }
 }
 
-#define DECODE_ENTRY_F32(HD)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_f32(DECODE_ARGS(float)) {         \
+#define DECODE_ENTRY_REGS(HD, SUF, T)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(DECODE_ARGS(T)) {           \
         grid_dep_sync();                                                                                        \
-        if (block_size >= 16) flash_decode_regs<HD, float, true> DECODE_CALL;                                   \
-        else flash_decode_regs<HD, float, false> DECODE_CALL;                                                   \
+        if (block_size >= 16) flash_decode_regs<HD, T, true> DECODE_CALL;                                       \
+        else flash_decode_regs<HD, T, false> DECODE_CALL;                                                       \
     }
 #define DECODE_ENTRY_16(HD, SUF, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_decode_h##HD##_##SUF(DECODE_ARGS(T)) {           \
@@ -810,8 +821,10 @@ __device__ __forceinline__ void flash_decode_pipe(DECODE_ARGS(T)) {
         else flash_decode_pipe<HD, T, false> DECODE_CALL;                                                      \
     }
 
-DECODE_ENTRY_F32(64)
-DECODE_ENTRY_F32(128)
+DECODE_ENTRY_REGS(64, f32, float)
+DECODE_ENTRY_REGS(128, f32, float)
+DECODE_ENTRY_REGS(64, fp8, kv_fp8)
+DECODE_ENTRY_REGS(128, fp8, kv_fp8)
 DECODE_ENTRY_16(64, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(128, bf16, __nv_bfloat16)
 DECODE_ENTRY_16(64, f16, __half)

@@ -157,8 +157,8 @@ impl CudaWeight {
     }
 }
 
-/// One layer's K and V cache: f32, or the 16-bit type of a 16-bit model's weights (half the
-/// bytes for attention to read).
+/// One layer's K and V cache: f32, the 16-bit type of a 16-bit model's weights (half the
+/// bytes for attention to read), or e4m3 bytes (--kv-cache-dtype fp8).
 pub struct CudaCache {
     pub shape: CacheShape,
     k: KvBuf,
@@ -170,6 +170,7 @@ pub struct CudaCache {
 enum KvBuf {
     F32(CudaSlice<f32>),
     Half(CudaSlice<u16>),
+    Fp8(CudaSlice<u8>),
 }
 
 impl KvBuf {
@@ -181,6 +182,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(b) => b,
             KvBuf::Half(b) => b,
+            KvBuf::Fp8(b) => b,
         }
     }
 }
@@ -238,6 +240,8 @@ pub struct CudaDevice {
     /// The 16-bit type of the 2-D weights (1 bf16, 2 f16; 0 for f32): activations that feed
     /// GEMMs are also written in it.
     act16: std::cell::Cell<i32>,
+    /// Whether the KV caches allocated are FP8 (--kv-cache-dtype fp8).
+    kv_fp8: std::cell::Cell<bool>,
     /// Prefill attention on tensor cores: by default for 16-bit models on sm_80 and later.
     tensor_core_attention: std::cell::Cell<Option<bool>>,
     /// Whether the last attention's decode rows went to flash_decode.
@@ -375,6 +379,7 @@ impl CudaDevice {
             fp8_x: std::cell::RefCell::new(None),
             prof,
             act16: std::cell::Cell::new(0),
+            kv_fp8: std::cell::Cell::new(false),
             tensor_core_attention: std::cell::Cell::new(None),
             decode_on_tensor_cores: std::cell::Cell::new(false),
             plain_attention: std::cell::Cell::new(false),

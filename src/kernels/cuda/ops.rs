@@ -10,7 +10,7 @@ use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, Weig
 use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor,
-    LoraRows, LoraShape, LoraSlotWeights, MoeSpec, RopeSpec, SampleTicket, Sampled, TpRank,
+    KvDtype, LoraRows, LoraShape, LoraSlotWeights, MoeSpec, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::sampling::SampleInput;
 
@@ -135,12 +135,14 @@ impl Device for CudaDevice {
         Ok(CudaWeight { shape: t.shape, buf })
     }
 
-    fn alloc_cache(&self, shape: CacheShape) -> Result<CudaCache, DeviceError> {
+    fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<CudaCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        self.kv_fp8.set(dtype == KvDtype::Fp8E4m3);
         let (sfx, kernels) = self.kv_kernels();
         let buf = || -> Result<KvBuf, DeviceError> {
             Ok(match sfx {
                 "f32" => KvBuf::F32(self.zeros(n)?),
+                "fp8" => KvBuf::Fp8(self.zeros(n)?),
                 _ => KvBuf::Half(self.zeros(n)?),
             })
         };
@@ -167,6 +169,10 @@ impl Device for CudaDevice {
                     let (p, g) = b.device_ptr_mut(&self.stream);
                     (p, elems * 2, g)
                 }
+                KvBuf::Fp8(b) => {
+                    let (p, g) = b.device_ptr_mut(&self.stream);
+                    (p, elems, g)
+                }
             };
             for &(src, dst) in pairs {
                 let (src, dst) = (ptr + (src as usize * bytes) as u64, ptr + (dst as usize * bytes) as u64);
@@ -181,8 +187,8 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    fn kv_cache_elem_bytes(&self) -> usize {
-        if self.act16.get() == 0 { 4 } else { 2 }
+    fn kv_cache_elem_bytes(&self, dtype: KvDtype) -> usize {
+        dtype.elem_bytes(if self.act16.get() == 0 { 4 } else { 2 })
     }
 
     fn allocations(&self) -> u64 {

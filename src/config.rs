@@ -120,7 +120,8 @@ pub struct EngineArgs {
     pub kv_cache_space: f64,
     /// KV cache element type: `auto` (f32 on the CPU; on a GPU the 16-bit type of a 16-bit
     /// model, else f32) or `fp8` (alias `fp8_e4m3`: e4m3 with a scale of 1, saturating at
-    /// ±448; half a 16-bit cache's bytes, so twice the tokens in the same memory).
+    /// ±448; a quarter of f32's bytes, so four times the tokens in the same memory; on the
+    /// CPU only, refused on a CUDA GPU).
     #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
     pub kv_cache_dtype: KvDtype,
     /// Exact number of KV cache blocks, overriding the size computed from memory.
@@ -350,6 +351,11 @@ impl Default for EngineArgs {
 pub enum ConfigError {
     #[error("--block-size must be a power of two between 1 and 256, got {0}")]
     BlockSize(usize),
+    #[error(
+        "--kv-cache-dtype fp8 is served on the CPU (--device cpu); on a CUDA GPU its attention kernels \
+         do not yet give the CPU's values, so it is refused there: use --kv-cache-dtype auto"
+    )]
+    Fp8KvCacheOnGpu,
     #[error("--max-num-seqs must be at least 1, got {0}")]
     MaxNumSeqs(usize),
     #[error("--max-num-batched-tokens ({tokens}) must be at least --max-num-seqs ({seqs})")]

@@ -103,6 +103,9 @@ impl Engine {
             if args.keep_quantized {
                 return Err(crate::quantization::QuantError::KeepOnGpu.into());
             }
+            if args.kv_cache_dtype != crate::kernels::KvDtype::Auto {
+                return Err(crate::config::ConfigError::Fp8KvCacheOnGpu.into());
+            }
             args.gpu_batch_defaults(CudaDevice::large_gpu());
             let tp = args.tensor_parallel_size;
             let mut registry = ModelRegistry::<CudaDevice>::default();

@@ -1787,67 +1787,6 @@ async fn bf16_parts_from_f32_only_at_near_ties() {
     eprintln!("{parted} of {} bf16 outputs parted from f32, each at a near tie", prompts.len());
 }
 
-/// An FP8 KV cache on the GPU: the tiny models of tests/fixtures/kv-fp8/ (f32, one with
-/// soft caps and sliding windows) give transformers' tokens with its cache rounded to e4m3,
-/// with graphs and eager; and the default model's shapes in bf16 (tensor-core prefill and
-/// decode over the FP8 cache) part from the CPU's f32 run over an FP8 cache only at near
-/// ties. The cache takes half the bytes of a 16-bit one: twice the blocks in the same
-/// memory.
-#[actix_rt::test]
-#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
-async fn an_fp8_kv_cache_on_the_gpu_gives_the_cpu_tokens() {
-    let _turn = gpu_turn();
-    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(24) };
-    for name in ["llama", "gemma2"] {
-        let path = common::fixture(&format!("tests/fixtures/kv-fp8/{name}.json"));
-        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let model = common::scratch(&format!("{name}-kv-fp8"));
-        actorllm::models::random::write_golden_model(&g, &model).unwrap();
-        let want: Vec<Vec<u32>> = g["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
-            .collect();
-        for eager in [false, true] {
-            runners_released().await;
-            let args = EngineArgs {
-                device: DeviceArg::Cuda,
-                kv_cache_dtype: KvDtype::Fp8E4m3,
-                enforce_eager: eager,
-                ..common::args(&model)
-            };
-            let gpu = Engine::start(args).await.unwrap();
-            let runs = common::golden_prompts(&g).into_iter().map(|p| run(&gpu, p, params.clone()));
-            let got: Vec<Vec<u32>> =
-                futures::future::join_all(runs).await.into_iter().map(|o| o.tokens[0].clone()).collect();
-            assert_eq!(got, want, "{name}, eager {eager}");
-        }
-    }
-    const MARGIN: f32 = 0.5;
-    let model = smollm2_model();
-    let prompts: Vec<Vec<u32>> =
-        (0..8u32).map(|i| (0..(5 + 61 * i)).map(|j| (i * 31 + j * 11) % 4000 + 20).collect()).collect();
-    let fp8 = |device, dtype| EngineArgs {
-        device,
-        dtype,
-        kv_cache_dtype: KvDtype::Fp8E4m3,
-        num_gpu_blocks_override: Some(2048),
-        ..common::args(&model)
-    };
-    let on_cpu = top_outputs(48, 2, fp8(DeviceArg::Cpu, DTypeArg::Float32), &prompts).await;
-    let on_gpu = top_outputs(48, 2, fp8(DeviceArg::Cuda, DTypeArg::Bfloat16), &prompts).await;
-    let parted = parted_at_near_ties("bf16 over FP8 against f32 over FP8", &on_cpu, &on_gpu, MARGIN);
-    eprintln!("{parted} of {} outputs parted, each at a near tie", prompts.len());
-    // Bytes per cached element: e4m3's one against bf16's two.
-    runners_released().await;
-    let (g, _) = gpu();
-    let bf16 = DType::BF16;
-    g.set_activation_dtype(bf16);
-    assert_eq!((g.kv_cache_elem_bytes(KvDtype::Fp8E4m3), g.kv_cache_elem_bytes(KvDtype::Auto)), (1, 2));
-    g.set_activation_dtype(DType::F32);
-}
-
 /// Quantized checkpoints on the GPU keep their projections packed: a GPTQ one (4-bit,
 /// groups of 32 in order, f16 scales), an FP8 one (vLLM's format, blocks of 64, bf16
 /// elsewhere), and a 16-bit one quantized to FP8 at load (`--quantization fp8`). Decode

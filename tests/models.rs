@@ -65,7 +65,8 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
 /// rounded to e4m3 as it enters its cache (tests/fixtures/kv-fp8/, by the same script, on
 /// prompts whose keys and values all keep clear of a rounding midpoint): a plain model, and
 /// one with soft caps and alternating sliding windows. The rounding moves the logprobs by up
-/// to 0.8 from the f32 cache's, so a cache that kept f32 would fail.
+/// to 0.8 from the f32 cache's, so a cache that kept f32 would fail. On a CUDA GPU the flag
+/// is refused.
 #[actix_rt::test]
 async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     for name in ["llama", "gemma2"] {
@@ -74,6 +75,16 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
         assert_eq!(g["kv_cache_dtype"], "fp8");
         matches_golden(&format!("{name}-kv-fp8"), &g, KvDtype::Fp8E4m3).await;
     }
+    // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
+    let dir = common::scratch("kv-fp8-on-cuda");
+    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
+    let args = EngineArgs {
+        device: actorllm::config::DeviceArg::Cuda,
+        kv_cache_dtype: KvDtype::Fp8E4m3,
+        ..common::args(&dir)
+    };
+    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
 }
 
 #[actix_rt::test]

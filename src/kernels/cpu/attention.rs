@@ -11,9 +11,9 @@
 //! scores and the output are two small GEMMs, so that a long prompt reads each key once a
 //! block rather than once a query.
 //!
-//! An FP8 cache (`--kv-cache-dtype fp8`) is read through the same kernels: a (token, head)
-//! first widens its visible rows to f32 (a table lookup a byte), and a tile its gathered
-//! ones.
+//! An FP8 cache (`--kv-cache-dtype fp8`) is read through the same kernels: a (token, KV
+//! head) first widens its visible rows to f32 (a table lookup a byte), once for the query
+//! heads of its group, and a tile its gathered ones.
 
 use rayon::prelude::*;
 

@@ -15,8 +15,9 @@ changes at (dynamic NTK, LongRoPE), where it has one; the short ones generate pa
     python scripts/make_model_goldens.py tests/fixtures/models [MODEL ...]
 
 (granite, which examples/granite.rs registers out of tree, goes to tests/fixtures/out-of-tree/.
-The models of KV_FP8 are run a second time with an FP8 KV cache, into tests/fixtures/kv-fp8/;
-name `kv-fp8` to make only those.)
+The models of KV_FP8 are run a second time with an FP8 KV cache, into tests/fixtures/kv-fp8/,
+the first also with per-layer KV cache scales in its checkpoint (`kv_scales` in the file,
+written as scalar tensors beside the weights); name `kv-fp8` to make only those.)
 """
 import contextlib
 import json
@@ -171,32 +172,66 @@ def kv_margin(x, r):
 
 
 @contextlib.contextmanager
-def fp8_kv_cache():
-    """transformers' cache layers store each key and value rounded to e4m3 (nearest even,
-    saturated at ±448: scale 1), and attention reads them back from there, the step's own
-    keys and values included; KV_MARGIN keeps how near a rounding midpoint they came."""
-    from transformers import cache_utils
-    saved = []
-    for name in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-        cls = getattr(cache_utils, name, None)
-        if cls is None or "update" not in cls.__dict__:
-            continue
-        orig = cls.__dict__["update"]
+def fp8_kv_cache(scales=None):
+    """transformers' cache stores each key and value rounded to e4m3 (nearest even, saturated
+    at ±448), and attention reads them back from there, the step's own keys and values
+    included. With `scales` (a (k_scale, v_scale) pair a layer, a checkpoint's) a key x is
+    stored as e4m3(x / k_scale) and read back as that times k_scale, as vLLM's FP8 cache
+    does; else the scale is 1. KV_MARGIN keeps how near a rounding midpoint they came."""
+    from transformers.cache_utils import Cache
+    orig = Cache.__dict__["update"]
 
-        def update(self, key_states, value_states, *args, _orig=orig, **kwargs):
-            def e4m3(x):
-                r = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-                KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(x, r))
-                return r
-            return _orig(self, e4m3(key_states), e4m3(value_states), *args, **kwargs)
-        saved.append((cls, orig))
-        cls.update = update
-    assert saved, "no cache layer to round the keys and values of"
+    def e4m3(x, scale):
+        y = x / scale
+        r = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+        KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(y, r))
+        return r * scale
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        ks, vs = scales[layer_idx] if scales else (1.0, 1.0)
+        return orig(self, e4m3(key_states, ks), e4m3(value_states, vs), layer_idx, *args, **kwargs)
+    Cache.update = update
     try:
         yield
     finally:
-        for cls, orig in saved:
-            cls.update = orig
+        Cache.update = orig
+
+
+def calibrated_kv_scales(model, ids):
+    """Each layer's (k_scale, v_scale) as a calibration tool makes them: the largest
+    magnitude of its keys (values) over a prompt, over 448, in float32."""
+    from transformers.cache_utils import Cache
+    orig = Cache.__dict__["update"]
+    amax = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = amax.get(layer_idx, (0.0, 0.0))
+        amax[layer_idx] = (max(k, key_states.abs().max().item()), max(v, value_states.abs().max().item()))
+        return orig(self, key_states, value_states, layer_idx, *args, **kwargs)
+    Cache.update = update
+    try:
+        run(model, ids)
+    finally:
+        Cache.update = orig
+    return [tuple(float(np.float32(a / 448.0)) for a in amax[i]) for i in sorted(amax)]
+
+
+def kv_scale_tensors(scales):
+    """The scales as a checkpoint holds them, under three writers' names: layer 0's as
+    compressed-tensors writes them, layer 1's as NVIDIA ModelOpt does, and the rest as one
+    older `kv_scale` a layer (the larger of the pair, for keys and values alike)."""
+    tensors, used = {}, []
+    for i, (k, v) in enumerate(scales):
+        at = f"model.layers.{i}.self_attn."
+        if i == 0:
+            tensors.update({at + "k_scale": k, at + "v_scale": v})
+        elif i == 1:
+            tensors.update({at + "k_proj.k_scale": k, at + "v_proj.v_scale": v})
+        else:
+            k = v = max(k, v)
+            tensors[at + "kv_scale"] = k
+        used.append((k, v))
+    return tensors, used
 
 
 def build_moe(cls, cfg, embed_scale):
@@ -286,13 +321,28 @@ def main(out_dir, only=None):
         for key in KV_FP8:
             with fp8_kv_cache():
                 make(key, where, kv_cache_dtype="fp8")
+        # The same with a checkpoint's scales (calibrated on a prompt of its own).
+        make(KV_FP8[0], where, kv_cache_dtype="fp8", scaled=True)
 
 
-def make(key, where, kv_cache_dtype=None):
+def make(key, where, kv_cache_dtype=None, scaled=False):
     cfg_class, model_class, extra = MODELS[key]
     rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
     embed_scale = EMBED_SCALE.get(key, 1.0)
     cfg, model, params, routers = build(key, cfg_class, model_class, extra, embed_scale)
+    scale_tensors = None
+    if scaled:
+        calibration = [int(x) for x in np.random.default_rng(7).integers(3, VOCAB, 24)]
+        scale_tensors, scales = kv_scale_tensors(calibrated_kv_scales(model, calibration))
+        with fp8_kv_cache(scales):
+            return make_runs(key, where, kv_cache_dtype, rng, (cfg, model, params, routers, extra, embed_scale),
+                             scale_tensors)
+    return make_runs(key, where, kv_cache_dtype, rng, (cfg, model, params, routers, extra, embed_scale), None)
+
+
+def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors):
+    cfg, model, params, routers, extra, embed_scale = built
+    model_class = MODELS[key][1]
     window = extra.get("sliding_window") or 0
     runs, tried = [], 0
     while len(runs) < PROMPTS and tried < 400:
@@ -315,11 +365,13 @@ def make(key, where, kv_cache_dtype=None):
               "tokens": TOKENS, "runs": runs}
     if kv_cache_dtype:
         golden["kv_cache_dtype"] = kv_cache_dtype
+    if scale_tensors:
+        golden["kv_scales"] = scale_tensors
     # Architectures served out of tree go beside, in fixtures/out-of-tree/.
     if key in OUT_OF_TREE:
         where = os.path.join(os.path.dirname(where.rstrip("/")), "out-of-tree")
     os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, f"{key}.json")
+    path = os.path.join(where, f"{key}-scaled.json" if scale_tensors else f"{key}.json")
     with open(path, "w") as fh:
         json.dump(golden, fh, separators=(",", ":"))
     print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,

@@ -119,9 +119,9 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 4.0)]
     pub kv_cache_space: f64,
     /// KV cache element type: `auto` (f32 on the CPU; on a GPU the 16-bit type of a 16-bit
-    /// model, else f32) or `fp8` (alias `fp8_e4m3`: e4m3 with a scale of 1, saturating at
-    /// ±448; a quarter of f32's bytes, so four times the tokens in the same memory; on the
-    /// CPU only, refused on a CUDA GPU).
+    /// model, else f32) or `fp8` (alias `fp8_e4m3`: e4m3 by the checkpoint's per-layer
+    /// k_scale and v_scale, else a scale of 1, saturating at ±448; a quarter of f32's bytes,
+    /// so four times the tokens in the same memory; on the CPU only, refused on a CUDA GPU).
     #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
     pub kv_cache_dtype: KvDtype,
     /// Exact number of KV cache blocks, overriding the size computed from memory.

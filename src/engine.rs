@@ -180,7 +180,7 @@ impl Engine {
                     .map(|dev| {
                         s.spawn(move || -> Result<_, EngineError> {
                             let loaded = registry.load(&dev, dir, dtype, &opts)?;
-                            Ok((dev, loaded.model))
+                            Ok((dev, loaded.model, loaded.kv_scales))
                         })
                     })
                     .collect();
@@ -190,7 +190,7 @@ impl Engine {
                         h.join()
                             .map_err(|_| EngineError::Device("a rank's loading thread panicked".into()))?
                     })
-                    .collect::<Result<Vec<(D, _)>, _>>()?;
+                    .collect::<Result<Vec<(D, _, _)>, _>>()?;
                 if let Some(r) = ranks[0].0.remote_ranks() {
                     // The other nodes answer once their weights are loaded.
                     r.join_step().map_err(|e| EngineError::Cluster(e.to_string()))?;
@@ -200,6 +200,9 @@ impl Engine {
         })
         .await
         .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
+        // Every rank read the same scales.
+        let kv_scales = kv_scales_for(config.kv_cache_dtype, ranks[0].2.clone());
+        let ranks: Vec<(D, _)> = ranks.into_iter().map(|(dev, model, _)| (dev, model)).collect();
         // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
         // and a profiling step at the largest batch (see `size_kv_cache`).
         let profile = ranks[0].0.memory_info().is_some() && args.num_gpu_blocks_override.is_none();
@@ -230,11 +233,15 @@ impl Engine {
         let eos: Arc<[u32]> = tokenizer.eos_ids.clone().into();
         let (profile_step, profile_blocks) = profile_batch(&config);
         let num_blocks = if profile { profile_blocks } else { config.num_blocks };
-        let runner_cfg =
-            RunnerConfig { num_blocks, block_size: config.block_size, kv_dtype: config.kv_cache_dtype };
+        let runner_cfg = RunnerConfig {
+            num_blocks,
+            block_size: config.block_size,
+            kv_dtype: config.kv_cache_dtype,
+            kv_scales,
+        };
         let mut runners = ranks
             .into_iter()
-            .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg, eos.clone()))
+            .map(|(dev, model)| ModelRunner::new(dev, model, runner_cfg.clone(), eos.clone()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::Device(e.to_string()))?;
         let peers: Vec<_> = runners.split_off(1).into_iter().map(start_runner).collect();
@@ -536,6 +543,39 @@ pub(crate) fn load_options(args: &EngineArgs, model: &ModelConfig, config: &Engi
         }),
         dummy: args.load_format == crate::config::LoadFormat::Dummy,
         online_fp8: crate::quantization::online_fp8(&model.hf, args.quantization.as_deref()),
+    }
+}
+
+/// The KV cache scales the runners take, logged: the checkpoint's where the cache is FP8
+/// (scale 1 where it has none, as vLLM's), none else.
+pub(crate) fn kv_scales_for(
+    kv: crate::kernels::KvDtype,
+    found: Option<(Vec<crate::kernels::KvScales>, usize)>,
+) -> Option<Arc<[crate::kernels::KvScales]>> {
+    match (kv, found) {
+        (crate::kernels::KvDtype::Fp8E4m3, Some((scales, n))) => {
+            tracing::info!(
+                scales = n,
+                layers = scales.len(),
+                "FP8 KV cache: the checkpoint's k_scale and v_scale"
+            );
+            Some(scales.into())
+        }
+        (crate::kernels::KvDtype::Fp8E4m3, None) => {
+            tracing::warn!(
+                "FP8 KV cache of scale 1: the checkpoint has no k_scale or v_scale; keys and values \
+                 past ±448 saturate"
+            );
+            None
+        }
+        (crate::kernels::KvDtype::Auto, Some((_, n))) => {
+            tracing::info!(
+                scales = n,
+                "the checkpoint's KV cache scales are unused: --kv-cache-dtype fp8 stores the cache by them"
+            );
+            None
+        }
+        (crate::kernels::KvDtype::Auto, None) => None,
     }
 }
 

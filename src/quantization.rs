@@ -157,12 +157,38 @@ fn is_fp8_weights(q: &Json, method: &str) -> bool {
 pub fn check_config(hf: &Json, source: &str) -> Result<(), QuantError> {
     let Some(method) = config_method(hf) else { return Ok(()) };
     let q = &hf["quantization_config"];
+    let packing = |what| QuantError::Packing { file: source.to_string(), what };
+    let kv_only = kv_cache_only(q, &method).map_err(packing)?;
     match Packing::of(q, &method) {
-        Err(what) => Err(QuantError::Packing { file: source.to_string(), what }),
+        Err(what) => Err(packing(what)),
         Ok(Some(_)) => Ok(()),
-        Ok(None) if is_fp8_weights(q, &method) => Ok(()),
+        Ok(None) if is_fp8_weights(q, &method) || kv_only => Ok(()),
         Ok(None) => Err(QuantError::Checkpoint { file: source.to_string(), method }),
     }
+}
+
+/// Whether a compressed-tensors config quantizes only the KV cache (a `kv_cache_scheme`
+/// and no weight groups: llm-compressor's KV-cache-only output, whose `k_scale` and
+/// `v_scale` the loader reads beside unquantized weights, `models::kv_scales`). A scheme
+/// other than FP8 with one scale a tensor is refused by name, weights or not.
+fn kv_cache_only(q: &Json, method: &str) -> Result<bool, String> {
+    let Some(scheme) = q.get("kv_cache_scheme").filter(|s| !s.is_null()) else { return Ok(false) };
+    if method != "compressed-tensors" {
+        return Ok(false);
+    }
+    let (ty, bits) = (scheme["type"].as_str().unwrap_or("unnamed"), scheme["num_bits"].as_u64().unwrap_or(0));
+    if (ty, bits) != ("float", 8) {
+        return Err(format!("a {bits}-bit {ty} KV cache (kv_cache_scheme; FP8 is read)"));
+    }
+    match scheme["strategy"].as_str().unwrap_or("tensor") {
+        "tensor" => {}
+        other => {
+            return Err(format!(
+                "KV cache scales of strategy {other} (kv_cache_scheme; one a tensor is read)"
+            ));
+        }
+    }
+    Ok(q.get("config_groups").and_then(Json::as_object).is_none_or(|g| g.is_empty()))
 }
 
 /// How the checkpoint of config.json `hf` packs integer weights (GPTQ, AWQ,
@@ -284,6 +310,22 @@ mod tests {
                 .to_string()
                 .contains("with compressed-tensors")
         );
+        // llm-compressor's KV-cache-only output loads (its scales beside the weights); KV
+        // schemes it does not read are named.
+        let kv = |scheme: serde_json::Value| {
+            serde_json::json!({"quantization_config": {"quant_method": "compressed-tensors", "format": "dense",
+                "config_groups": {}, "kv_cache_scheme": scheme}})
+        };
+        let fp8_tensor =
+            serde_json::json!({"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": false});
+        assert_eq!(check_config(&kv(fp8_tensor), "m"), Ok(()));
+        let e = check_config(
+            &kv(serde_json::json!({"type": "float", "num_bits": 8, "strategy": "attn_head"})),
+            "m",
+        );
+        assert!(e.unwrap_err().to_string().contains("strategy attn_head"));
+        let e = check_config(&kv(serde_json::json!({"type": "int", "num_bits": 8})), "m");
+        assert!(e.unwrap_err().to_string().contains("8-bit int KV cache"));
     }
 
     #[test]

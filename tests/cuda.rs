@@ -115,8 +115,20 @@ fn host(data: &[f32], shape: &[usize]) -> HostTensor<'static> {
 
 fn close(what: &str, gpu: &[f32], cpu: &[f32], tol: f32) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: length");
-    for (i, (a, b)) in gpu.iter().zip(cpu).enumerate() {
-        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what}[{i}]: gpu {a} vs cpu {b}");
+    let off = |i: usize| (gpu[i] - cpu[i]).abs() / (1.0 + cpu[i].abs());
+    let bad: Vec<usize> = (0..gpu.len()).filter(|&i| off(i).is_nan() || off(i) > tol).collect();
+    if let (Some(&first), Some(&worst)) =
+        (bad.first(), bad.iter().max_by(|&&a, &&b| off(a).total_cmp(&off(b))))
+    {
+        panic!(
+            "{what}[{first}]: gpu {} vs cpu {}; {} of {} values differ, the most at [{worst}]: gpu {} vs cpu {}",
+            gpu[first],
+            cpu[first],
+            bad.len(),
+            gpu.len(),
+            gpu[worst],
+            cpu[worst]
+        );
     }
 }
 
@@ -1136,6 +1148,7 @@ fn same_fp8_bytes<'c>(
 ) -> &'c [u8] {
     let (k, v) = g.cache_bytes(gpu).unwrap();
     let (KvCells::Fp8(kc), KvCells::Fp8(vc)) = (&cpu.k, &cpu.v) else { panic!("{what}: an FP8 CPU cache") };
+    let (kc, vc) = (&kc.bytes, &vc.bytes);
     let differ = k.iter().zip(kc).chain(v.iter().zip(vc)).filter(|(a, b)| a != b).count();
     assert_eq!((k.len(), v.len()), (kc.len(), vc.len()), "{what}: cache sizes");
     assert_eq!(differ, 0, "{what}: FP8 cache bytes the GPU rounded otherwise than the CPU");
@@ -1318,7 +1331,7 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
     let loaded = ModelRegistry::<CudaDevice>::default()
         .load(&g, &model, DType::F32, &LoadOptions::default())
         .expect("tiny model loads");
-    let cfg = RunnerConfig { num_blocks: 64, block_size: 16, kv_dtype: KvDtype::Auto };
+    let cfg = RunnerConfig { num_blocks: 64, block_size: 16, kv_dtype: KvDtype::Auto, kv_scales: None };
     let mut runner = ModelRunner::new(g, loaded.model, cfg, vec![0].into()).expect("runner");
     let params = [
         SamplingParams { temperature: 0.0, ..Default::default() },

@@ -64,9 +64,11 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
 /// An FP8 KV cache (`--kv-cache-dtype fp8`) against transformers with every key and value
 /// rounded to e4m3 as it enters its cache (tests/fixtures/kv-fp8/, by the same script, on
 /// prompts whose keys and values all keep clear of a rounding midpoint): a plain model, and
-/// one with soft caps and alternating sliding windows. The rounding moves the logprobs by up
-/// to 0.8 from the f32 cache's, so a cache that kept f32 would fail. On a CUDA GPU the flag
-/// is refused.
+/// one with soft caps and alternating sliding windows; then the plain model with per-layer
+/// scales in its checkpoint (calibrated: each layer's largest key or value over 448), which
+/// the cache stores each key and value divided by. The rounding moves the logprobs by up to
+/// 0.8 from the f32 cache's, so a cache that kept f32 would fail. On a CUDA GPU the flag is
+/// refused.
 #[actix_rt::test]
 async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     for name in ["llama", "gemma2"] {
@@ -75,6 +77,11 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
         assert_eq!(g["kv_cache_dtype"], "fp8");
         matches_golden(&format!("{name}-kv-fp8"), &g, KvDtype::Fp8E4m3).await;
     }
+    // With the checkpoint's per-layer k_scale and v_scale, under three writers' names.
+    let path = common::fixture("tests/fixtures/kv-fp8/llama-scaled.json");
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(g["kv_scales"].as_object().map(|s| s.len()), Some(5), "the scales in the checkpoint");
+    matches_golden("llama-kv-fp8-scaled", &g, KvDtype::Fp8E4m3).await;
     // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
     let dir = common::scratch("kv-fp8-on-cuda");
     actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();

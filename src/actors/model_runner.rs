@@ -26,7 +26,9 @@ use actix::{Actor, Addr, Handler, SyncContext};
 
 use crate::core::block_pool::{BlockId, SeqId};
 use crate::kernels::attn::AttnMetadata;
-use crate::kernels::{Device, DeviceError, FED_TOKEN, GemmTuning, KvDtype, RemoteRanks, SampleTicket};
+use crate::kernels::{
+    Device, DeviceError, FED_TOKEN, GemmTuning, KvDtype, KvScales, RemoteRanks, SampleTicket,
+};
 use crate::models::CausalLM;
 use crate::request::SamplingParams;
 use crate::sampling::{self, SampleInput, TokenHistory};
@@ -154,12 +156,14 @@ impl RunnerSeq {
 }
 
 /// KV cache geometry the runner was started with.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RunnerConfig {
     pub num_blocks: usize,
     pub block_size: usize,
     /// The KV cache's element type (--kv-cache-dtype).
     pub kv_dtype: KvDtype,
+    /// An FP8 cache's scales by layer (the checkpoint's), else scale 1.
+    pub kv_scales: Option<Arc<[KvScales]>>,
 }
 
 pub struct ModelRunner<D: Device> {
@@ -168,6 +172,7 @@ pub struct ModelRunner<D: Device> {
     caches: Vec<D::Cache>,
     block_size: usize,
     kv_dtype: KvDtype,
+    kv_scales: Option<Arc<[KvScales]>>,
     eos_ids: Arc<[u32]>,
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
@@ -239,6 +244,7 @@ impl<D: Device> ModelRunner<D> {
             caches: Vec::new(),
             block_size: cfg.block_size,
             kv_dtype: cfg.kv_dtype,
+            kv_scales: cfg.kv_scales,
             eos_ids,
             seqs: HashMap::new(),
             remote,
@@ -262,6 +268,17 @@ impl<D: Device> ModelRunner<D> {
         let (layers, shape) = self.model.cache_shape(num_blocks, self.block_size);
         self.caches =
             (0..layers).map(|_| self.dev.alloc_cache(shape, self.kv_dtype)).collect::<Result<_, _>>()?;
+        if let Some(scales) = &self.kv_scales {
+            if scales.len() != layers {
+                return Err(DeviceError::Other(format!(
+                    "KV cache scales for {} layers, for a model of {layers} cache layers",
+                    scales.len()
+                )));
+            }
+            for (cache, &s) in self.caches.iter_mut().zip(scales.iter()) {
+                self.dev.set_kv_scales(cache, s)?;
+            }
+        }
         Ok(())
     }
 

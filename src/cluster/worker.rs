@@ -8,7 +8,7 @@ use super::GroupSetup;
 use super::lead::Follower;
 use crate::actors::model_runner::{ModelRunner, RunnerConfig, RunnerError, ShardStep, WireLora};
 use crate::config::EngineArgs;
-use crate::engine::{load_options, resolve_model};
+use crate::engine::{kv_scales_for, load_options, resolve_model};
 use crate::error::EngineError;
 use crate::kernels::cpu::CpuDevice;
 use crate::models::lora::{LoraAdapter, load_peft};
@@ -27,16 +27,17 @@ pub fn run(mut args: EngineArgs) -> Result<(), EngineError> {
     let link = Arc::new(Follower::join(&cluster, &setup).map_err(EngineError::Cluster)?);
     tracing::info!(node = cluster.node_rank, family = family.name(), "joined: loading this rank's weights");
     let dev = CpuDevice::in_group(cluster.node_rank, link.clone(), None).with_family(family);
-    let runner_cfg = RunnerConfig {
-        num_blocks: config.num_blocks,
-        block_size: config.block_size,
-        kv_dtype: config.kv_cache_dtype,
-    };
     let opts = load_options(&args, &model_config, &config);
     let runner = registry
         .load(&dev, &config.model_dir, config.dtype, &opts)
         .map_err(EngineError::from)
         .and_then(|loaded| {
+            let runner_cfg = RunnerConfig {
+                num_blocks: config.num_blocks,
+                block_size: config.block_size,
+                kv_dtype: config.kv_cache_dtype,
+                kv_scales: kv_scales_for(config.kv_cache_dtype, loaded.kv_scales),
+            };
             ModelRunner::new(dev, loaded.model, runner_cfg, Arc::from(Vec::new()))
                 .map_err(|e| EngineError::Device(e.to_string()))
         });

@@ -157,6 +157,22 @@ impl KvDtype {
     }
 }
 
+/// The per-tensor scales of one layer's FP8 KV cache (a checkpoint's `k_scale` and
+/// `v_scale`): a key `x` is stored as the e4m3 byte nearest `x / k` (saturated) and read
+/// back as that byte's value times `k`; a value likewise by `v`. 1 where the checkpoint has
+/// none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvScales {
+    pub k: f32,
+    pub v: f32,
+}
+
+impl Default for KvScales {
+    fn default() -> Self {
+        Self { k: 1.0, v: 1.0 }
+    }
+}
+
 /// Shape and options of an attention call: query heads, kv heads, head size, the softmax
 /// scale, a sliding window (a query at position p sees positions above p − window; 0 for
 /// none) and a soft cap on the scores (`cap · tanh(s / cap)`; 0 for none).
@@ -367,6 +383,8 @@ pub trait Device: Send + Unpin + 'static {
     fn upload(&self, t: HostTensor<'_>) -> Result<Self::Weight, DeviceError>;
     /// One layer's cache of `shape`, its elements of `dtype`.
     fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<Self::Cache, DeviceError>;
+    /// Gives an FP8 cache the scales its keys and values are stored by (none else has any).
+    fn set_kv_scales(&self, cache: &mut Self::Cache, scales: KvScales) -> Result<(), DeviceError>;
     /// Copies whole blocks of one layer's cache, keys and values, for each (source,
     /// destination) pair in order (a forked beam's copy of its parent's last block). Issued
     /// before the step's forward, on its stream.

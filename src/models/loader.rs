@@ -11,10 +11,11 @@ use memmap2::Mmap;
 use crate::mapped::FileBytes;
 
 use super::ModelError;
+use super::kv_scales;
 use super::packed::{self, Packing};
 use crate::kernels::quant::QuantFormat;
 use crate::kernels::rows::{RowFormat, RowKind};
-use crate::kernels::{DType, HostTensor};
+use crate::kernels::{DType, HostTensor, KvScales};
 
 /// One stacked parameter entry: checkpoint tensors named `*.{shard}.*` are loaded as shard
 /// `index` of the fused parameter `*.{param}.*` (q/k/v → qkv_proj, gate/up → gate_up_proj).
@@ -186,6 +187,13 @@ impl Checkpoint {
     /// ones, `X.weight` from `X.qweight` and the rest (see [`super::packed`]).
     fn rebuild(files: Vec<MappedFile>, packing: Option<Packing>) -> Result<Self, ModelError> {
         let mut this = Self { files, rebuilt: Vec::new(), consumed: Default::default() };
+        // KV cache scales are read apart (`Checkpoint::kv_scales`), never as weights.
+        this.consumed = this
+            .stored()
+            .map(|(n, _)| n)
+            .filter(|n| kv_scales::scale_of(n).is_some())
+            .map(str::to_string)
+            .collect();
         if this.files.iter().all(|f| f.raw.is_empty()) {
             return Ok(this);
         }
@@ -315,7 +323,7 @@ impl Checkpoint {
         }
         consumed.extend(this.stored().map(|(n, _)| n).filter(|n| is_fp8_scale(n)).map(str::to_string));
         this.rebuilt = rebuilt;
-        this.consumed = consumed.into_iter().collect();
+        this.consumed.extend(consumed);
         Ok(this)
     }
 
@@ -387,6 +395,12 @@ impl Checkpoint {
                 (e.name.as_str(), TensorRef { dtype: e.dtype, shape: &e.shape, bytes })
             })
         })
+    }
+
+    /// The FP8 KV cache scales of a model of `layers` layers, if the checkpoint has any
+    /// ([`kv_scales::read`]).
+    pub fn kv_scales(&self, layers: usize) -> Result<Option<(Vec<KvScales>, usize)>, ModelError> {
+        kv_scales::read(self.stored(), layers)
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {

@@ -6,6 +6,7 @@ pub mod fp8;
 pub mod gemma;
 pub mod gemma2;
 pub mod gemma3;
+pub mod kv_scales;
 pub mod layers;
 pub mod llama;
 pub mod loader;

@@ -626,7 +626,8 @@ pub fn make_random_lora(
 /// parameter's values come from splitmix64 of (FNV-1a of its name + index · golden ratio),
 /// 24 bits each, scaled by the parameter's kind. With a golden file (its config, parameter
 /// list and embedding scale), tests write the model transformers ran, without committed
-/// weights: config.json, model.safetensors (f32) and a byte tokenizer.
+/// weights: config.json, model.safetensors (f32, with the FP8 KV cache scales the file
+/// names, if any) and a byte tokenizer.
 pub fn write_golden_model(golden: &serde_json::Value, dir: &Path) -> Result<(), ModelError> {
     let bad = |what: &str| ModelError::Config(format!("golden file: {what}"));
     let p = dir.join("config.json");
@@ -643,6 +644,11 @@ pub fn write_golden_model(golden: &serde_json::Value, dir: &Path) -> Result<(), 
             .collect::<Result<_, _>>()?;
         let bytes = encode(golden_values(&name, &shape, embed_scale).into_iter(), DType::F32);
         tensors.push((name, shape, bytes));
+    }
+    // An FP8 KV cache's scales, where the file gives them: one value a tensor.
+    for (name, x) in golden["kv_scales"].as_object().into_iter().flatten() {
+        let x = x.as_f64().ok_or_else(|| bad("a KV cache scale that is not a number"))? as f32;
+        tensors.push((name.clone(), Vec::new(), x.to_le_bytes().to_vec()));
     }
     let views = tensors
         .iter()

@@ -14,7 +14,7 @@ use super::{
     CausalLM, LoadOptions, ModelError, gemma, gemma2, gemma3, llama, mixtral, opt, phi3, qwen2_moe, qwen3,
     qwen3_moe,
 };
-use crate::kernels::{DType, Device};
+use crate::kernels::{DType, Device, KvScales};
 
 pub type Constructor<D> =
     fn(&D, &ModelConfig, &WeightStore, &LoadOptions) -> Result<Box<dyn CausalLM<D>>, ModelError>;
@@ -56,11 +56,13 @@ impl<D: Device> Default for ModelRegistry<D> {
     }
 }
 
-/// A model read from a directory: its resolved config and the weights on the device.
+/// A model read from a directory: its resolved config, the weights on the device, and the
+/// checkpoint's FP8 KV cache scales by layer, if it has any (with how many it gave).
 pub struct LoadedModel<D: Device> {
     pub config: ModelConfig,
     pub model: Box<dyn CausalLM<D>>,
     pub dtype: DType,
+    pub kv_scales: Option<(Vec<KvScales>, usize)>,
 }
 
 impl<D: Device> ModelRegistry<D> {
@@ -123,9 +125,10 @@ impl<D: Device> ModelRegistry<D> {
             let store = WeightStore::dummy(dtype, crate::quantization::dummy_rows(&config.hf))
                 .with_online_fp8(opts.online_fp8);
             let model = (entry.construct)(dev, &config, &store, opts)?;
-            return Ok(LoadedModel { config, model, dtype });
+            return Ok(LoadedModel { config, model, dtype, kv_scales: None });
         }
         let ckpt = Checkpoint::open(dir, crate::quantization::packing(&config.hf))?;
+        let kv_scales = ckpt.kv_scales(config.num_layers)?;
         let store = WeightStore::load_weights(
             ckpt.tensors(),
             entry.stacked_params,
@@ -134,7 +137,7 @@ impl<D: Device> ModelRegistry<D> {
         )
         .with_online_fp8(opts.online_fp8);
         let model = (entry.construct)(dev, &config, &store, opts)?;
-        Ok(LoadedModel { config, model, dtype })
+        Ok(LoadedModel { config, model, dtype, kv_scales })
     }
 }
 

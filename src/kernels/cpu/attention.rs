@@ -601,14 +601,13 @@ mod tests {
     }
 
     /// softmax(q·Kᵀ) · V in f64 over each token's visible positions, read through the table
-    /// (the values the cache holds, widened one at a time).
+    /// (the values the cache holds: an FP8 byte's value times the cache's scale).
     fn reference(q: &CpuTensor, cache: &CpuCache, s: AttnShape, meta: &AttnMetadata) -> Vec<f32> {
         let (hd, nh) = (s.head_dim, s.num_heads);
         let (group, width, bs) = (nh / s.num_kv_heads, s.num_kv_heads * hd, cache.shape.block_size);
-        let value = |cells: &KvCells, at: usize| {
-            let mut x = [0f32];
-            cells.read(at, &mut x);
-            x[0] as f64
+        let value = |cells: &KvCells, at: usize| match cells {
+            KvCells::F32(c) => c[at] as f64,
+            KvCells::Fp8(c) => e4m3::decode(c.bytes[at]) as f64 * c.scale as f64,
         };
         let mut out = vec![0f32; q.rows * nh * hd];
         for t in 0..q.rows {
@@ -640,8 +639,8 @@ mod tests {
 
     /// A step as chunked prefill and decoding make them: a prompt chunk after a cached
     /// prefix, a decode token, a whole prompt, a run too short to tile and a second decode
-    /// token; tables that are not in order. Over an f32 cache and an FP8 one (whose
-    /// reference reads the same rounded values).
+    /// token; tables that are not in order. Over an f32 cache and FP8 ones of scale 1 and
+    /// of a checkpoint's kind of scales (whose references read the same rounded values).
     #[test]
     fn tiles_and_single_queries_match_the_reference() {
         let (bs, nkv, hd, nh) = (16usize, 2usize, 64usize, 6usize);
@@ -669,8 +668,18 @@ mod tests {
         let cells = shape.num_blocks * bs * nkv * hd;
         let (k, v) = (rand_vec(cells, 1), rand_vec(cells, 2));
         let f32_cache = CpuCache { shape, k: KvCells::F32(k.clone()), v: KvCells::F32(v.clone()) };
-        let fp8 = |x: &[f32]| KvCells::Fp8(x.iter().map(|&x| e4m3::encode(x)).collect());
-        let fp8_cache = CpuCache { shape, k: fp8(&k), v: fp8(&v) };
+        // `x` written at `scale`, where it spans ±300 of e4m3's ±448 (at scale 1, ±1).
+        let fp8 = |x: &[f32], scale: f32| {
+            let mut c = KvCells::new(crate::kernels::KvDtype::Fp8E4m3, x.len());
+            if let KvCells::Fp8(c) = &mut c {
+                c.set_scale(scale);
+            }
+            let spread = if scale == 1.0 { 1.0 } else { 300.0 * scale };
+            c.write(0, &x.iter().map(|x| x * spread).collect::<Vec<_>>());
+            c
+        };
+        let fp8_cache = CpuCache { shape, k: fp8(&k, 1.0), v: fp8(&v, 1.0) };
+        let scaled = CpuCache { shape, k: fp8(&k, 0.0123), v: fp8(&v, 0.0041) };
         let q = CpuTensor::new(rand_vec(rows * nh * hd, 3), rows, nh * hd);
         let meta = AttnMetadata {
             positions,
@@ -682,7 +691,7 @@ mod tests {
             prompt_lens: Vec::new(),
         };
         assert_eq!(tiled_runs(&meta), vec![0..100, 101..251]);
-        for (cache, dtype) in [(&f32_cache, "f32"), (&fp8_cache, "fp8")] {
+        for (cache, dtype) in [(&f32_cache, "f32"), (&fp8_cache, "fp8"), (&scaled, "scaled fp8")] {
             for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
                 let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
                 let want = reference(&q, cache, s, &meta);
@@ -694,9 +703,11 @@ mod tests {
                 }
             }
         }
-        // The FP8 cache holds values other than the f32 one's: the test tells them apart.
+        // The FP8 caches hold values other than the f32 one's: the test tells them apart.
         let s = AttnShape::causal(nh, nkv, hd);
-        let (a, b) = (reference(&q, &f32_cache, s, &meta), reference(&q, &fp8_cache, s, &meta));
-        assert!(a.iter().zip(&b).any(|(a, b)| (a - b).abs() > 1e-3));
+        let a = reference(&q, &f32_cache, s, &meta);
+        for c in [&fp8_cache, &scaled] {
+            assert!(a.iter().zip(&reference(&q, c, s, &meta)).any(|(a, b)| (a - b).abs() > 1e-3));
+        }
     }
 }

@@ -32,7 +32,7 @@ use rayon::prelude::*;
 use super::moe::{self, MoeSpec};
 use super::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor, KvDtype,
-    LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank, e4m3,
+    KvScales, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank, e4m3,
 };
 use crate::kernels::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -136,22 +136,42 @@ pub struct CpuCache {
 /// The elements of one of a layer's K or V caches, in the cache's dtype.
 pub enum KvCells {
     F32(Vec<f32>),
-    /// e4m3 bytes (`KvDtype::Fp8E4m3`).
-    Fp8(Vec<u8>),
+    /// e4m3 bytes (`KvDtype::Fp8E4m3`) of the values divided by the cache's scale.
+    Fp8(Fp8Cells),
+}
+
+/// An FP8 cache's bytes, its scale, and each byte's value times the scale (what a read
+/// gives, by table).
+pub struct Fp8Cells {
+    pub bytes: Vec<u8>,
+    scale: f32,
+    values: Box<[f32; 256]>,
+}
+
+impl Fp8Cells {
+    fn new(n: usize) -> Self {
+        Self { bytes: vec![0; n], scale: 1.0, values: Box::new(*e4m3::values()) }
+    }
+
+    /// Stores and reads by `scale` from here on (a checkpoint's `k_scale` or `v_scale`).
+    fn set_scale(&mut self, scale: f32) {
+        self.scale = scale;
+        *self.values = e4m3::values().map(|v| v * scale);
+    }
 }
 
 impl KvCells {
     pub fn new(dtype: KvDtype, n: usize) -> Self {
         match dtype {
             KvDtype::Auto => KvCells::F32(vec![0.0; n]),
-            KvDtype::Fp8E4m3 => KvCells::Fp8(vec![0; n]),
+            KvDtype::Fp8E4m3 => KvCells::Fp8(Fp8Cells::new(n)),
         }
     }
 
     pub fn len(&self) -> usize {
         match self {
             KvCells::F32(c) => c.len(),
-            KvCells::Fp8(c) => c.len(),
+            KvCells::Fp8(c) => c.bytes.len(),
         }
     }
 
@@ -159,12 +179,19 @@ impl KvCells {
         self.len() == 0
     }
 
-    /// Stores `src` at element `at`, rounded to the cache's dtype.
+    /// Stores `src` at element `at`, rounded to the cache's dtype (over FP8, each value
+    /// divided by the scale first).
     pub fn write(&mut self, at: usize, src: &[f32]) {
         match self {
             KvCells::F32(c) => c[at..at + src.len()].copy_from_slice(src),
             KvCells::Fp8(c) => {
-                c[at..at + src.len()].iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v))
+                let s = c.scale;
+                let dst = &mut c.bytes[at..at + src.len()];
+                if s == 1.0 {
+                    dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v));
+                } else {
+                    dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v / s));
+                }
             }
         }
     }
@@ -173,7 +200,7 @@ impl KvCells {
     pub fn read(&self, at: usize, out: &mut [f32]) {
         match self {
             KvCells::F32(c) => out.copy_from_slice(&c[at..at + out.len()]),
-            KvCells::Fp8(c) => e4m3::widen(&c[at..at + out.len()], out),
+            KvCells::Fp8(c) => e4m3::widen(&c.values, &c.bytes[at..at + out.len()], out),
         }
     }
 
@@ -181,7 +208,7 @@ impl KvCells {
     fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
         match self {
             KvCells::F32(c) => c.copy_within(src, dst),
-            KvCells::Fp8(c) => c.copy_within(src, dst),
+            KvCells::Fp8(c) => c.bytes.copy_within(src, dst),
         }
     }
 }
@@ -417,6 +444,17 @@ impl Device for CpuDevice {
     fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<CpuCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
         Ok(CpuCache { shape, k: KvCells::new(dtype, n), v: KvCells::new(dtype, n) })
+    }
+
+    fn set_kv_scales(&self, cache: &mut CpuCache, scales: KvScales) -> Result<(), DeviceError> {
+        match (&mut cache.k, &mut cache.v) {
+            (KvCells::Fp8(k), KvCells::Fp8(v)) => {
+                k.set_scale(scales.k);
+                v.set_scale(scales.v);
+                Ok(())
+            }
+            _ => Err(DeviceError::Other("KV cache scales are for an FP8 cache".into())),
+        }
     }
 
     fn copy_blocks(&self, cache: &mut CpuCache, pairs: &[(u32, u32)]) -> DevResult<()> {

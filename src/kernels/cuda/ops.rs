@@ -10,7 +10,8 @@ use super::{CudaCache, CudaDevice, CudaLora, CudaTensor, CudaWeight, KvBuf, Weig
 use crate::kernels::attn::AttnMetadata;
 use crate::kernels::{
     Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, GemmTuning, HostTensor,
-    KvDtype, LoraRows, LoraShape, LoraSlotWeights, MoeSpec, RopeSpec, SampleTicket, Sampled, TpRank,
+    KvDtype, KvScales, LoraRows, LoraShape, LoraSlotWeights, MoeSpec, RopeSpec, SampleTicket, Sampled,
+    TpRank,
 };
 use crate::sampling::SampleInput;
 
@@ -147,6 +148,15 @@ impl Device for CudaDevice {
             })
         };
         Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels })
+    }
+
+    /// The GPU's FP8 cache stores values of scale 1 only (`--kv-cache-dtype fp8` is
+    /// refused on a GPU before a cache is made).
+    fn set_kv_scales(&self, _cache: &mut CudaCache, scales: KvScales) -> Result<(), DeviceError> {
+        match scales == KvScales::default() {
+            true => Ok(()),
+            false => Err(DeviceError::Other("per-tensor KV cache scales are read on the CPU only".into())),
+        }
     }
 
     fn copy_blocks(&self, cache: &mut CudaCache, pairs: &[(u32, u32)]) -> DevResult<()> {

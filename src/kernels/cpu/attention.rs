@@ -90,6 +90,7 @@ impl Scratch {
         cache: &'a CpuCache,
         hd: usize,
         of: (usize, usize),
+        family: Family,
     ) -> (&'a [f32], &'a [f32], &'a [usize]) {
         match (&cache.k, &cache.v) {
             (KvCells::F32(k), KvCells::F32(v)) => (k, v, &self.offsets),
@@ -100,8 +101,8 @@ impl Scratch {
                 self.k.resize(n * hd, 0.0);
                 self.v.resize(n * hd, 0.0);
                 for (j, &at) in self.offsets.iter().enumerate() {
-                    cache.k.read(at, &mut self.k[j * hd..(j + 1) * hd]);
-                    cache.v.read(at, &mut self.v[j * hd..(j + 1) * hd]);
+                    cache.k.read(at, &mut self.k[j * hd..(j + 1) * hd], family);
+                    cache.v.read(at, &mut self.v[j * hd..(j + 1) * hd], family);
                 }
                 self.widened.clear();
                 self.widened.extend((0..n).map(|j| j * hd));
@@ -150,7 +151,8 @@ pub fn attend(
     for r in &runs {
         tiled[r.clone()].iter_mut().for_each(|t| *t = true);
     }
-    out.par_chunks_mut(hd).enumerate().for_each_init(Scratch::default, |scratch, (i, o)| {
+    // One (token, head) row of the output, unless a tile computes it.
+    let head_of = |scratch: &mut Scratch, i: usize, o: &mut [f32]| {
         let (t, h) = (i / nh, i % nh);
         if tiled[t] {
             return;
@@ -172,7 +174,7 @@ pub fn attend(
         let mut scores = std::mem::take(&mut scratch.scores);
         scores.clear();
         scores.resize(ctx.len, 0.0);
-        let (k, v, offsets) = scratch.rows(cache, hd, (t, h / group));
+        let (k, v, offsets) = scratch.rows(cache, hd, (t, h / group), family);
         // SAFETY: a device runs a family only where the CPU has it, head_dim is a multiple
         // of the lanes (checked above) and every offset's row is in k and v (in the cache:
         // its block is below num_blocks, head_off + hd <= width, and the cache holds its
@@ -187,6 +189,16 @@ pub fn attend(
             _ => portable_head(qv, (k, v), offsets, s, &mut scores, o),
         }
         scratch.scores = scores;
+    };
+    // A task a (token, head), or over an FP8 cache a (token, KV head) with the query heads
+    // of its group, which widen its rows once: with a head a task, the tasks rayon split
+    // apart widened a group's rows again (a batch-1 layer of the default model's shape at a
+    // 1,000-token context took 263 µs against 160 µs so, and 78 µs over an f32 cache).
+    let per = if matches!(cache.k, KvCells::Fp8(_)) { group } else { 1 };
+    out.par_chunks_mut(per * hd).enumerate().for_each_init(Scratch::default, |scratch, (task, heads)| {
+        for (j, o) in heads.chunks_mut(hd).enumerate() {
+            head_of(scratch, task * per + j, o);
+        }
     });
     if !runs.is_empty() {
         attend_tiled(q, cache, s, meta, &runs, family, &mut out);
@@ -296,8 +308,8 @@ fn attend_tiled(
             for j in 0..nk {
                 let p = kstart + j;
                 let at = (table[p / bs] as usize * bs + p % bs) * width + g * hd;
-                cache.k.read(at, &mut kc[j * hd..(j + 1) * hd]);
-                cache.v.read(at, &mut vc[j * hd..(j + 1) * hd]);
+                cache.k.read(at, &mut kc[j * hd..(j + 1) * hd], family);
+                cache.v.read(at, &mut vc[j * hd..(j + 1) * hd], family);
             }
             let mut scores = vec![0f32; rows * nk];
             let mut o = vec![0f32; group * rows * hd];

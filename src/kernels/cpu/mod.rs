@@ -196,11 +196,14 @@ impl KvCells {
         }
     }
 
-    /// The values of elements `at .. at + out.len()` into `out`.
-    pub fn read(&self, at: usize, out: &mut [f32]) {
+    /// The values of elements `at .. at + out.len()` into `out` (FP8 bytes widened under
+    /// `family`'s vectors: the same values in every family).
+    pub fn read(&self, at: usize, out: &mut [f32], family: Family) {
         match self {
             KvCells::F32(c) => out.copy_from_slice(&c[at..at + out.len()]),
-            KvCells::Fp8(c) => e4m3::widen(&c.values, &c.bytes[at..at + out.len()], out),
+            KvCells::Fp8(c) => {
+                simd::family_widen_e4m3(family, &c.values, c.scale, &c.bytes[at..at + out.len()], out)
+            }
         }
     }
 

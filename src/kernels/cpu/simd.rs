@@ -21,9 +21,14 @@ pub trait Lanes: Copy {
     /// N bf16 values (raw bits) widened to f32 in registers.
     unsafe fn load_bf16(p: *const u16) -> Self;
     unsafe fn load_f16(p: *const f16) -> Self;
+    /// N FP8 (e4m3) bytes as the f32 of each one's value / 256: its bits moved into an
+    /// f16's place, `(b & 0x80) << 8 | (b & 0x7f) << 7` (subnormals included; 0x7f, NaN,
+    /// made an f16 NaN), converted in registers.
+    unsafe fn load_e4m3_256th(p: *const u8) -> Self;
     unsafe fn store(self, p: *mut f32);
     /// `a · b + c`.
     unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
     unsafe fn sum(self) -> f32;
 }
 
@@ -68,6 +73,22 @@ mod x86 {
             unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
         }
         #[inline(always)]
+        unsafe fn load_e4m3_256th(p: *const u8) -> Self {
+            // SAFETY: 16 readable bytes; the f16 bits are made in 32-bit lanes, then narrowed
+            // (AVX-512F only).
+            unsafe {
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+                let low = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+                let h = _mm512_or_si512(
+                    _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 8),
+                    _mm512_slli_epi32(low, 7),
+                );
+                let nan = _mm512_cmpeq_epi32_mask(low, _mm512_set1_epi32(0x7f));
+                let h = _mm512_mask_or_epi32(h, nan, h, _mm512_set1_epi32(0x7e00));
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             // SAFETY: the caller guarantees 16 writable elements.
             unsafe { _mm512_storeu_ps(p, self) }
@@ -76,6 +97,11 @@ mod x86 {
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
             // SAFETY: the instructions are there.
             unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            // SAFETY: the instructions are there.
+            unsafe { _mm512_mul_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn sum(self) -> f32 {
@@ -114,6 +140,20 @@ mod x86 {
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
         }
         #[inline(always)]
+        unsafe fn load_e4m3_256th(p: *const u8) -> Self {
+            // SAFETY: 8 readable bytes; the f16 bits are made in 16-bit lanes.
+            unsafe {
+                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast()));
+                let low = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+                let h = _mm_or_si128(
+                    _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                    _mm_slli_epi16(low, 7),
+                );
+                let nan = _mm_and_si128(_mm_cmpeq_epi16(low, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00));
+                _mm256_cvtph_ps(_mm_or_si128(h, nan))
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             // SAFETY: the caller guarantees 8 writable elements.
             unsafe { _mm256_storeu_ps(p, self) }
@@ -122,6 +162,11 @@ mod x86 {
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
             // SAFETY: the instructions are there.
             unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            // SAFETY: the instructions are there.
+            unsafe { _mm256_mul_ps(a, b) }
         }
         #[inline(always)]
         unsafe fn sum(self) -> f32 {
@@ -176,6 +221,15 @@ mod arm {
             }
         }
         #[inline(always)]
+        unsafe fn load_e4m3_256th(p: *const u8) -> Self {
+            // Stable Rust has no NEON f16 conversion (the family widens by table instead).
+            // SAFETY: 4 readable bytes.
+            unsafe {
+                let v: [f32; 4] = std::array::from_fn(|i| crate::kernels::e4m3::decode(*p.add(i)) / 256.0);
+                vld1q_f32(v.as_ptr())
+            }
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
             // SAFETY: the caller guarantees 4 writable elements.
             unsafe { vst1q_f32(p, self) }
@@ -184,6 +238,11 @@ mod arm {
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
             // SAFETY: NEON is there.
             unsafe { vfmaq_f32(c, a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            // SAFETY: NEON is there.
+            unsafe { vmulq_f32(a, b) }
         }
         #[inline(always)]
         unsafe fn sum(self) -> f32 {
@@ -296,7 +355,42 @@ pub fn family_axpy(family: Family, y: &mut [f32], alpha: f32, x: Row) {
     }
 }
 
-/// The families' entry points of [`dot`] and [`axpy`], compiled for their instructions.
+/// FP8 (e4m3) bytes widened to f32 and multiplied by `scale` (an FP8 KV cache's reads): N
+/// at a time as [`Lanes::load_e4m3_256th`] makes them, times 256 · scale. That is each
+/// value times the scale rounded once, the same f32 as `table[b]` (each byte's value times
+/// the scale) gives the tail.
+///
+/// # Safety
+/// The CPU has V's instructions.
+#[inline(always)]
+pub unsafe fn widen_e4m3<V: Lanes>(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    let full = src.len() / V::N * V::N;
+    // SAFETY: every load and store covers i..i + N <= full of src and dst.
+    unsafe {
+        let k = V::splat(256.0 * scale);
+        for i in (0..full).step_by(V::N) {
+            V::mul(V::load_e4m3_256th(src.as_ptr().add(i)), k).store(dst.as_mut_ptr().add(i));
+        }
+    }
+    dst[full..].iter_mut().zip(&src[full..]).for_each(|(d, &b)| *d = table[b as usize]);
+}
+
+/// [`widen_e4m3`] under `family`'s vectors where they convert f16 in registers (AVX-512,
+/// AVX2+F16C); by the table else.
+pub fn family_widen_e4m3(family: Family, table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+    // SAFETY (each arm): the family's instructions are there, as in `family_dot`.
+    match family {
+        #[cfg(target_arch = "x86_64")]
+        Family::Avx512 => unsafe { entries::widen_e4m3_avx512(table, scale, src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        Family::Avx2 => unsafe { entries::widen_e4m3_avx2(table, scale, src, dst) },
+        _ => crate::kernels::e4m3::widen(table, src, dst),
+    }
+}
+
+/// The families' entry points of [`dot`], [`axpy`] and [`widen_e4m3`], compiled for their
+/// instructions.
 /// # Safety (each)
 /// The CPU has the family's instructions.
 mod entries {
@@ -305,6 +399,8 @@ mod entries {
     #[cfg(target_arch = "x86_64")]
     use std::arch::x86_64::{__m256, __m512};
 
+    #[cfg(target_arch = "x86_64")]
+    use super::widen_e4m3;
     use super::{Row, axpy, dot};
 
     #[cfg(target_arch = "x86_64")]
@@ -342,5 +438,49 @@ mod entries {
     pub unsafe fn axpy_neon(y: &mut [f32], alpha: f32, x: Row) {
         // SAFETY: the caller's contract.
         unsafe { axpy::<float32x4_t>(y, alpha, x) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen_e4m3_avx512(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+        // SAFETY: the caller's contract.
+        unsafe { widen_e4m3::<__m512>(table, scale, src, dst) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen_e4m3_avx2(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+        // SAFETY: the caller's contract.
+        unsafe { widen_e4m3::<__m256>(table, scale, src, dst) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::e4m3;
+
+    /// Every byte, at every offset of a vector and in the tail, widens to the bits of its
+    /// table value times the scale (NaN to a NaN) in each family this CPU has.
+    #[test]
+    fn fp8_bytes_widen_to_their_scaled_values_in_every_family() {
+        let bytes: Vec<u8> =
+            (0..=255u8).chain((0..=255u8).rev()).chain([0x7f, 0x80, 0x01, 0xfe, 0x08]).collect();
+        for scale in [1.0f32, 0.0123, 3.7, 1.0 / 448.0] {
+            let table = e4m3::values().map(|v| v * scale);
+            for family in Family::all_supported() {
+                for start in [0, 3] {
+                    let src = &bytes[start..];
+                    let mut dst = vec![0f32; src.len()];
+                    family_widen_e4m3(family, &table, scale, src, &mut dst);
+                    for (&b, &got) in src.iter().zip(&dst) {
+                        let want = table[b as usize];
+                        assert!(
+                            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                            "{} byte {b:#04x} at scale {scale}: {got} vs {want}",
+                            family.name()
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -185,13 +185,10 @@ impl KvCells {
         match self {
             KvCells::F32(c) => c[at..at + src.len()].copy_from_slice(src),
             KvCells::Fp8(c) => {
+                // v / 1 is v: scale 1 needs no path of its own.
                 let s = c.scale;
                 let dst = &mut c.bytes[at..at + src.len()];
-                if s == 1.0 {
-                    dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v));
-                } else {
-                    dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v / s));
-                }
+                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v / s));
             }
         }
     }

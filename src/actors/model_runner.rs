@@ -291,28 +291,47 @@ impl<D: Device> ModelRunner<D> {
     /// One rank's forward (and its share of the logits when the step samples), then the
     /// logits of the prompt rows a request asks the logprobs of: the collectives inside
     /// meet the other ranks'. The lead rank reads the prompt logprobs back (`prompt.targets`).
+    /// A runner alone (`grouped` false) issues it where its device would have it
+    /// ([`Device::issue_forward`]); the ranks of a group stay on their own threads, where
+    /// a rank waiting in a collective holds no thread the others' kernels need.
     fn forward(
         &mut self,
         ids: &[u32],
         meta: &AttnMetadata,
         prompt: &PromptRows,
+        grouped: bool,
     ) -> Result<(Option<D::Tensor>, Vec<PromptOutput>), DeviceError> {
-        let hidden = self.model.forward(&self.dev, ids, &mut self.caches, meta)?;
+        let (dev, model, caches) = (&mut self.dev, &mut self.model, &mut self.caches);
+        match grouped {
+            true => Self::forward_on(dev, &**model, caches, ids, meta, prompt),
+            false => D::issue_forward(move || Self::forward_on(dev, &**model, caches, ids, meta, prompt)),
+        }
+    }
+
+    fn forward_on(
+        dev: &D,
+        model: &dyn CausalLM<D>,
+        caches: &mut [D::Cache],
+        ids: &[u32],
+        meta: &AttnMetadata,
+        prompt: &PromptRows,
+    ) -> Result<(Option<D::Tensor>, Vec<PromptOutput>), DeviceError> {
+        let hidden = model.forward(dev, ids, caches, meta)?;
         let logits = match meta.last_token_rows.is_empty() {
             true => None,
-            false => Some(self.model.compute_logits(&self.dev, &hidden, meta)?),
+            false => Some(model.compute_logits(dev, &hidden, meta)?),
         };
         let mut out = Vec::with_capacity(prompt.targets.len());
         // A few hundred rows at a time: a long prompt's logits would otherwise take
         // gigabytes (rows × vocabulary).
         for (c, rows) in prompt.rows.chunks(PROMPT_ROWS_PER_PASS).enumerate() {
             let pass = AttnMetadata { last_token_rows: rows.to_vec(), ..AttnMetadata::default() };
-            let l = self.model.compute_logits(&self.dev, &hidden, &pass)?;
+            let l = model.compute_logits(dev, &hidden, &pass)?;
             if prompt.targets.is_empty() {
                 continue;
             }
-            let cols = self.dev.shape(&l).1;
-            let host = self.dev.to_host(&l)?;
+            let cols = dev.shape(&l).1;
+            let host = dev.to_host(&l)?;
             let targets = &prompt.targets[c * PROMPT_ROWS_PER_PASS..][..rows.len()];
             for (row, &(seq, at, token, k)) in host.chunks_exact(cols).zip(targets) {
                 out.push(PromptOutput { seq, at, logprob: sampling::prompt_logprob(row, token, k) });
@@ -502,7 +521,8 @@ impl<D: Device> ModelRunner<D> {
             return Ok(Issued::Done(StepOutput::default()));
         }
         let mut peer_steps = Vec::with_capacity(self.peers.len());
-        if !self.peers.is_empty() || self.remote.is_some() {
+        let grouped = !self.peers.is_empty() || self.remote.is_some();
+        if grouped {
             let step = ShardStep {
                 ids: ids.as_slice().into(),
                 meta: Arc::new(meta.clone()),
@@ -536,7 +556,7 @@ impl<D: Device> ModelRunner<D> {
         let graph = replayed.is_some();
         let (logits, prompt_logprobs) = match replayed {
             Some(logits) => (Some(logits), Vec::new()),
-            None => self.forward(&ids, &meta, &prompt)?,
+            None => self.forward(&ids, &meta, &prompt, grouped)?,
         };
         let t2 = Instant::now();
         let mut timing = RunnerTiming {
@@ -703,7 +723,7 @@ impl<D: Device> ModelRunner<D> {
         }
         if !msg.ids.is_empty() {
             let rows = PromptRows { rows: msg.prompt_rows.to_vec(), targets: Vec::new() };
-            self.forward(&msg.ids, &msg.meta, &rows)?;
+            self.forward(&msg.ids, &msg.meta, &rows, true)?;
         }
         Ok(())
     }

@@ -618,6 +618,14 @@ pub trait Device: Send + Unpin + 'static {
             }
         }
     }
+    /// Runs a step's forward where this device's kernels are best issued from. The CPU's
+    /// kernels each split their work over its compute threads: issued from one of those
+    /// threads, each loop's tasks go to the other threads at once, where from any other
+    /// thread every kernel would wake a compute thread and then sleep until the last task
+    /// is done. Elsewhere `forward` runs in place.
+    fn issue_forward<R: Send>(forward: impl FnOnce() -> R + Send) -> R {
+        forward()
+    }
     /// Whether a forward's token ids may name tokens of the last sampling issued and not
     /// yet collected (`FED_TOKEN | row`): the device puts them in place itself, so that the
     /// next step is issued before the host has the tokens.

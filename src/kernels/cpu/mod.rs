@@ -824,6 +824,11 @@ impl Device for CpuDevice {
         self.fed.is_some()
     }
 
+    /// On a thread of rayon's pool (`scope` runs its body there when called from outside).
+    fn issue_forward<R: Send>(forward: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| forward())
+    }
+
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> DevResult<CpuTensor> {
         let mut out = CpuTensor::zeros(rows.len(), x.cols);
         for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {

@@ -535,7 +535,55 @@ mod avx2 {
                     }
                 }
             }
-            for b in quads * 4..nb {
+            // A pair of blocks left over (576 features: 18 blocks, most of the default model's
+            // matrices) takes one 32-byte load as in the loop above, not two single blocks.
+            let mut single = quads * 4;
+            if matches!(f, QuantFormat::Q4_0 | QuantFormat::Q4_1) && nb - single >= 2 {
+                let b = single;
+                let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs.as_ptr().add(rows[c] * x.k));
+                let xv: [[__m256i; 2]; MR] =
+                    each!(MR, |c| each!(2, |i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast())));
+                let dx: [__m128; MR] = each!(MR, |c| _mm_castpd_ps(_mm_load_sd(xd[c].add(b).cast())));
+                let lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+                let low = _mm256_set1_epi8(0x0f);
+                for r in 0..NR {
+                    let v = _mm256_loadu_si256(qs[r].add(b * 16).cast());
+                    let (lo, hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                    let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(wd[r].add(b).cast::<i32>().read_unaligned()));
+                    for c in 0..MR {
+                        // Lanes 0..4 hold block b's partial sums, 4..8 block b + 1's.
+                        let sums = pair_dot::<VNNI>(lo, xv[c][0], hi, xv[c][1]);
+                        let scale =
+                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dx[c])), lanes);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
+                    }
+                }
+                single += 2;
+            }
+            // Q8_0's pair: two blocks' sums folded into one vector, block b's in lanes
+            // 0, 1, 4, 5 and b + 1's in 2, 3, 6, 7.
+            if f == QuantFormat::Q8_0 && nb - single >= 2 {
+                let b = single;
+                let dx: [__m128; MR] = each!(MR, |c| _mm_castpd_ps(_mm_load_sd(xd[c].add(b).cast())));
+                let lanes = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+                for r in 0..NR {
+                    let wb: [(__m256i, __m256i); 2] =
+                        each!(2, |i| weight_block(w, qs[r], b + i, (j0 + r) * nb + b + i));
+                    let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(wd[r].add(b).cast::<i32>().read_unaligned()));
+                    for c in 0..MR {
+                        let p: [__m256i; 2] = each!(2, |i| {
+                            let xv = _mm256_loadu_si256(xq[c].add((b + i) * QK).cast());
+                            block_dot::<VNNI>(f, wb[i].0, wb[i].1, xv)
+                        });
+                        let sums = _mm256_hadd_epi32(p[0], p[1]);
+                        let scale =
+                            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dx[c])), lanes);
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][c]);
+                    }
+                }
+                single += 2;
+            }
+            for b in single..nb {
                 for r in 0..NR {
                     let (wu, wq) = weight_block(w, qs[r], b, (j0 + r) * nb + b);
                     let dw = (*wd[r].add(b)).to_f32();

@@ -15,8 +15,8 @@ use actorllm::kernels::attn::AttnMetadata;
 use actorllm::kernels::cpu::{CpuDevice, CpuTensor, KvCells};
 use actorllm::kernels::cuda::CudaDevice;
 use actorllm::kernels::{
-    Activation, AttnShape, CacheShape, DType, Device, HostTensor, KvDtype, LoraShape, LoraSlotWeights,
-    RopeByLen, RopeSpec,
+    Activation, AttnShape, CacheShape, DType, Device, HostTensor, KvDtype, KvScales, LoraShape,
+    LoraSlotWeights, RopeByLen, RopeSpec,
 };
 use actorllm::models::LoadOptions;
 use actorllm::models::registry::ModelRegistry;
@@ -1098,7 +1098,7 @@ fn attention_steps(
     g: &CudaDevice,
     c: &CpuDevice,
     (s, act, bs, tol): (AttnShape, DType, usize, f32),
-    (kv, amp): (KvDtype, f32),
+    (kv, amp, scales): (KvDtype, f32, KvScales),
     steps: &[(StepRows, u64)],
     mut after: impl FnMut(&CudaDevice, u64, &[(u32, std::ops::Range<u32>)]),
 ) {
@@ -1107,6 +1107,10 @@ fn attention_steps(
     let shape =
         CacheShape { num_blocks: 3 * per_seq as usize, block_size: bs, num_kv_heads: kv_heads, head_dim };
     let (mut cc, mut cg) = (c.alloc_cache(shape, kv).unwrap(), g.alloc_cache(shape, kv).unwrap());
+    if kv == KvDtype::Fp8E4m3 {
+        c.set_kv_scales(&mut cc, scales).unwrap();
+        g.set_kv_scales(&mut cg, scales).unwrap();
+    }
     let tables: Vec<Vec<u32>> = (0..3).map(|i| (0..per_seq).map(|b| b * 3 + i).collect()).collect();
     for (seq_pos, seed) in steps {
         let meta = step_meta(&tables, bs, seq_pos);
@@ -1128,7 +1132,7 @@ fn attention_steps(
         }
         close(
             &format!(
-                "attention {heads}:{kv_heads}x{head_dim}, window {}, softcap {}, {n} tokens, {act:?}, blocks of {bs}, {kv:?} cache",
+                "attention {heads}:{kv_heads}x{head_dim}, window {}, softcap {}, {n} tokens, {act:?}, blocks of {bs}, {kv:?} cache, {scales:?}",
                 s.window, s.softcap
             ),
             &g.to_host(&og).unwrap(),
@@ -1205,7 +1209,8 @@ fn long_contexts_and_gqa_groups_match_the_cpu() {
             (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 43),
         ];
         let tc_shape = flash && matches!(head_dim, 64 | 128);
-        attention_steps(&g, &c, (s, act, bs, tol), (KvDtype::Auto, 1.0), &steps, |g, seed, seq_pos| {
+        let kv = (KvDtype::Auto, 1.0, KvScales::default());
+        attention_steps(&g, &c, (s, act, bs, tol), kv, &steps, |g, seed, seq_pos| {
             // Prefill runs (more than one position of a sequence) take the tensor-core
             // kernel whenever it applies; decode rows never do.
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
@@ -1256,7 +1261,8 @@ fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
             (vec![(0, 200..201), (1, 301..302), (2, 1..2)], 54),
             (vec![(0, 5..6), (1, 12..13), (2, 15..16)], 55),
         ];
-        attention_steps(&g, &c, (s, act, bs, 1e-2), (KvDtype::Auto, 1.0), &steps, |g, seed, seq_pos| {
+        let kv = (KvDtype::Auto, 1.0, KvScales::default());
+        attention_steps(&g, &c, (s, act, bs, 1e-2), kv, &steps, |g, seed, seq_pos| {
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
             assert_eq!(g.tensor_core_tiles() > 0, prefill && head_dim != 256, "prefill on tensor cores");
             if !prefill || head_dim == 256 {
@@ -1280,7 +1286,7 @@ fn windows_and_soft_caps_run_on_tensor_cores_and_match_the_cpu() {
 /// on tensor cores (an f32 or a 16-bit model) prefill takes flash_prefill and decode
 /// flash_decode (64 and 128 dims), with windows and soft caps and with cache blocks of 8
 /// and 32 keys; head size 256 takes the one-block-per-head kernel (flash_decode's 256 reads
-/// 16-bit caches only).
+/// 16-bit caches only). Every case also with per-layer k and v scales.
 #[test]
 #[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
 fn fp8_caches_match_the_cpu_on_every_kernel() {
@@ -1296,7 +1302,12 @@ fn fp8_caches_match_the_cpu_on_every_kernel() {
         ((8, 4, 256), true, DType::BF16, 16, 100, 0.5),
     ];
     const AMP: f32 = 1000.0;
-    for ((heads, kv_heads, head_dim), flash, act, bs, window, softcap) in cases {
+    // Each case with a scale of 1, then with a checkpoint's per-layer scales (K divided by
+    // 0.8 still saturates in places).
+    let scales = [KvScales::default(), KvScales { k: 0.8, v: 2.5 }];
+    for (((heads, kv_heads, head_dim), flash, act, bs, window, softcap), scales) in
+        cases.into_iter().flat_map(|case| scales.map(|s| (case, s)))
+    {
         g.set_tensor_core_attention(flash);
         g.set_activation_dtype(act);
         let s =
@@ -1310,7 +1321,8 @@ fn fp8_caches_match_the_cpu_on_every_kernel() {
         ];
         let tc_shape = flash && matches!(head_dim, 64 | 128);
         let tol = if flash { 2e-2 } else { 1e-4 };
-        attention_steps(&g, &c, (s, act, bs, tol), (KvDtype::Fp8E4m3, AMP), &steps, |g, _, seq_pos| {
+        let kv = (KvDtype::Fp8E4m3, AMP, scales);
+        attention_steps(&g, &c, (s, act, bs, tol), kv, &steps, |g, _, seq_pos| {
             let prefill = seq_pos.iter().any(|(_, r)| r.len() > 1);
             assert_eq!(g.tensor_core_tiles() > 0, tc_shape && prefill, "prefill on tensor cores");
             if !prefill {
@@ -2019,14 +2031,23 @@ fn the_general_ops_match_their_cpu_twins() {
     // time).
     let whole =
         RopeSpec { inv_freq: (0..8).map(|i| 1.0 / 10000f32.powf(i as f32 / 8.0)).collect(), ..rope.clone() };
-    for (kv, rope) in [(KvDtype::Auto, &rope), (KvDtype::Fp8E4m3, &rope), (KvDtype::Fp8E4m3, &whole)] {
+    // The last with a checkpoint's per-layer scales, which K and V are stored divided by.
+    let scaled = KvScales { k: 0.0371, v: 0.0219 };
+    let fp8 = KvDtype::Fp8E4m3;
+    for (kv, rope, scales) in
+        [(KvDtype::Auto, &rope, None), (fp8, &rope, None), (fp8, &whole, None), (fp8, &whole, Some(scaled))]
+    {
         for (window, softcap) in [(0, 0.0), (64, 0.0), (0, 2.5), (100, 4.0)] {
             let s = AttnShape { window, softcap, scale: 0.3, ..AttnShape::causal(4, 2, 16) };
             let (mut cc, mut cg) =
                 (c.alloc_cache(cache_shape, kv).unwrap(), g.alloc_cache(cache_shape, kv).unwrap());
+            if let Some(scales) = scales {
+                c.set_kv_scales(&mut cc, scales).unwrap();
+                g.set_kv_scales(&mut cg, scales).unwrap();
+            }
             let (qc, qg) = both(&qkv, ctx, 128);
             let what = format!(
-                "attention, window {window}, softcap {softcap}, {kv:?} cache, rotary {}",
+                "attention, window {window}, softcap {softcap}, {kv:?} cache, rotary {}, scales {scales:?}",
                 rope.inv_freq.len()
             );
             close(

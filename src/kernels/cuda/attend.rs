@@ -147,7 +147,8 @@ impl CudaDevice {
             vc.push(&mut launch);
             // SAFETY: k, v are [n, width]; slots index inside the cache (checked by the
             // scheduler).
-            unsafe { launch.arg(&b.slots).arg(&width).launch(Self::rows(k.rows)) }
+            let (ks, vs) = (cache.scales.k, cache.scales.v);
+            unsafe { launch.arg(&b.slots).arg(&width).arg(&ks).arg(&vs).launch(Self::rows(k.rows)) }
                 .map_err(cuda("write_kv launch"))?;
         }
         self.attend_cached(q, cache, s)
@@ -155,13 +156,26 @@ impl CudaDevice {
 
     /// Attention of each query row of `q` over its context, whose K and V (this step's
     /// included) are in the cache, with the step's metadata uploaded
-    /// ([`Self::attention_inputs`]).
+    /// ([`Self::attention_inputs`]). A cache that holds V divided by a scale other than 1
+    /// gives an output scaled back once (the weighted sum is linear in V), its 16-bit copy
+    /// left to be made again by the projection that reads it.
     pub(super) fn attend_cached(
         &self,
         q: &CudaTensor,
         cache: &mut CudaCache,
         s: AttnShape,
     ) -> DevResult<CudaTensor> {
+        let v_scale = cache.scales.v;
+        let mut out = self.attend_unscaled(q, cache, s)?;
+        if v_scale != 1.0 {
+            out.half = None;
+            crate::kernels::Device::scale(self, &mut out, v_scale)?;
+        }
+        Ok(out)
+    }
+
+    /// [`Self::attend_cached`] before V's scale: K's is folded into the softmax scale.
+    fn attend_unscaled(&self, q: &CudaTensor, cache: &mut CudaCache, s: AttnShape) -> DevResult<CudaTensor> {
         let guard = self.inputs().step.borrow();
         let b = guard.as_ref().expect("uploaded by attention_inputs");
         // A graph is replayed at any context up to its bound: its launch shapes follow the
@@ -178,7 +192,7 @@ impl CudaDevice {
             kv_heads: s.num_kv_heads as i32,
             head_dim: s.head_dim as i32,
             block_size: cache.shape.block_size as i32,
-            scale: s.scale,
+            scale: s.scale * cache.scales.k,
         };
         let (window, softcap) = (s.window as i32, s.softcap);
         if b.num_tiles > 0 {

@@ -2,14 +2,19 @@
 // head_dim] for K and for V, of type T: f32, bf16/f16 for 16-bit models, or e4m3 bytes
 // (entry points end in _f32, _bf16, _f16, _fp8). (common.cuh comes first.)
 
+// K and V are stored divided by the cache's scales (an FP8 cache's per-layer k_scale and
+// v_scale, 1 for any other), as the CPU's cache stores them; the attention kernels read
+// them unscaled, the host folding k_scale into the softmax scale and v_scale into the
+// output (attend.rs).
 template <typename T>
-__device__ void write_kv(const float* k, const float* v, T* kc, T* vc, const long long* slots, int width) {
+__device__ void write_kv(const float* k, const float* v, T* kc, T* vc, const long long* slots, int width,
+                         float k_scale, float v_scale) {
     int t = blockIdx.x;
     long long s = slots[t];
     if (s < 0) return;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        st(kc + s * width + i, k[(size_t)t * width + i]);
-        st(vc + s * width + i, v[(size_t)t * width + i]);
+        st(kc + s * width + i, k[(size_t)t * width + i] / k_scale);
+        st(vc + s * width + i, v[(size_t)t * width + i] / v_scale);
     }
 }
 
@@ -241,8 +246,9 @@ __device__ void paged_attention_split(const float* q, const T* kc, const T* vc, 
 
 #define KV_ENTRIES(SUF, T)                                                                                     \
     extern "C" __global__ void write_kv_##SUF(const float* k, const float* v, T* kc, T* vc,                     \
-                                              const long long* slots, int width) { grid_dep_sync();             \
-        write_kv<T>(k, v, kc, vc, slots, width);                                                                \
+                                              const long long* slots, int width, float k_scale,                 \
+                                              float v_scale) { grid_dep_sync();                                 \
+        write_kv<T>(k, v, kc, vc, slots, width, k_scale, v_scale);                                              \
     }                                                                                                           \
     extern "C" __global__ void paged_attention_##SUF(                                                           \
         const float* q, const T* kc, const T* vc, float* out, void* out16, int kind, const unsigned int* rows,  \

@@ -106,10 +106,14 @@ __device__ __forceinline__ void st4(__half* p, float4 v) {
     *(uint2*)p = make_uint2(*(unsigned*)&lo, *(unsigned*)&hi);
 }
 
-// An FP8 KV cache's element (--kv-cache-dtype fp8): an e4m3 byte of scale 1, written
-// rounded to nearest even and saturated at ±448 (as the CPU's e4m3::encode), read exactly
-// (every e4m3 value is a half). Entry points over such a cache end in _fp8. Four
-// consecutive elements are 4-byte aligned; a byte pair is one conversion.
+// Each of v's values divided by s (a KV cache's scale).
+__device__ __forceinline__ float4 div4(float4 v, float s) { return make_float4(v.x / s, v.y / s, v.z / s, v.w / s); }
+
+// An FP8 KV cache's element (--kv-cache-dtype fp8): an e4m3 byte of the value divided by
+// the layer's scale (see write_kv), rounded to nearest even and saturated at ±448 (as the
+// CPU's e4m3::encode), read exactly (every e4m3 value is a half). Entry points over such a
+// cache end in _fp8. Four consecutive elements are 4-byte aligned; a byte pair is one
+// conversion.
 struct kv_fp8 {
     unsigned char b;
 };

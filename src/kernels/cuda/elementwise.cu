@@ -330,7 +330,7 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
                                                T* __restrict__ vc, const long long* slots,
                                                const unsigned int* positions, const float* inv_freq,
                                                int freq_stride, int heads, int kv_heads, int head_dim, int half,
-                                               float mscale) {
+                                               float mscale, float k_scale, float v_scale) {
     int t = blockIdx.x, slot = blockIdx.y * blockDim.y + threadIdx.y;
     inv_freq += (size_t)t * freq_stride;
     if (slot >= heads + 2 * kv_heads) return;
@@ -352,9 +352,10 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
         if (cached) {
             T* c = vc + at * kn + h * head_dim;
             if (by4)
-                for (int i = 4 * threadIdx.x; i < head_dim; i += 4 * blockDim.x) st4(c + i, *(const float4*)(src + i));
+                for (int i = 4 * threadIdx.x; i < head_dim; i += 4 * blockDim.x)
+                    st4(c + i, div4(*(const float4*)(src + i), v_scale));
             else
-                for (int i = threadIdx.x; i < head_dim; i += blockDim.x) st(c + i, src[i]);
+                for (int i = threadIdx.x; i < head_dim; i += blockDim.x) st(c + i, src[i] / v_scale);
         } else {
             float* d = v + (size_t)t * kn + h * head_dim;
             for (int i = threadIdx.x; i < head_dim; i += blockDim.x) d[i] = src[i];
@@ -379,8 +380,8 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
             }
             const float4 x = make_float4(ra[0], ra[1], ra[2], ra[3]), y = make_float4(rb[0], rb[1], rb[2], rb[3]);
             if (cdst) {
-                st4(cdst + j, x);
-                st4(cdst + j + half, y);
+                st4(cdst + j, div4(x, k_scale));
+                st4(cdst + j + half, div4(y, k_scale));
             } else {
                 *(float4*)(dst + j) = x;
                 *(float4*)(dst + j + half) = y;
@@ -389,7 +390,7 @@ __device__ __forceinline__ void split_qkv_rope(const float* __restrict__ qkv, fl
         return;
     }
     auto put = [&](int i, float x) {
-        if (cdst) st(cdst + i, x);
+        if (cdst) st(cdst + i, x / k_scale);
         else dst[i] = x;
     };
     for (int j = threadIdx.x; j < head_dim - half; j += blockDim.x) {
@@ -414,20 +415,21 @@ extern "C" __global__ void split_qkv_rope_f32(const float* __restrict__ qkv, flo
                                               float mscale) {
     grid_dep_sync();
     split_qkv_rope<float>(qkv, q, k, v, nullptr, nullptr, nullptr, positions, inv_freq, freq_stride, heads,
-                          kv_heads, head_dim, half, mscale);
+                          kv_heads, head_dim, half, mscale, 1.0f, 1.0f);
 }
 
-// The same, with k and v written straight into the KV cache (layout as write_kv's) at each
-// token's slot instead of into tensors.
+// The same, with k and v written straight into the KV cache (layout as write_kv's, divided
+// by its scales as there) at each token's slot instead of into tensors.
 #define SPLIT_ROPE_KV_ENTRY(SUF, T)                                                                               \
     extern "C" __global__ void split_qkv_rope_kv_##SUF(const float* __restrict__ qkv, float* __restrict__ q,      \
                                                        T* __restrict__ kc, T* __restrict__ vc,                    \
                                                        const long long* slots, const unsigned int* positions,    \
                                                        const float* inv_freq, int freq_stride, int heads,        \
-                                                       int kv_heads, int head_dim, int half, float mscale) {     \
+                                                       int kv_heads, int head_dim, int half, float mscale,       \
+                                                       float k_scale, float v_scale) {                           \
         grid_dep_sync();                                                                                          \
         split_qkv_rope<T>(qkv, q, nullptr, nullptr, kc, vc, slots, positions, inv_freq, freq_stride, heads,      \
-                          kv_heads, head_dim, half, mscale);                                                     \
+                          kv_heads, head_dim, half, mscale, k_scale, v_scale);                                   \
     }
 SPLIT_ROPE_KV_ENTRY(f32, float)
 SPLIT_ROPE_KV_ENTRY(bf16, __nv_bfloat16)

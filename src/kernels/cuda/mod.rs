@@ -165,6 +165,8 @@ pub struct CudaCache {
     v: KvBuf,
     /// The attention kernels for the cache's element type.
     kernels: KvKernels,
+    /// What K and V are divided by as they are stored (an FP8 cache's per-layer scales).
+    scales: crate::kernels::KvScales,
 }
 
 enum KvBuf {

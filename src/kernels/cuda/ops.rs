@@ -147,15 +147,16 @@ impl Device for CudaDevice {
                 _ => KvBuf::Half(self.zeros(n)?),
             })
         };
-        Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels })
+        Ok(CudaCache { shape, k: buf()?, v: buf()?, kernels, scales: KvScales::default() })
     }
 
-    /// The GPU's FP8 cache stores values of scale 1 only (`--kv-cache-dtype fp8` is
-    /// refused on a GPU before a cache is made).
-    fn set_kv_scales(&self, _cache: &mut CudaCache, scales: KvScales) -> Result<(), DeviceError> {
-        match scales == KvScales::default() {
-            true => Ok(()),
-            false => Err(DeviceError::Other("per-tensor KV cache scales are read on the CPU only".into())),
+    fn set_kv_scales(&self, cache: &mut CudaCache, scales: KvScales) -> Result<(), DeviceError> {
+        match (&cache.k, &cache.v) {
+            (KvBuf::Fp8(_), KvBuf::Fp8(_)) => {
+                cache.scales = scales;
+                Ok(())
+            }
+            _ => Err(DeviceError::Other("KV cache scales are for an FP8 cache".into())),
         }
     }
 

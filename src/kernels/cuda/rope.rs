@@ -92,6 +92,7 @@ impl CudaDevice {
                 RopeOut::Tensors(..) => self.f("split_qkv_rope_f32").clone(),
                 RopeOut::Cache(_, cache) => cache.kernels.split_rope_kv.clone(),
             };
+            let mut scales = None;
             let mut launch = self.stream.launch_builder(&func);
             launch.arg(&*qkv.buf);
             match out {
@@ -103,11 +104,15 @@ impl CudaDevice {
                     cache.k.arg().push(&mut launch);
                     cache.v.arg().push(&mut launch);
                     launch.arg(inputs.slots()?);
+                    scales = Some((cache.scales.k, cache.scales.v));
                 }
             }
             launch.arg(inputs.positions).arg(inputs.inv_freq).arg(&inputs.freq_stride);
             launch.arg(&h).arg(&kvh).arg(&hd).arg(&half);
             launch.arg(&rope.attention_scaling);
+            if let Some((ks, vs)) = &scales {
+                launch.arg(ks).arg(vs);
+            }
             // SAFETY: qkv is [n, (h + 2·kvh)·hd]; q is [n, h·hd], k and v [n, kvh·hd]; a
             // cache's slots index inside it (checked by the scheduler), its rows kvh·hd wide.
             unsafe { launch.launch(cfg) }.map_err(cuda("rope launch"))?;

@@ -344,6 +344,16 @@ mod avx2 {
         }
     }
 
+    /// 32 bytes of nibble pairs as their low nibbles and their high nibbles, 32 bytes each.
+    #[inline(always)]
+    unsafe fn nibbles(v: __m256i) -> (__m256i, __m256i) {
+        // SAFETY: AVX2 is there (the callers' target features).
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low))
+        }
+    }
+
     /// 32 bits as 32 bytes: 0x10 where the bit is set (Q5_0's fifth bits, in place).
     #[inline(always)]
     unsafe fn fifth_bits(bits: u32) -> __m256i {
@@ -485,14 +495,9 @@ mod avx2 {
                     each!(MR, |c| each!(4, |i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast())));
                 let dx: [__m128; MR] = each!(MR, |c| _mm_loadu_ps(xd[c].add(b)));
                 let lanes = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
-                let low = _mm256_set1_epi8(0x0f);
                 for r in 0..NR {
-                    let v0 = _mm256_loadu_si256(qs[r].add(b * 16).cast());
-                    let v1 = _mm256_loadu_si256(qs[r].add(b * 16 + 32).cast());
-                    let (mut lo0, mut hi0) =
-                        (_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_srli_epi16(v0, 4), low));
-                    let (mut lo1, mut hi1) =
-                        (_mm256_and_si256(v1, low), _mm256_and_si256(_mm256_srli_epi16(v1, 4), low));
+                    let (mut lo0, mut hi0) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16).cast()));
+                    let (mut lo1, mut hi1) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16 + 32).cast()));
                     if matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
                         // A pair's first 16 fifth bits go with the low nibbles, the last 16
                         // with the high ones.
@@ -545,10 +550,8 @@ mod avx2 {
                     each!(MR, |c| each!(2, |i| _mm256_loadu_si256(xp[c].add(b * QK + i * 32).cast())));
                 let dx: [__m128; MR] = each!(MR, |c| _mm_castpd_ps(_mm_load_sd(xd[c].add(b).cast())));
                 let lanes = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-                let low = _mm256_set1_epi8(0x0f);
                 for r in 0..NR {
-                    let v = _mm256_loadu_si256(qs[r].add(b * 16).cast());
-                    let (lo, hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                    let (lo, hi) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16).cast()));
                     let dw = _mm_cvtph_ps(_mm_cvtsi32_si128(wd[r].add(b).cast::<i32>().read_unaligned()));
                     for c in 0..MR {
                         // Lanes 0..4 hold block b's partial sums, 4..8 block b + 1's.

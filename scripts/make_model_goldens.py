@@ -17,7 +17,8 @@ changes at (dynamic NTK, LongRoPE), where it has one; the short ones generate pa
 (granite, which examples/granite.rs registers out of tree, goes to tests/fixtures/out-of-tree/.
 The models of KV_FP8 are run a second time with an FP8 KV cache, into tests/fixtures/kv-fp8/,
 the first also with per-layer KV cache scales in its checkpoint (`kv_scales` in the file,
-written as scalar tensors beside the weights); name `kv-fp8` to make only those.)
+written as scalar tensors beside the weights); then with an e5m2 cache (`fp8_e5m2`, files
+named *-e5m2.json); name `kv-fp8` to make only those.)
 """
 import contextlib
 import json
@@ -152,44 +153,51 @@ EMBED_SCALE = {"gemma": 0.05, "gemma2": 0.05, "gemma3": 0.05, "opt-post-norm": 4
 # --kv-cache-dtype fp8 without calibrated scales): a plain model, and one with soft caps and
 # alternating sliding windows.
 KV_FP8 = ["llama", "gemma2"]
-# The least distance, as a share of the gap between the two e4m3 values around it, from any
+# The least distance, as a share of the gap between the two FP8 values around it, from any
 # key or value to the midpoint where its rounding turns: a value nearer than float noise
 # could round either way in another implementation.
 MIN_KV_MARGIN = 3e-5
 # The least such distance of the keys and values rounded since the last run.
 KV_MARGIN = [float("inf")]
+# Each FP8 format: its torch dtype, mantissa bits, least normal value and largest value.
+FP8 = {"fp8": (torch.float8_e4m3fn, 3, 2.0 ** -6, 448.0),
+       "fp8_e5m2": (torch.float8_e5m2, 2, 2.0 ** -14, 57344.0)}
 
 
-def kv_margin(x, r):
+def kv_margin(x, r, fmt):
     """The least distance of x's values from the rounding midpoint around them (r: their
-    rounded values), as a share of the gap there; saturated values are not counted."""
+    rounded values in format `fmt`), as a share of the gap there; saturated values are not
+    counted."""
+    _, bits, normal, top = FP8[fmt]
     a, b = x.abs().float(), r.abs().float()
-    low = torch.minimum(a, b).clamp(min=2.0 ** -6)
-    gap = torch.exp2(torch.floor(torch.log2(low)) - 3)
+    low = torch.minimum(a, b).clamp(min=normal)
+    gap = torch.exp2(torch.floor(torch.log2(low)) - bits)
     frac = (a - b).abs() / gap
-    inside = a < 448.0
+    inside = a < top
     return (0.5 - frac[inside]).min().item() if inside.any() else float("inf")
 
 
 @contextlib.contextmanager
-def fp8_kv_cache(scales=None):
-    """transformers' cache stores each key and value rounded to e4m3 (nearest even, saturated
-    at ±448), and attention reads them back from there, the step's own keys and values
-    included. With `scales` (a (k_scale, v_scale) pair a layer, a checkpoint's) a key x is
-    stored as e4m3(x / k_scale) and read back as that times k_scale, as vLLM's FP8 cache
-    does; else the scale is 1. KV_MARGIN keeps how near a rounding midpoint they came."""
+def fp8_kv_cache(scales=None, fmt="fp8"):
+    """transformers' cache stores each key and value rounded to FP8 (`fmt`: e4m3, or e5m2
+    for "fp8_e5m2"; nearest even, saturated at the format's largest value), and attention
+    reads them back from there, the step's own keys and values included. With `scales` (a
+    (k_scale, v_scale) pair a layer, a checkpoint's) a key x is stored as fp8(x / k_scale)
+    and read back as that times k_scale, as vLLM's FP8 cache does; else the scale is 1.
+    KV_MARGIN keeps how near a rounding midpoint they came."""
     from transformers.cache_utils import Cache
     orig = Cache.__dict__["update"]
+    dtype, _, _, top = FP8[fmt]
 
-    def e4m3(x, scale):
+    def fp8(x, scale):
         y = x / scale
-        r = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-        KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(y, r))
+        r = y.clamp(-top, top).to(dtype).to(x.dtype)
+        KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(y, r, fmt))
         return r * scale
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         ks, vs = scales[layer_idx] if scales else (1.0, 1.0)
-        return orig(self, e4m3(key_states, ks), e4m3(value_states, vs), layer_idx, *args, **kwargs)
+        return orig(self, fp8(key_states, ks), fp8(value_states, vs), layer_idx, *args, **kwargs)
     Cache.update = update
     try:
         yield
@@ -323,6 +331,9 @@ def main(out_dir, only=None):
                 make(key, where, kv_cache_dtype="fp8")
         # The same with a checkpoint's scales (calibrated on a prompt of its own).
         make(KV_FP8[0], where, kv_cache_dtype="fp8", scaled=True)
+        for key in KV_FP8:
+            with fp8_kv_cache(fmt="fp8_e5m2"):
+                make(key, where, kv_cache_dtype="fp8_e5m2")
 
 
 def make(key, where, kv_cache_dtype=None, scaled=False):
@@ -371,7 +382,8 @@ def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors):
     if key in OUT_OF_TREE:
         where = os.path.join(os.path.dirname(where.rstrip("/")), "out-of-tree")
     os.makedirs(where, exist_ok=True)
-    path = os.path.join(where, f"{key}-scaled.json" if scale_tensors else f"{key}.json")
+    suffix = "-scaled" if scale_tensors else "-e5m2" if kv_cache_dtype == "fp8_e5m2" else ""
+    path = os.path.join(where, f"{key}{suffix}.json")
     with open(path, "w") as fh:
         json.dump(golden, fh, separators=(",", ":"))
     print(key, "prompts", [len(r["prompt_ids"]) for r in runs], "tried", tried,

@@ -119,9 +119,10 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 4.0)]
     pub kv_cache_space: f64,
     /// KV cache element type: `auto` (f32 on the CPU; on a GPU the 16-bit type of a 16-bit
-    /// model, else f32) or `fp8` (alias `fp8_e4m3`: e4m3 by the checkpoint's per-layer
+    /// model, else f32), `fp8` (alias `fp8_e4m3`: e4m3 by the checkpoint's per-layer
     /// k_scale and v_scale, else a scale of 1, saturating at ±448; a quarter of f32's bytes,
-    /// so four times the tokens in the same memory; on the CPU only, refused on a CUDA GPU).
+    /// so four times the tokens in the same memory; on the CPU only, refused on a CUDA GPU)
+    /// or `fp8_e5m2` (e5m2 bytes, saturating at ±57344; on the CPU only).
     #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
     pub kv_cache_dtype: KvDtype,
     /// Exact number of KV cache blocks, overriding the size computed from memory.
@@ -352,8 +353,9 @@ pub enum ConfigError {
     #[error("--block-size must be a power of two between 1 and 256, got {0}")]
     BlockSize(usize),
     #[error(
-        "--kv-cache-dtype fp8 is served on the CPU (--device cpu); on a CUDA GPU its attention kernels \
-         do not yet give the CPU's values, so it is refused there: use --kv-cache-dtype auto"
+        "FP8 KV caches (--kv-cache-dtype fp8, fp8_e5m2) are served on the CPU (--device cpu); on a CUDA \
+         GPU their attention kernels do not yet give the CPU's values, so they are refused there: use \
+         --kv-cache-dtype auto"
     )]
     Fp8KvCacheOnGpu,
     #[error("--max-num-seqs must be at least 1, got {0}")]
@@ -693,9 +695,8 @@ mod tests {
         assert_eq!((c.max_num_seqs, c.max_num_batched_tokens), (256, 2048));
     }
 
-    /// `--kv-cache-dtype` takes vLLM's names (`fp8_e5m2`, not served, is refused with the
-    /// choices), and an FP8 cache fits four times the f32 cache's blocks in the CPU's
-    /// --kv-cache-space.
+    /// `--kv-cache-dtype` takes vLLM's names (others are refused with the choices), and an
+    /// FP8 cache fits four times the f32 cache's blocks in the CPU's --kv-cache-space.
     #[test]
     fn an_fp8_kv_cache_holds_four_times_the_blocks_of_an_f32_one() {
         #[derive(clap::Parser)]
@@ -710,8 +711,9 @@ mod tests {
         assert_eq!(parse("auto").unwrap(), KvDtype::Auto);
         assert_eq!(parse("fp8").unwrap(), KvDtype::Fp8E4m3);
         assert_eq!(parse("fp8_e4m3").unwrap(), KvDtype::Fp8E4m3);
-        let refused = parse("fp8_e5m2").unwrap_err().to_string();
-        assert!(refused.contains("fp8_e5m2") && refused.contains("auto, fp8"), "{refused}");
+        assert_eq!(parse("fp8_e5m2").unwrap(), KvDtype::Fp8E5m2);
+        let refused = parse("int8").unwrap_err().to_string();
+        assert!(refused.contains("int8") && refused.contains("auto, fp8, fp8_e5m2"), "{refused}");
         let dir = crate::scratch::ScratchDir::new("config-kv").unwrap();
         let shape = crate::models::random::Preset::Tiny.shape();
         crate::models::random::make_random_model(shape, dir.path(), DType::F32, 1, 1.0).unwrap();
@@ -724,5 +726,6 @@ mod tests {
         };
         let (f32_blocks, fp8_blocks) = (blocks(KvDtype::Auto), blocks(KvDtype::Fp8E4m3));
         assert!(f32_blocks > 0 && fp8_blocks / f32_blocks == 4, "{f32_blocks} vs {fp8_blocks}");
+        assert_eq!(blocks(KvDtype::Fp8E5m2), fp8_blocks);
     }
 }

@@ -552,8 +552,8 @@ pub(crate) fn kv_scales_for(
     kv: crate::kernels::KvDtype,
     found: Option<(Vec<crate::kernels::KvScales>, usize)>,
 ) -> Option<Arc<[crate::kernels::KvScales]>> {
-    match (kv, found) {
-        (crate::kernels::KvDtype::Fp8E4m3, Some((scales, n))) => {
+    match (kv.fp8(), found) {
+        (Some(_), Some((scales, n))) => {
             tracing::info!(
                 scales = n,
                 layers = scales.len(),
@@ -561,21 +561,22 @@ pub(crate) fn kv_scales_for(
             );
             Some(scales.into())
         }
-        (crate::kernels::KvDtype::Fp8E4m3, None) => {
+        (Some(crate::kernels::Fp8Format::E4m3), None) => {
             tracing::warn!(
                 "FP8 KV cache of scale 1: the checkpoint has no k_scale or v_scale; keys and values \
                  past ±448 saturate"
             );
             None
         }
-        (crate::kernels::KvDtype::Auto, Some((_, n))) => {
+        (Some(crate::kernels::Fp8Format::E5m2), None) => None,
+        (None, Some((_, n))) => {
             tracing::info!(
                 scales = n,
                 "the checkpoint's KV cache scales are unused: --kv-cache-dtype fp8 stores the cache by them"
             );
             None
         }
-        (crate::kernels::KvDtype::Auto, None) => None,
+        (None, None) => None,
     }
 }
 

@@ -94,6 +94,30 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
 }
 
+/// `--kv-cache-dtype fp8_e5m2` against transformers with every key and value rounded to
+/// `float8_e5m2` as it enters its cache (tests/fixtures/kv-fp8/*-e5m2.json, by the same
+/// script): the plain tiny Llama, and Gemma 2 with soft caps and alternating windows (an
+/// e4m3 or an f32 cache gives other tokens on both). On a CUDA GPU it is refused.
+#[actix_rt::test]
+async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
+    for name in ["llama", "gemma2"] {
+        let path = common::fixture(&format!("tests/fixtures/kv-fp8/{name}-e5m2.json"));
+        let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(g["kv_cache_dtype"], "fp8_e5m2");
+        matches_golden(&format!("{name}-kv-e5m2"), &g, KvDtype::Fp8E5m2).await;
+    }
+    // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
+    let dir = common::scratch("kv-e5m2-on-cuda");
+    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
+    let args = EngineArgs {
+        device: actorllm::config::DeviceArg::Cuda,
+        kv_cache_dtype: KvDtype::Fp8E5m2,
+        ..common::args(&dir)
+    };
+    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
+}
+
 #[actix_rt::test]
 async fn llama_with_llama3_rope_scaling() {
     matches_transformers("llama").await;

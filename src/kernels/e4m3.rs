@@ -59,6 +59,21 @@ pub fn encode(v: f32) -> u8 {
     sign | (rounded - ((127 - 7) << 3)) as u8
 }
 
+/// The byte of the value nearest `v` (ties to the even byte) by a search of `finite`, the
+/// ascending values of bytes 0, 1, ..: the FP8 encoders' reference.
+#[cfg(test)]
+pub(crate) fn nearest_byte(finite: &[f32], v: f32) -> u8 {
+    let a = v.abs();
+    let i = finite.partition_point(|&e| e < a).min(finite.len() - 1);
+    let i = match i {
+        0 => 0,
+        _ if a - finite[i - 1] < finite[i] - a => i - 1,
+        _ if a - finite[i - 1] == finite[i] - a && i % 2 == 1 => i - 1,
+        _ => i,
+    };
+    i as u8 | if v.is_sign_negative() { 0x80 } else { 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,17 +108,7 @@ mod tests {
             assert_eq!(encode(decode(b)), b, "{b:#04x}");
         }
         let finite: Vec<f32> = (0..0x7fu8).map(decode).collect();
-        let nearest = |v: f32| -> u8 {
-            let a = v.abs();
-            let i = finite.partition_point(|&e| e < a).min(finite.len() - 1);
-            let i = match i {
-                0 => 0,
-                _ if a - finite[i - 1] < finite[i] - a => i - 1,
-                _ if a - finite[i - 1] == finite[i] - a && i % 2 == 1 => i - 1,
-                _ => i,
-            };
-            i as u8 | if v.is_sign_negative() { 0x80 } else { 0 }
-        };
+        let nearest = |v: f32| nearest_byte(&finite, v);
         let mut x = 0x1234_5678u32;
         for i in 0..200_000 {
             x ^= x << 13;

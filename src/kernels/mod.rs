@@ -9,6 +9,7 @@ pub mod attn;
 pub mod cpu;
 pub mod cuda;
 pub mod e4m3;
+pub mod e5m2;
 pub mod moe;
 pub mod quant;
 mod rope;
@@ -140,19 +141,59 @@ pub enum KvDtype {
     /// The device's own: f32 on the CPU; on a GPU the 16-bit type of a 16-bit model, else f32.
     #[default]
     Auto,
-    /// OCP FP8 E4M3 (`float8_e4m3fn`) with a scale of 1, as vLLM's `fp8` without calibrated
-    /// scales: each value rounded to the nearest of its 8-bit values (ties to even) and
-    /// saturated at ±448. A quarter of f32's bytes, half of a 16-bit type's.
+    /// OCP FP8 E4M3 (`float8_e4m3fn`), vLLM's `fp8`: each value divided by the layer's
+    /// scale (the checkpoint's, else 1), rounded to the nearest of its 8-bit values (ties to
+    /// even) and saturated at ±448. A quarter of f32's bytes, half of a 16-bit type's.
     #[value(name = "fp8", alias = "fp8_e4m3")]
     Fp8E4m3,
+    /// OCP FP8 E5M2 (`float8_e5m2`), vLLM's `fp8_e5m2`: the top byte of a half, nearest
+    /// even, saturated at ±57344; two mantissa bits where e4m3 has three, and the range of
+    /// a half, so that values need no scale to fit.
+    #[value(name = "fp8_e5m2")]
+    Fp8E5m2,
 }
 
 impl KvDtype {
     /// Bytes of an element, where `auto` is the bytes of the device's own type.
     pub fn elem_bytes(self, auto: usize) -> usize {
+        match self.fp8() {
+            None => auto,
+            Some(_) => 1,
+        }
+    }
+
+    /// The FP8 format of an FP8 cache.
+    pub fn fp8(self) -> Option<Fp8Format> {
         match self {
-            KvDtype::Auto => auto,
-            KvDtype::Fp8E4m3 => 1,
+            KvDtype::Auto => None,
+            KvDtype::Fp8E4m3 => Some(Fp8Format::E4m3),
+            KvDtype::Fp8E5m2 => Some(Fp8Format::E5m2),
+        }
+    }
+}
+
+/// The two OCP FP8 formats an FP8 KV cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Format {
+    E4m3,
+    E5m2,
+}
+
+impl Fp8Format {
+    /// Each byte's value.
+    pub fn values(self) -> &'static [f32; 256] {
+        match self {
+            Fp8Format::E4m3 => e4m3::values(),
+            Fp8Format::E5m2 => e5m2::values(),
+        }
+    }
+
+    /// The byte nearest `v` (ties to even), saturated at the format's largest value.
+    #[inline]
+    pub fn encode(self, v: f32) -> u8 {
+        match self {
+            Fp8Format::E4m3 => e4m3::encode(v),
+            Fp8Format::E5m2 => e5m2::encode(v),
         }
     }
 }

@@ -605,7 +605,7 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{CacheShape, e4m3};
+    use crate::kernels::{CacheShape, KvDtype};
 
     /// Test values in [-1, 1).
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
@@ -619,7 +619,7 @@ mod tests {
         let (group, width, bs) = (nh / s.num_kv_heads, s.num_kv_heads * hd, cache.shape.block_size);
         let value = |cells: &KvCells, at: usize| match cells {
             KvCells::F32(c) => c[at] as f64,
-            KvCells::Fp8(c) => e4m3::decode(c.bytes[at]) as f64 * c.scale as f64,
+            KvCells::Fp8(c) => c.format.values()[c.bytes[at] as usize] as f64 * c.scale as f64,
         };
         let mut out = vec![0f32; q.rows * nh * hd];
         for t in 0..q.rows {
@@ -681,8 +681,8 @@ mod tests {
         let (k, v) = (rand_vec(cells, 1), rand_vec(cells, 2));
         let f32_cache = CpuCache { shape, k: KvCells::F32(k.clone()), v: KvCells::F32(v.clone()) };
         // `x` written at `scale`, where it spans ±300 of e4m3's ±448 (at scale 1, ±1).
-        let fp8 = |x: &[f32], scale: f32| {
-            let mut c = KvCells::new(crate::kernels::KvDtype::Fp8E4m3, x.len());
+        let fp8_of = |dtype: KvDtype, x: &[f32], scale: f32| {
+            let mut c = KvCells::new(dtype, x.len());
             if let KvCells::Fp8(c) = &mut c {
                 c.set_scale(scale);
             }
@@ -690,8 +690,11 @@ mod tests {
             c.write(0, &x.iter().map(|x| x * spread).collect::<Vec<_>>());
             c
         };
+        let fp8 = |x: &[f32], scale: f32| fp8_of(KvDtype::Fp8E4m3, x, scale);
         let fp8_cache = CpuCache { shape, k: fp8(&k, 1.0), v: fp8(&v, 1.0) };
         let scaled = CpuCache { shape, k: fp8(&k, 0.0123), v: fp8(&v, 0.0041) };
+        let e5m2 =
+            CpuCache { shape, k: fp8_of(KvDtype::Fp8E5m2, &k, 1.0), v: fp8_of(KvDtype::Fp8E5m2, &v, 0.0041) };
         let q = CpuTensor::new(rand_vec(rows * nh * hd, 3), rows, nh * hd);
         let meta = AttnMetadata {
             positions,
@@ -703,7 +706,8 @@ mod tests {
             prompt_lens: Vec::new(),
         };
         assert_eq!(tiled_runs(&meta), vec![0..100, 101..251]);
-        for (cache, dtype) in [(&f32_cache, "f32"), (&fp8_cache, "fp8"), (&scaled, "scaled fp8")] {
+        let caches = [(&f32_cache, "f32"), (&fp8_cache, "fp8"), (&scaled, "scaled fp8"), (&e5m2, "e5m2")];
+        for (cache, dtype) in caches {
             for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
                 let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
                 let want = reference(&q, cache, s, &meta);
@@ -718,7 +722,7 @@ mod tests {
         // The FP8 caches hold values other than the f32 one's: the test tells them apart.
         let s = AttnShape::causal(nh, nkv, hd);
         let a = reference(&q, &f32_cache, s, &meta);
-        for c in [&fp8_cache, &scaled] {
+        for c in [&fp8_cache, &scaled, &e5m2] {
             assert!(a.iter().zip(&reference(&q, c, s, &meta)).any(|(a, b)| (a - b).abs() > 1e-3));
         }
     }

@@ -31,8 +31,8 @@ use rayon::prelude::*;
 
 use super::moe::{self, MoeSpec};
 use super::{
-    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, HostTensor, KvDtype,
-    KvScales, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank, e4m3,
+    Activation, AttnShape, CacheShape, DType, DevResult, Device, DeviceError, FED_TOKEN, Fp8Format,
+    HostTensor, KvDtype, KvScales, LoraShape, LoraSlotWeights, RopeSpec, SampleTicket, Sampled, TpRank,
 };
 use crate::kernels::attn::AttnMetadata;
 use crate::sampling::SampleInput;
@@ -136,27 +136,33 @@ pub struct CpuCache {
 /// The elements of one of a layer's K or V caches, in the cache's dtype.
 pub enum KvCells {
     F32(Vec<f32>),
-    /// e4m3 bytes (`KvDtype::Fp8E4m3`) of the values divided by the cache's scale.
+    /// FP8 bytes (e4m3 or e5m2) of the values divided by the cache's scale.
     Fp8(Fp8Cells),
 }
 
-/// An FP8 cache's bytes, its scale, and each byte's value times the scale (what a read
-/// gives, by table).
+/// An FP8 cache's bytes, their format, its scale, and each byte's value times the scale
+/// (what a read gives, by table).
 pub struct Fp8Cells {
     pub bytes: Vec<u8>,
+    pub format: Fp8Format,
     scale: f32,
     values: Box<[f32; 256]>,
 }
 
 impl Fp8Cells {
-    fn new(n: usize) -> Self {
-        Self { bytes: vec![0; n], scale: 1.0, values: Box::new(*e4m3::values()) }
+    fn new(format: Fp8Format, n: usize) -> Self {
+        Self { bytes: vec![0; n], format, scale: 1.0, values: Box::new(*format.values()) }
     }
 
     /// Stores and reads by `scale` from here on (a checkpoint's `k_scale` or `v_scale`).
     fn set_scale(&mut self, scale: f32) {
         self.scale = scale;
-        *self.values = e4m3::values().map(|v| v * scale);
+        *self.values = self.format.values().map(|v| v * scale);
+    }
+
+    /// Element `at`'s value.
+    pub fn value(&self, at: usize) -> f32 {
+        self.values[self.bytes[at] as usize]
     }
 }
 
@@ -164,7 +170,9 @@ impl KvCells {
     pub fn new(dtype: KvDtype, n: usize) -> Self {
         match dtype {
             KvDtype::Auto => KvCells::F32(vec![0.0; n]),
-            KvDtype::Fp8E4m3 => KvCells::Fp8(Fp8Cells::new(n)),
+            KvDtype::Fp8E4m3 | KvDtype::Fp8E5m2 => {
+                KvCells::Fp8(Fp8Cells::new(dtype.fp8().expect("an FP8 dtype"), n))
+            }
         }
     }
 
@@ -186,9 +194,9 @@ impl KvCells {
             KvCells::F32(c) => c[at..at + src.len()].copy_from_slice(src),
             KvCells::Fp8(c) => {
                 // v / 1 is v: scale 1 needs no path of its own.
-                let s = c.scale;
+                let (s, f) = (c.scale, c.format);
                 let dst = &mut c.bytes[at..at + src.len()];
-                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = e4m3::encode(v / s));
+                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f.encode(v / s));
             }
         }
     }
@@ -198,9 +206,14 @@ impl KvCells {
     pub fn read(&self, at: usize, out: &mut [f32], family: Family) {
         match self {
             KvCells::F32(c) => out.copy_from_slice(&c[at..at + out.len()]),
-            KvCells::Fp8(c) => {
-                simd::family_widen_e4m3(family, &c.values, c.scale, &c.bytes[at..at + out.len()], out)
-            }
+            KvCells::Fp8(c) => simd::family_widen_fp8(
+                family,
+                c.format,
+                &c.values,
+                c.scale,
+                &c.bytes[at..at + out.len()],
+                out,
+            ),
         }
     }
 

@@ -7,6 +7,7 @@
 use half::f16;
 
 use super::Family;
+use crate::kernels::Fp8Format;
 
 /// A vector of f32 lanes. Its methods are inlined into `#[target_feature]` entry points,
 /// which are only called where the CPU has the instructions.
@@ -25,6 +26,9 @@ pub trait Lanes: Copy {
     /// f16's place, `(b & 0x80) << 8 | (b & 0x7f) << 7` (subnormals included; 0x7f, NaN,
     /// made an f16 NaN), converted in registers.
     unsafe fn load_e4m3_256th(p: *const u8) -> Self;
+    /// N FP8 (e5m2) bytes as the f32 of each one's value: each the high byte of an f16,
+    /// converted in registers.
+    unsafe fn load_e5m2(p: *const u8) -> Self;
     unsafe fn store(self, p: *mut f32);
     /// `a · b + c`.
     unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
@@ -86,6 +90,14 @@ mod x86 {
                 let nan = _mm512_cmpeq_epi32_mask(low, _mm512_set1_epi32(0x7f));
                 let h = _mm512_mask_or_epi32(h, nan, h, _mm512_set1_epi32(0x7e00));
                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> Self {
+            // SAFETY: 16 readable bytes (AVX-512F only: 16-bit lanes through 32-bit ones).
+            unsafe {
+                let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(b, 8)))
             }
         }
         #[inline(always)]
@@ -152,6 +164,11 @@ mod x86 {
                 let nan = _mm_and_si128(_mm_cmpeq_epi16(low, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00));
                 _mm256_cvtph_ps(_mm_or_si128(h, nan))
             }
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> Self {
+            // SAFETY: 8 readable bytes.
+            unsafe { _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(p.cast())), 8)) }
         }
         #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
@@ -226,6 +243,15 @@ mod arm {
             // SAFETY: 4 readable bytes.
             unsafe {
                 let v: [f32; 4] = std::array::from_fn(|i| crate::kernels::e4m3::decode(*p.add(i)) / 256.0);
+                vld1q_f32(v.as_ptr())
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_e5m2(p: *const u8) -> Self {
+            // As load_e4m3_256th: by value (the family widens by table instead).
+            // SAFETY: 4 readable bytes.
+            unsafe {
+                let v: [f32; 4] = std::array::from_fn(|i| crate::kernels::e5m2::decode(*p.add(i)));
                 vld1q_f32(v.as_ptr())
             }
         }
@@ -355,41 +381,64 @@ pub fn family_axpy(family: Family, y: &mut [f32], alpha: f32, x: Row) {
     }
 }
 
-/// FP8 (e4m3) bytes widened to f32 and multiplied by `scale` (an FP8 KV cache's reads): N
-/// at a time as [`Lanes::load_e4m3_256th`] makes them, times 256 · scale. That is each
-/// value times the scale rounded once, the same f32 as `table[b]` (each byte's value times
-/// the scale) gives the tail.
+/// FP8 bytes of `format` widened to f32 and multiplied by `scale` (an FP8 KV cache's reads):
+/// N at a time as [`Lanes::load_e4m3_256th`] makes them, times 256 · scale, or as
+/// [`Lanes::load_e5m2`] does, times the scale. That is each value times the scale rounded
+/// once, the same f32 as `table[b]` (each byte's value times the scale) gives the tail.
 ///
 /// # Safety
 /// The CPU has V's instructions.
 #[inline(always)]
-pub unsafe fn widen_e4m3<V: Lanes>(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+pub unsafe fn widen_fp8<V: Lanes>(
+    format: Fp8Format,
+    table: &[f32; 256],
+    scale: f32,
+    src: &[u8],
+    dst: &mut [f32],
+) {
     assert_eq!(src.len(), dst.len());
     let full = src.len() / V::N * V::N;
     // SAFETY: every load and store covers i..i + N <= full of src and dst.
     unsafe {
-        let k = V::splat(256.0 * scale);
-        for i in (0..full).step_by(V::N) {
-            V::mul(V::load_e4m3_256th(src.as_ptr().add(i)), k).store(dst.as_mut_ptr().add(i));
+        match format {
+            Fp8Format::E4m3 => {
+                let k = V::splat(256.0 * scale);
+                for i in (0..full).step_by(V::N) {
+                    V::mul(V::load_e4m3_256th(src.as_ptr().add(i)), k).store(dst.as_mut_ptr().add(i));
+                }
+            }
+            Fp8Format::E5m2 => {
+                let k = V::splat(scale);
+                for i in (0..full).step_by(V::N) {
+                    V::mul(V::load_e5m2(src.as_ptr().add(i)), k).store(dst.as_mut_ptr().add(i));
+                }
+            }
         }
     }
     dst[full..].iter_mut().zip(&src[full..]).for_each(|(d, &b)| *d = table[b as usize]);
 }
 
-/// [`widen_e4m3`] under `family`'s vectors where they convert f16 in registers (AVX-512,
+/// [`widen_fp8`] under `family`'s vectors where they convert f16 in registers (AVX-512,
 /// AVX2+F16C); by the table else.
-pub fn family_widen_e4m3(family: Family, table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+pub fn family_widen_fp8(
+    family: Family,
+    format: Fp8Format,
+    table: &[f32; 256],
+    scale: f32,
+    src: &[u8],
+    dst: &mut [f32],
+) {
     // SAFETY (each arm): the family's instructions are there, as in `family_dot`.
     match family {
         #[cfg(target_arch = "x86_64")]
-        Family::Avx512 => unsafe { entries::widen_e4m3_avx512(table, scale, src, dst) },
+        Family::Avx512 => unsafe { entries::widen_fp8_avx512(format, table, scale, src, dst) },
         #[cfg(target_arch = "x86_64")]
-        Family::Avx2 => unsafe { entries::widen_e4m3_avx2(table, scale, src, dst) },
+        Family::Avx2 => unsafe { entries::widen_fp8_avx2(format, table, scale, src, dst) },
         _ => crate::kernels::e4m3::widen(table, src, dst),
     }
 }
 
-/// The families' entry points of [`dot`], [`axpy`] and [`widen_e4m3`], compiled for their
+/// The families' entry points of [`dot`], [`axpy`] and [`widen_fp8`], compiled for their
 /// instructions.
 /// # Safety (each)
 /// The CPU has the family's instructions.
@@ -400,7 +449,7 @@ mod entries {
     use std::arch::x86_64::{__m256, __m512};
 
     #[cfg(target_arch = "x86_64")]
-    use super::widen_e4m3;
+    use super::{Fp8Format, widen_fp8};
     use super::{Row, axpy, dot};
 
     #[cfg(target_arch = "x86_64")]
@@ -441,41 +490,50 @@ mod entries {
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn widen_e4m3_avx512(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+    pub unsafe fn widen_fp8_avx512(
+        f: Fp8Format,
+        table: &[f32; 256],
+        scale: f32,
+        src: &[u8],
+        dst: &mut [f32],
+    ) {
         // SAFETY: the caller's contract.
-        unsafe { widen_e4m3::<__m512>(table, scale, src, dst) }
+        unsafe { widen_fp8::<__m512>(f, table, scale, src, dst) }
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn widen_e4m3_avx2(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
+    pub unsafe fn widen_fp8_avx2(f: Fp8Format, table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [f32]) {
         // SAFETY: the caller's contract.
-        unsafe { widen_e4m3::<__m256>(table, scale, src, dst) }
+        unsafe { widen_fp8::<__m256>(f, table, scale, src, dst) }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::e4m3;
 
-    /// Every byte, at every offset of a vector and in the tail, widens to the bits of its
-    /// table value times the scale (NaN to a NaN) in each family this CPU has.
+    /// Every byte of both formats, at every offset of a vector and in the tail, widens to
+    /// the bits of its table value times the scale (NaN to a NaN) in each family this CPU
+    /// has.
     #[test]
     fn fp8_bytes_widen_to_their_scaled_values_in_every_family() {
         let bytes: Vec<u8> =
             (0..=255u8).chain((0..=255u8).rev()).chain([0x7f, 0x80, 0x01, 0xfe, 0x08]).collect();
-        for scale in [1.0f32, 0.0123, 3.7, 1.0 / 448.0] {
-            let table = e4m3::values().map(|v| v * scale);
+        for (format, scale) in [Fp8Format::E4m3, Fp8Format::E5m2]
+            .into_iter()
+            .flat_map(|f| [1.0f32, 0.0123, 3.7, 1.0 / 448.0].map(|s| (f, s)))
+        {
+            let table = format.values().map(|v| v * scale);
             for family in Family::all_supported() {
                 for start in [0, 3] {
                     let src = &bytes[start..];
                     let mut dst = vec![0f32; src.len()];
-                    family_widen_e4m3(family, &table, scale, src, &mut dst);
+                    family_widen_fp8(family, format, &table, scale, src, &mut dst);
                     for (&b, &got) in src.iter().zip(&dst) {
                         let want = table[b as usize];
                         assert!(
                             got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                            "{} byte {b:#04x} at scale {scale}: {got} vs {want}",
+                            "{} {format:?} byte {b:#04x} at scale {scale}: {got} vs {want}",
                             family.name()
                         );
                     }

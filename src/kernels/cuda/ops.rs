@@ -138,6 +138,9 @@ impl Device for CudaDevice {
 
     fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<CudaCache, DeviceError> {
         let n = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        if dtype == KvDtype::Fp8E5m2 {
+            return Err(DeviceError::Other("an fp8_e5m2 KV cache is served on the CPU only".into()));
+        }
         self.kv_fp8.set(dtype == KvDtype::Fp8E4m3);
         let (sfx, kernels) = self.kv_kernels();
         let buf = || -> Result<KvBuf, DeviceError> {

@@ -18,7 +18,9 @@ changes at (dynamic NTK, LongRoPE), where it has one; the short ones generate pa
 The models of KV_FP8 are run a second time with an FP8 KV cache, into tests/fixtures/kv-fp8/,
 the first also with per-layer KV cache scales in its checkpoint (`kv_scales` in the file,
 written as scalar tensors beside the weights); then with an e5m2 cache (`fp8_e5m2`, files
-named *-e5m2.json); name `kv-fp8` to make only those.)
+named *-e5m2.json), and the first with vLLM's --calculate-kv-scales over an e5m2 cache
+(each layer's scales from the first keys and values it stores, *-calculated.json); name
+`kv-fp8` to make only those.)
 """
 import contextlib
 import json
@@ -162,6 +164,10 @@ KV_MARGIN = [float("inf")]
 # Each FP8 format: its torch dtype, mantissa bits, least normal value and largest value.
 FP8 = {"fp8": (torch.float8_e4m3fn, 3, 2.0 ** -6, 448.0),
        "fp8_e5m2": (torch.float8_e5m2, 2, 2.0 ** -14, 57344.0)}
+# --calculate-kv-scales: each layer's (k_scale, v_scale), max |k| / 200 and max |v| / 100
+# (vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT) of the first keys and values it stores, in
+# f32 as the engine divides; cleared before each prompt (the test starts an engine a prompt).
+CALCULATED = {}
 
 
 def kv_margin(x, r, fmt):
@@ -178,13 +184,14 @@ def kv_margin(x, r, fmt):
 
 
 @contextlib.contextmanager
-def fp8_kv_cache(scales=None, fmt="fp8"):
+def fp8_kv_cache(scales=None, fmt="fp8", calculate=False):
     """transformers' cache stores each key and value rounded to FP8 (`fmt`: e4m3, or e5m2
     for "fp8_e5m2"; nearest even, saturated at the format's largest value), and attention
     reads them back from there, the step's own keys and values included. With `scales` (a
     (k_scale, v_scale) pair a layer, a checkpoint's) a key x is stored as fp8(x / k_scale)
     and read back as that times k_scale, as vLLM's FP8 cache does; else the scale is 1.
-    KV_MARGIN keeps how near a rounding midpoint they came."""
+    With `calculate`, each layer's scales come from the first keys and values it stores
+    (CALCULATED). KV_MARGIN keeps how near a rounding midpoint they came."""
     from transformers.cache_utils import Cache
     orig = Cache.__dict__["update"]
     dtype, _, _, top = FP8[fmt]
@@ -195,8 +202,18 @@ def fp8_kv_cache(scales=None, fmt="fp8"):
         KV_MARGIN[0] = min(KV_MARGIN[0], kv_margin(y, r, fmt))
         return r * scale
 
+    def first_scales(key_states, value_states):
+        one = torch.tensor(1.0)
+        ks, vs = key_states.abs().max() / 200.0, value_states.abs().max() / 100.0
+        return (ks if ks > 0 else one, vs if vs > 0 else one)
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        ks, vs = scales[layer_idx] if scales else (1.0, 1.0)
+        if calculate:
+            if layer_idx not in CALCULATED:
+                CALCULATED[layer_idx] = first_scales(key_states, value_states)
+            ks, vs = CALCULATED[layer_idx]
+        else:
+            ks, vs = scales[layer_idx] if scales else (1.0, 1.0)
         return orig(self, fp8(key_states, ks), fp8(value_states, vs), layer_idx, *args, **kwargs)
     Cache.update = update
     try:
@@ -334,9 +351,13 @@ def main(out_dir, only=None):
         for key in KV_FP8:
             with fp8_kv_cache(fmt="fp8_e5m2"):
                 make(key, where, kv_cache_dtype="fp8_e5m2")
+        # In e5m2: under e4m3 the largest key (stored as 200) and value (100) fall midway
+        # between two bytes, where float noise picks either.
+        with fp8_kv_cache(fmt="fp8_e5m2", calculate=True):
+            make(KV_FP8[0], where, kv_cache_dtype="fp8_e5m2", calculated=True)
 
 
-def make(key, where, kv_cache_dtype=None, scaled=False):
+def make(key, where, kv_cache_dtype=None, scaled=False, calculated=False):
     cfg_class, model_class, extra = MODELS[key]
     rng = np.random.default_rng(fnv1a64(key) & 0xFFFFFFFF)
     embed_scale = EMBED_SCALE.get(key, 1.0)
@@ -348,10 +369,11 @@ def make(key, where, kv_cache_dtype=None, scaled=False):
         with fp8_kv_cache(scales):
             return make_runs(key, where, kv_cache_dtype, rng, (cfg, model, params, routers, extra, embed_scale),
                              scale_tensors)
-    return make_runs(key, where, kv_cache_dtype, rng, (cfg, model, params, routers, extra, embed_scale), None)
+    return make_runs(key, where, kv_cache_dtype, rng, (cfg, model, params, routers, extra, embed_scale), None,
+                     calculated)
 
 
-def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors):
+def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors, calculated=False):
     cfg, model, params, routers, extra, embed_scale = built
     model_class = MODELS[key][1]
     window = extra.get("sliding_window") or 0
@@ -363,6 +385,7 @@ def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors):
         tried += 1
         ids = [int(x) for x in rng.integers(3, VOCAB, length)]
         KV_MARGIN[0] = float("inf")
+        CALCULATED.clear()
         tokens, steps, gap = run(model, ids)
         routed = routers is None or router_gap(routers) >= MIN_ROUTER_GAP
         rounded = not kv_cache_dtype or KV_MARGIN[0] >= MIN_KV_MARGIN
@@ -378,11 +401,14 @@ def make_runs(key, where, kv_cache_dtype, rng, built, scale_tensors):
         golden["kv_cache_dtype"] = kv_cache_dtype
     if scale_tensors:
         golden["kv_scales"] = scale_tensors
+    if calculated:
+        golden["calculate_kv_scales"] = True
     # Architectures served out of tree go beside, in fixtures/out-of-tree/.
     if key in OUT_OF_TREE:
         where = os.path.join(os.path.dirname(where.rstrip("/")), "out-of-tree")
     os.makedirs(where, exist_ok=True)
-    suffix = "-scaled" if scale_tensors else "-e5m2" if kv_cache_dtype == "fp8_e5m2" else ""
+    suffix = ("-scaled" if scale_tensors else "-calculated" if calculated
+              else "-e5m2" if kv_cache_dtype == "fp8_e5m2" else "")
     path = os.path.join(where, f"{key}{suffix}.json")
     with open(path, "w") as fh:
         json.dump(golden, fh, separators=(",", ":"))

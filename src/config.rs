@@ -125,6 +125,12 @@ pub struct EngineArgs {
     /// or `fp8_e5m2` (e5m2 bytes, saturating at ±57344; on the CPU only).
     #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
     pub kv_cache_dtype: KvDtype,
+    /// vLLM's --calculate-kv-scales: an FP8 KV cache takes each layer's scales from the
+    /// first keys and values it stores (k_scale = max |k| / 200, v_scale = max |v| / 100, as
+    /// vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT), in place of the checkpoint's or 1.
+    /// Needs an FP8 --kv-cache-dtype; on the CPU.
+    #[arg(long)]
+    pub calculate_kv_scales: bool,
     /// Exact number of KV cache blocks, overriding the size computed from memory.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
@@ -328,6 +334,7 @@ impl Default for EngineArgs {
             block_size: 16,
             kv_cache_space: 4.0,
             kv_cache_dtype: KvDtype::Auto,
+            calculate_kv_scales: false,
             num_gpu_blocks_override: None,
             gpu_memory_utilization: 0.9,
             enforce_eager: false,
@@ -358,6 +365,11 @@ pub enum ConfigError {
          --kv-cache-dtype auto"
     )]
     Fp8KvCacheOnGpu,
+    #[error(
+        "--calculate-kv-scales sets the scales of an FP8 KV cache: add --kv-cache-dtype fp8 (or \
+         fp8_e5m2), or leave it out"
+    )]
+    CalculateKvScalesWithoutFp8,
     #[error("--max-num-seqs must be at least 1, got {0}")]
     MaxNumSeqs(usize),
     #[error("--max-num-batched-tokens ({tokens}) must be at least --max-num-seqs ({seqs})")]
@@ -407,6 +419,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     pub num_blocks: usize,
     pub kv_cache_dtype: KvDtype,
+    /// Each layer's FP8 cache scales from the first keys and values it stores.
+    pub calculate_kv_scales: bool,
     pub lora: Option<LoraConfig>,
     pub tensor_parallel_size: usize,
     /// Most logprobs per token a request may ask for (--max-logprobs, at most
@@ -507,6 +521,9 @@ impl EngineConfig {
         if max_model_len > limit {
             return Err(ConfigError::MaxModelLen { given: max_model_len, limit });
         }
+        if args.calculate_kv_scales && args.kv_cache_dtype.fp8().is_none() {
+            return Err(ConfigError::CalculateKvScalesWithoutFp8);
+        }
         let tp = args.tensor_parallel_size;
         check_tensor_parallel(model, tp)?;
         // The CPU's cache (f32, or FP8's byte): K and V per layer per token, of one rank's
@@ -589,6 +606,7 @@ impl EngineConfig {
             block_size: bs,
             num_blocks,
             kv_cache_dtype: args.kv_cache_dtype,
+            calculate_kv_scales: args.calculate_kv_scales,
             tensor_parallel_size: tp,
         })
     }

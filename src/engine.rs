@@ -201,7 +201,7 @@ impl Engine {
         .await
         .map_err(|e| EngineError::Device(format!("model loading thread: {e}")))??;
         // Every rank read the same scales.
-        let kv_scales = kv_scales_for(config.kv_cache_dtype, ranks[0].2.clone());
+        let kv_scales = kv_scales_for(config.kv_cache_dtype, ranks[0].2.clone(), config.calculate_kv_scales);
         let ranks: Vec<(D, _)> = ranks.into_iter().map(|(dev, model, _)| (dev, model)).collect();
         // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
         // and a profiling step at the largest batch (see `size_kv_cache`).
@@ -238,6 +238,7 @@ impl Engine {
             block_size: config.block_size,
             kv_dtype: config.kv_cache_dtype,
             kv_scales,
+            calculate_kv_scales: config.calculate_kv_scales,
         };
         let mut runners = ranks
             .into_iter()
@@ -547,11 +548,20 @@ pub(crate) fn load_options(args: &EngineArgs, model: &ModelConfig, config: &Engi
 }
 
 /// The KV cache scales the runners take, logged: the checkpoint's where the cache is FP8
-/// (scale 1 where it has none, as vLLM's), none else.
+/// (scale 1 where it has none, as vLLM's), none else, nor where they are `calculated` from
+/// the first keys and values (--calculate-kv-scales).
 pub(crate) fn kv_scales_for(
     kv: crate::kernels::KvDtype,
     found: Option<(Vec<crate::kernels::KvScales>, usize)>,
+    calculated: bool,
 ) -> Option<Arc<[crate::kernels::KvScales]>> {
+    if calculated {
+        tracing::info!(
+            checkpoint_scales = found.map_or(0, |(_, n)| n),
+            "FP8 KV cache: each layer's scales from the first keys and values it stores (--calculate-kv-scales)"
+        );
+        return None;
+    }
     match (kv.fp8(), found) {
         (Some(_), Some((scales, n))) => {
             tracing::info!(

@@ -1343,7 +1343,13 @@ fn steps_allocate_nothing_once_their_shapes_were_seen() {
     let loaded = ModelRegistry::<CudaDevice>::default()
         .load(&g, &model, DType::F32, &LoadOptions::default())
         .expect("tiny model loads");
-    let cfg = RunnerConfig { num_blocks: 64, block_size: 16, kv_dtype: KvDtype::Auto, kv_scales: None };
+    let cfg = RunnerConfig {
+        num_blocks: 64,
+        block_size: 16,
+        kv_dtype: KvDtype::Auto,
+        kv_scales: None,
+        calculate_kv_scales: false,
+    };
     let mut runner = ModelRunner::new(g, loaded.model, cfg, vec![0].into()).expect("runner");
     let params = [
         SamplingParams { temperature: 0.0, ..Default::default() },

@@ -118,6 +118,34 @@ async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
     assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
 }
 
+/// vLLM's `--calculate-kv-scales`: each layer's cache takes its scales from the first keys
+/// and values it stores (max |k| / 200, max |v| / 100), against transformers whose cache
+/// does the same (tests/fixtures/kv-fp8/llama-calculated.json, an e5m2 cache: in e4m3 the
+/// largest key and value fall midway between two bytes). Every prompt on an engine of its
+/// own, whose first step is that prompt; scales of 1 give other logprobs. Without an FP8
+/// cache the flag is refused.
+#[actix_rt::test]
+async fn calculated_kv_scales_match_transformers() {
+    let path = common::fixture("tests/fixtures/kv-fp8/llama-calculated.json");
+    let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(
+        (g["kv_cache_dtype"].as_str(), g["calculate_kv_scales"].as_bool()),
+        (Some("fp8_e5m2"), Some(true))
+    );
+    let dir = common::scratch("kv-calculated");
+    actorllm::models::random::write_golden_model(&g, &dir).unwrap();
+    for (i, run) in g["runs"].as_array().unwrap().iter().enumerate() {
+        let one = serde_json::json!({"tokens": g["tokens"], "runs": [run]});
+        let args =
+            EngineArgs { kv_cache_dtype: KvDtype::Fp8E5m2, calculate_kv_scales: true, ..common::args(&dir) };
+        let engine = Engine::start(args).await.unwrap();
+        matches_on(&engine, &one, &format!("llama-kv-calculated prompt {i}")).await;
+    }
+    let args = EngineArgs { calculate_kv_scales: true, ..common::args(&dir) };
+    let refused = Engine::start(args).await.err().expect("refused without an FP8 cache").to_string();
+    assert!(refused.contains("--kv-cache-dtype fp8"), "{refused}");
+}
+
 #[actix_rt::test]
 async fn llama_with_llama3_rope_scaling() {
     matches_transformers("llama").await;

@@ -164,6 +164,9 @@ pub struct RunnerConfig {
     pub kv_dtype: KvDtype,
     /// An FP8 cache's scales by layer (the checkpoint's), else scale 1.
     pub kv_scales: Option<Arc<[KvScales]>>,
+    /// Each layer's FP8 cache takes its scales from the first keys and values it stores
+    /// (--calculate-kv-scales), in place of `kv_scales`.
+    pub calculate_kv_scales: bool,
 }
 
 pub struct ModelRunner<D: Device> {
@@ -173,6 +176,7 @@ pub struct ModelRunner<D: Device> {
     block_size: usize,
     kv_dtype: KvDtype,
     kv_scales: Option<Arc<[KvScales]>>,
+    calculate_kv_scales: bool,
     eos_ids: Arc<[u32]>,
     seqs: HashMap<SeqId, RunnerSeq>,
     /// Ranks 1.. of a tensor-parallel group (on rank 0 only).
@@ -245,6 +249,7 @@ impl<D: Device> ModelRunner<D> {
             block_size: cfg.block_size,
             kv_dtype: cfg.kv_dtype,
             kv_scales: cfg.kv_scales,
+            calculate_kv_scales: cfg.calculate_kv_scales,
             eos_ids,
             seqs: HashMap::new(),
             remote,
@@ -277,6 +282,11 @@ impl<D: Device> ModelRunner<D> {
             }
             for (cache, &s) in self.caches.iter_mut().zip(scales.iter()) {
                 self.dev.set_kv_scales(cache, s)?;
+            }
+        }
+        if self.calculate_kv_scales {
+            for cache in &mut self.caches {
+                self.dev.calculate_kv_scales(cache)?;
             }
         }
         Ok(())

@@ -106,6 +106,7 @@ pub struct GroupSetup {
     pub num_blocks: usize,
     pub block_size: usize,
     pub kv_cache_dtype: crate::kernels::KvDtype,
+    pub calculate_kv_scales: bool,
     pub max_loras: usize,
     pub max_lora_rank: usize,
 }
@@ -122,6 +123,7 @@ impl GroupSetup {
             num_blocks: config.num_blocks,
             block_size: config.block_size,
             kv_cache_dtype: config.kv_cache_dtype,
+            calculate_kv_scales: config.calculate_kv_scales,
             max_loras: config.lora.as_ref().map_or(0, |l| l.max_loras),
             max_lora_rank: config.lora.as_ref().map_or(0, |l| l.max_rank),
         }

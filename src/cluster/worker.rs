@@ -36,7 +36,8 @@ pub fn run(mut args: EngineArgs) -> Result<(), EngineError> {
                 num_blocks: config.num_blocks,
                 block_size: config.block_size,
                 kv_dtype: config.kv_cache_dtype,
-                kv_scales: kv_scales_for(config.kv_cache_dtype, loaded.kv_scales),
+                kv_scales: kv_scales_for(config.kv_cache_dtype, loaded.kv_scales, config.calculate_kv_scales),
+                calculate_kv_scales: config.calculate_kv_scales,
             };
             ModelRunner::new(dev, loaded.model, runner_cfg, Arc::from(Vec::new()))
                 .map_err(|e| EngineError::Device(e.to_string()))

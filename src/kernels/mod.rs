@@ -172,6 +172,12 @@ impl KvDtype {
     }
 }
 
+/// What the largest key of the first batch is stored as under --calculate-kv-scales (vLLM's
+/// K_SCALE_CONSTANT): e4m3's ±448 leaves room for keys 2.24 times as large.
+pub const K_SCALE_RANGE: f32 = 200.0;
+/// As [`K_SCALE_RANGE`] for values (vLLM's V_SCALE_CONSTANT).
+pub const V_SCALE_RANGE: f32 = 100.0;
+
 /// The two OCP FP8 formats an FP8 KV cache holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8Format {
@@ -426,6 +432,10 @@ pub trait Device: Send + Unpin + 'static {
     fn alloc_cache(&self, shape: CacheShape, dtype: KvDtype) -> Result<Self::Cache, DeviceError>;
     /// Gives an FP8 cache the scales its keys and values are stored by (none else has any).
     fn set_kv_scales(&self, cache: &mut Self::Cache, scales: KvScales) -> Result<(), DeviceError>;
+    /// Has an FP8 cache take its scales from the first keys and values written into it, as
+    /// vLLM's --calculate-kv-scales: k by max |k| / [`K_SCALE_RANGE`], v by max |v| /
+    /// [`V_SCALE_RANGE`] (a scale stays 1 where they are all 0).
+    fn calculate_kv_scales(&self, cache: &mut Self::Cache) -> Result<(), DeviceError>;
     /// Copies whole blocks of one layer's cache, keys and values, for each (source,
     /// destination) pair in order (a forked beam's copy of its parent's last block). Issued
     /// before the step's forward, on its stream.

@@ -27,6 +27,9 @@ pub fn write_kv(cache: &mut CpuCache, k: &CpuTensor, v: &CpuTensor, slot_mapping
     let width = cache.shape.num_kv_heads * cache.shape.head_dim;
     assert_eq!(k.cols, width, "write_kv: k has {} features, cache holds {width}", k.cols);
     let slots = cache.shape.num_blocks * cache.shape.block_size;
+    // Under --calculate-kv-scales the first rows written set an FP8 cache's scales.
+    cache.k.calibrate(written_rows(k, slot_mapping, width));
+    cache.v.calibrate(written_rows(v, slot_mapping, width));
     for (t, &slot) in slot_mapping.iter().enumerate() {
         if slot < 0 {
             continue;
@@ -36,6 +39,15 @@ pub fn write_kv(cache: &mut CpuCache, k: &CpuTensor, v: &CpuTensor, slot_mapping
         cache.k.write(s * width, &k.data[t * width..(t + 1) * width]);
         cache.v.write(s * width, &v.data[t * width..(t + 1) * width]);
     }
+}
+
+/// The rows of `x` that `slot_mapping` writes (not the padding's).
+fn written_rows<'a>(
+    x: &'a CpuTensor,
+    slot_mapping: &'a [i64],
+    width: usize,
+) -> impl Iterator<Item = &'a [f32]> {
+    slot_mapping.iter().zip(x.data.chunks_exact(width)).filter(|(s, _)| **s >= 0).map(|(_, row)| row)
 }
 
 /// Where one (token, head) reads: cache offsets of its visible context positions
@@ -725,5 +737,33 @@ mod tests {
         for c in [&fp8_cache, &scaled, &e5m2] {
             assert!(a.iter().zip(&reference(&q, c, s, &meta)).any(|(a, b)| (a - b).abs() > 1e-3));
         }
+    }
+
+    /// --calculate-kv-scales: the first rows written set the scales (max |k| / 200, max |v|
+    /// / 100), padding rows (negative slots) not counted; later writes keep them.
+    #[test]
+    fn the_first_rows_written_set_calculated_scales() {
+        let shape = CacheShape { num_blocks: 2, block_size: 4, num_kv_heads: 1, head_dim: 4 };
+        let dev = super::super::CpuDevice::default();
+        let mut cache = crate::kernels::Device::alloc_cache(&dev, shape, KvDtype::Fp8E4m3).unwrap();
+        crate::kernels::Device::calculate_kv_scales(&dev, &mut cache).unwrap();
+        let rows = |x: [f32; 12]| CpuTensor::new(x.to_vec(), 3, 4);
+        let k = rows([1.0, -3.0, 0.5, 0.0, 2.0, 0.25, -1.0, 1.5, 900.0, 0.0, 0.0, 0.0]);
+        let v = rows([0.5, 0.5, -2.5, 0.0, 1.0, 1.0, 1.0, 1.0, -900.0, 0.0, 0.0, 0.0]);
+        write_kv(&mut cache, &k, &v, &[0, 5, -1]);
+        let read = |c: &KvCells, at: usize| {
+            let mut out = [0f32; 4];
+            c.read(at, &mut out, Family::Portable);
+            out
+        };
+        // -3 is the largest key: stored as -200 (midway between 192 and 208, to the even
+        // byte's 192), read back as -192 · 3 / 200; -2.5 the largest value, as -100 (between
+        // 96 and 104): -96 · 2.5 / 100.
+        assert_eq!(read(&cache.k, 0)[1], -192.0 * (3.0f32 / 200.0));
+        assert_eq!(read(&cache.v, 0)[2], -96.0 * (2.5f32 / 100.0));
+        let (k2, v2) = (rows([7.0; 12]), rows([7.0; 12]));
+        write_kv(&mut cache, &k2, &v2, &[1, 2, 3]);
+        let KvCells::Fp8(c) = &cache.k else { panic!("an FP8 cache") };
+        assert_eq!(c.value(4), 448.0 * (3.0f32 / 200.0), "a later key of 7 saturates at the first scale");
     }
 }

@@ -147,11 +147,14 @@ pub struct Fp8Cells {
     pub format: Fp8Format,
     scale: f32,
     values: Box<[f32; 256]>,
+    /// --calculate-kv-scales: the scale is to be set from the first rows written, as their
+    /// largest magnitude over this.
+    calibrate: Option<f32>,
 }
 
 impl Fp8Cells {
     fn new(format: Fp8Format, n: usize) -> Self {
-        Self { bytes: vec![0; n], format, scale: 1.0, values: Box::new(*format.values()) }
+        Self { bytes: vec![0; n], format, scale: 1.0, values: Box::new(*format.values()), calibrate: None }
     }
 
     /// Stores and reads by `scale` from here on (a checkpoint's `k_scale` or `v_scale`).
@@ -214,6 +217,20 @@ impl KvCells {
                 &c.bytes[at..at + out.len()],
                 out,
             ),
+        }
+    }
+
+    /// Under --calculate-kv-scales, before the first rows are written: an FP8 cache waiting
+    /// for its scale takes the rows' largest magnitude over its range (keeping 1 if they are
+    /// all 0), once.
+    pub fn calibrate<'a>(&mut self, rows: impl Iterator<Item = &'a [f32]>) {
+        if let KvCells::Fp8(c) = self
+            && let Some(range) = c.calibrate.take()
+        {
+            let amax = rows.flatten().fold(0f32, |m, x| m.max(x.abs()));
+            if amax > 0.0 {
+                c.set_scale(amax / range);
+            }
         }
     }
 
@@ -464,6 +481,17 @@ impl Device for CpuDevice {
             (KvCells::Fp8(k), KvCells::Fp8(v)) => {
                 k.set_scale(scales.k);
                 v.set_scale(scales.v);
+                Ok(())
+            }
+            _ => Err(DeviceError::Other("KV cache scales are for an FP8 cache".into())),
+        }
+    }
+
+    fn calculate_kv_scales(&self, cache: &mut CpuCache) -> Result<(), DeviceError> {
+        match (&mut cache.k, &mut cache.v) {
+            (KvCells::Fp8(k), KvCells::Fp8(v)) => {
+                k.calibrate = Some(super::K_SCALE_RANGE);
+                v.calibrate = Some(super::V_SCALE_RANGE);
                 Ok(())
             }
             _ => Err(DeviceError::Other("KV cache scales are for an FP8 cache".into())),

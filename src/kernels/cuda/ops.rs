@@ -163,6 +163,10 @@ impl Device for CudaDevice {
         }
     }
 
+    fn calculate_kv_scales(&self, _cache: &mut CudaCache) -> Result<(), DeviceError> {
+        Err(DeviceError::Other("--calculate-kv-scales is served on the CPU only".into()))
+    }
+
     fn copy_blocks(&self, cache: &mut CudaCache, pairs: &[(u32, u32)]) -> DevResult<()> {
         use cudarc::driver::DevicePtrMut;
         let s = cache.shape;

@@ -388,6 +388,7 @@ pub fn family_axpy(family: Family, y: &mut [f32], alpha: f32, x: Row) {
 ///
 /// # Safety
 /// The CPU has V's instructions.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub unsafe fn widen_fp8<V: Lanes>(
     format: Fp8Format,
@@ -434,7 +435,11 @@ pub fn family_widen_fp8(
         Family::Avx512 => unsafe { entries::widen_fp8_avx512(format, table, scale, src, dst) },
         #[cfg(target_arch = "x86_64")]
         Family::Avx2 => unsafe { entries::widen_fp8_avx2(format, table, scale, src, dst) },
-        _ => crate::kernels::e4m3::widen(table, src, dst),
+        // The table holds each byte's value of `format` times `scale` already.
+        _ => {
+            let _ = (format, scale);
+            crate::kernels::e4m3::widen(table, src, dst)
+        }
     }
 }
 

@@ -82,16 +82,18 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(g["kv_scales"].as_object().map(|s| s.len()), Some(5), "the scales in the checkpoint");
     matches_golden("llama-kv-fp8-scaled", &g, KvDtype::Fp8E4m3).await;
-    // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
-    let dir = common::scratch("kv-fp8-on-cuda");
-    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
-    let args = EngineArgs {
-        device: actorllm::config::DeviceArg::Cuda,
-        kv_cache_dtype: KvDtype::Fp8E4m3,
-        ..common::args(&dir)
-    };
-    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    let refused = refused_on_cuda("kv-fp8-on-cuda", KvDtype::Fp8E4m3).await;
     assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
+}
+
+/// The error of an engine started on a CUDA GPU with an FP8 cache of `kv`: refused, naming
+/// the fix, before any GPU is looked for.
+async fn refused_on_cuda(name: &str, kv: KvDtype) -> String {
+    let dir = common::scratch(name);
+    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
+    let args =
+        EngineArgs { device: actorllm::config::DeviceArg::Cuda, kv_cache_dtype: kv, ..common::args(&dir) };
+    Engine::start(args).await.err().expect("refused on a GPU").to_string()
 }
 
 /// `--kv-cache-dtype fp8_e5m2` against transformers with every key and value rounded to
@@ -106,15 +108,7 @@ async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
         assert_eq!(g["kv_cache_dtype"], "fp8_e5m2");
         matches_golden(&format!("{name}-kv-e5m2"), &g, KvDtype::Fp8E5m2).await;
     }
-    // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
-    let dir = common::scratch("kv-e5m2-on-cuda");
-    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
-    let args = EngineArgs {
-        device: actorllm::config::DeviceArg::Cuda,
-        kv_cache_dtype: KvDtype::Fp8E5m2,
-        ..common::args(&dir)
-    };
-    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    let refused = refused_on_cuda("kv-e5m2-on-cuda", KvDtype::Fp8E5m2).await;
     assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
 }
 

@@ -193,15 +193,6 @@ impl Fp8Format {
             Fp8Format::E5m2 => e5m2::values(),
         }
     }
-
-    /// The byte nearest `v` (ties to even), saturated at the format's largest value.
-    #[inline]
-    pub fn encode(self, v: f32) -> u8 {
-        match self {
-            Fp8Format::E4m3 => e4m3::encode(v),
-            Fp8Format::E5m2 => e5m2::encode(v),
-        }
-    }
 }
 
 /// The per-tensor scales of one layer's FP8 KV cache (a checkpoint's `k_scale` and

@@ -162,20 +162,13 @@ impl Fp8Cells {
         self.scale = scale;
         *self.values = self.format.values().map(|v| v * scale);
     }
-
-    /// Element `at`'s value.
-    pub fn value(&self, at: usize) -> f32 {
-        self.values[self.bytes[at] as usize]
-    }
 }
 
 impl KvCells {
     pub fn new(dtype: KvDtype, n: usize) -> Self {
-        match dtype {
-            KvDtype::Auto => KvCells::F32(vec![0.0; n]),
-            KvDtype::Fp8E4m3 | KvDtype::Fp8E5m2 => {
-                KvCells::Fp8(Fp8Cells::new(dtype.fp8().expect("an FP8 dtype"), n))
-            }
+        match dtype.fp8() {
+            None => KvCells::F32(vec![0.0; n]),
+            Some(format) => KvCells::Fp8(Fp8Cells::new(format, n)),
         }
     }
 
@@ -197,9 +190,13 @@ impl KvCells {
             KvCells::F32(c) => c[at..at + src.len()].copy_from_slice(src),
             KvCells::Fp8(c) => {
                 // v / 1 is v: scale 1 needs no path of its own.
-                let (s, f) = (c.scale, c.format);
-                let dst = &mut c.bytes[at..at + src.len()];
-                dst.iter_mut().zip(src).for_each(|(d, &v)| *d = f.encode(v / s));
+                // The format is matched once a row, not once an element.
+                let s = c.scale;
+                let dst = c.bytes[at..at + src.len()].iter_mut().zip(src);
+                match c.format {
+                    Fp8Format::E4m3 => dst.for_each(|(d, &v)| *d = super::e4m3::encode(v / s)),
+                    Fp8Format::E5m2 => dst.for_each(|(d, &v)| *d = super::e5m2::encode(v / s)),
+                }
             }
         }
     }

@@ -460,6 +460,23 @@ mod avx2 {
         unsafe { dot_body::<NR, MR, true>(w, j0, x, rows) }
     }
 
+    /// How far ahead of a weight row's loads `dot_body` asks for its bytes. One thread
+    /// streaming a matrix reads about half the copy bandwidth, held by how many cache misses
+    /// a core has in flight; 4 KB ahead (a few tiles: rows are end to end) the loads find
+    /// their lines in cache. On the default model's Q4_1 file the matmuls of a decode
+    /// step took 9.2–10.4 ms without it, 6.2–6.7 ms with it (two threads, AVX2).
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// Asks for the cache lines of `bytes` bytes at `PREFETCH_BYTES` past `p` (a hint: an
+    /// address past the weight's end is not read).
+    #[inline(always)]
+    unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
+        for line in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch reads nothing the program sees, wherever it points.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + line).cast()) }
+        }
+    }
+
     #[inline(always)]
     unsafe fn dot_body<const NR: usize, const MR: usize, const VNNI: bool>(
         w: &QuantWeight,
@@ -496,6 +513,7 @@ mod avx2 {
                 let dx: [__m128; MR] = each!(MR, |c| _mm_loadu_ps(xd[c].add(b)));
                 let lanes = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
                 for r in 0..NR {
+                    prefetch_ahead(qs[r].wrapping_add(b * 16), 64);
                     let (mut lo0, mut hi0) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16).cast()));
                     let (mut lo1, mut hi1) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16 + 32).cast()));
                     if matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
@@ -528,6 +546,7 @@ mod avx2 {
                 let b = g * 4;
                 let dx: [__m128; MR] = each!(MR, |c| _mm_loadu_ps(xd[c].add(b)));
                 for r in 0..NR {
+                    prefetch_ahead(qs[r].wrapping_add(b * 32), 128);
                     let wb: [(__m256i, __m256i); 4] =
                         each!(4, |i| weight_block(w, qs[r], b + i, (j0 + r) * nb + b + i));
                     let (wu, wq) = (each!(4, |i| wb[i].0), each!(4, |i| wb[i].1));
@@ -636,6 +655,7 @@ mod avx2 {
                     let i = (j0 + r) * nsb + b;
                     let (d, dmin) = (h2f(*w.d.get_unchecked(i)), h2f(*w.m.get_unchecked(i)));
                     let (sub, qs) = (w.sub.as_ptr().add(i * 16), w.qs.as_ptr().add(i * stride));
+                    prefetch_ahead(qs, stride);
                     let qh =
                         if five { _mm256_loadu_si256(qs.add(128).cast()) } else { _mm256_setzero_si256() };
                     let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(sub.add(8).cast())));
@@ -703,6 +723,7 @@ mod avx2 {
                     let i = (j0 + r) * nsb + b;
                     let d = h2f(*w.d.get_unchecked(i));
                     let (qs, sub) = (w.qs.as_ptr().add(i * 192), w.sub.as_ptr().add(i * 16));
+                    prefetch_ahead(qs, 192);
                     for half in 0..2 {
                         let ql0 = _mm256_loadu_si256(qs.add(64 * half).cast());
                         let ql1 = _mm256_loadu_si256(qs.add(64 * half + 32).cast());

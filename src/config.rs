@@ -121,8 +121,8 @@ pub struct EngineArgs {
     /// KV cache element type: `auto` (f32 on the CPU; on a GPU the 16-bit type of a 16-bit
     /// model, else f32), `fp8` (alias `fp8_e4m3`: e4m3 by the checkpoint's per-layer
     /// k_scale and v_scale, else a scale of 1, saturating at ±448; a quarter of f32's bytes,
-    /// so four times the tokens in the same memory; on the CPU only, refused on a CUDA GPU)
-    /// or `fp8_e5m2` (e5m2 bytes, saturating at ±57344; on the CPU only).
+    /// so four times the tokens in the same memory on the CPU, twice on a GPU) or
+    /// `fp8_e5m2` (e5m2 bytes, saturating at ±57344; on the CPU only).
     #[arg(long, value_enum, default_value_t = KvDtype::Auto)]
     pub kv_cache_dtype: KvDtype,
     /// vLLM's --calculate-kv-scales: an FP8 KV cache takes each layer's scales from the
@@ -360,16 +360,20 @@ pub enum ConfigError {
     #[error("--block-size must be a power of two between 1 and 256, got {0}")]
     BlockSize(usize),
     #[error(
-        "FP8 KV caches (--kv-cache-dtype fp8, fp8_e5m2) are served on the CPU (--device cpu); on a CUDA \
-         GPU their attention kernels do not yet give the CPU's values, so they are refused there: use \
-         --kv-cache-dtype auto"
+        "--kv-cache-dtype fp8_e5m2 is served on the CPU (--device cpu); on a CUDA GPU the FP8 cache \
+         is e4m3: use --kv-cache-dtype fp8"
     )]
-    Fp8KvCacheOnGpu,
+    Fp8E5m2OnGpu,
     #[error(
         "--calculate-kv-scales sets the scales of an FP8 KV cache: add --kv-cache-dtype fp8 (or \
          fp8_e5m2), or leave it out"
     )]
     CalculateKvScalesWithoutFp8,
+    #[error(
+        "--calculate-kv-scales is served on the CPU (--device cpu); on a CUDA GPU an FP8 KV cache \
+         takes the checkpoint's scales, or 1: leave the flag out"
+    )]
+    CalculateKvScalesOnGpu,
     #[error("--max-num-seqs must be at least 1, got {0}")]
     MaxNumSeqs(usize),
     #[error("--max-num-batched-tokens ({tokens}) must be at least --max-num-seqs ({seqs})")]

@@ -103,8 +103,11 @@ impl Engine {
             if args.keep_quantized {
                 return Err(crate::quantization::QuantError::KeepOnGpu.into());
             }
-            if args.kv_cache_dtype != crate::kernels::KvDtype::Auto {
-                return Err(crate::config::ConfigError::Fp8KvCacheOnGpu.into());
+            if args.kv_cache_dtype == crate::kernels::KvDtype::Fp8E5m2 {
+                return Err(crate::config::ConfigError::Fp8E5m2OnGpu.into());
+            }
+            if args.calculate_kv_scales {
+                return Err(crate::config::ConfigError::CalculateKvScalesOnGpu.into());
             }
             args.gpu_batch_defaults(CudaDevice::large_gpu());
             let tp = args.tensor_parallel_size;

@@ -2251,3 +2251,41 @@ async fn every_architecture_on_the_gpu_gives_the_cpu_tokens() {
         eprintln!("{name}: the GPU gives the CPU's tokens, graphs and eager");
     }
 }
+
+/// `--kv-cache-dtype fp8` on the GPU gives transformers' tokens with its cache rounded to
+/// e4m3 (tests/fixtures/kv-fp8/, which tests/models.rs holds the CPU to): the plain tiny
+/// Llama, Gemma 2 with soft caps and alternating windows, and the Llama whose checkpoint
+/// holds per-layer k_scale and v_scale; with graphs and eager.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn fp8_kv_caches_on_the_gpu_give_transformers_tokens() {
+    let _turn = gpu_turn();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(24) };
+    for name in ["llama", "gemma2", "llama-scaled"] {
+        let path = common::fixture(&format!("tests/fixtures/kv-fp8/{name}.json"));
+        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let model = common::scratch(&format!("{name}-kv-fp8"));
+        actorllm::models::random::write_golden_model(&g, &model).unwrap();
+        let want: Vec<Vec<u32>> = g["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["output_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+            .collect();
+        for eager in [false, true] {
+            runners_released().await;
+            let args = EngineArgs {
+                device: DeviceArg::Cuda,
+                enforce_eager: eager,
+                kv_cache_dtype: actorllm::kernels::KvDtype::Fp8E4m3,
+                num_gpu_blocks_override: Some(256),
+                ..common::args(&model)
+            };
+            let engine = Engine::start(args).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+            let runs = common::golden_prompts(&g).into_iter().map(|p| run(&engine, p, params.clone()));
+            let got: Vec<Vec<u32>> =
+                futures::future::join_all(runs).await.into_iter().map(|o| o.tokens[0].clone()).collect();
+            assert_eq!(got, want, "{name}, eager {eager}");
+        }
+    }
+}

@@ -67,8 +67,8 @@ async fn matches_on(engine: &Engine, g: &Value, name: &str) {
 /// one with soft caps and alternating sliding windows; then the plain model with per-layer
 /// scales in its checkpoint (calibrated: each layer's largest key or value over 448), which
 /// the cache stores each key and value divided by. The rounding moves the logprobs by up to
-/// 0.8 from the f32 cache's, so a cache that kept f32 would fail. On a CUDA GPU the flag is
-/// refused.
+/// 0.8 from the f32 cache's, so a cache that kept f32 would fail. (tests/cuda.rs holds the
+/// GPU to the same files.)
 #[actix_rt::test]
 async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     for name in ["llama", "gemma2"] {
@@ -82,8 +82,6 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     let g: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(g["kv_scales"].as_object().map(|s| s.len()), Some(5), "the scales in the checkpoint");
     matches_golden("llama-kv-fp8-scaled", &g, KvDtype::Fp8E4m3).await;
-    let refused = refused_on_cuda("kv-fp8-on-cuda", KvDtype::Fp8E4m3).await;
-    assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
 }
 
 /// The error of an engine started on a CUDA GPU with an FP8 cache of `kv`: refused, naming
@@ -109,7 +107,7 @@ async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
         matches_golden(&format!("{name}-kv-e5m2"), &g, KvDtype::Fp8E5m2).await;
     }
     let refused = refused_on_cuda("kv-e5m2-on-cuda", KvDtype::Fp8E5m2).await;
-    assert!(refused.contains("--kv-cache-dtype auto") && refused.contains("--device cpu"), "{refused}");
+    assert!(refused.contains("--kv-cache-dtype fp8") && refused.contains("--device cpu"), "{refused}");
 }
 
 /// vLLM's `--calculate-kv-scales`: each layer's cache takes its scales from the first keys
@@ -117,7 +115,7 @@ async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
 /// does the same (tests/fixtures/kv-fp8/llama-calculated.json, an e5m2 cache: in e4m3 the
 /// largest key and value fall midway between two bytes). Every prompt on an engine of its
 /// own, whose first step is that prompt; scales of 1 give other logprobs. Without an FP8
-/// cache the flag is refused.
+/// cache the flag is refused, and on a CUDA GPU.
 #[actix_rt::test]
 async fn calculated_kv_scales_match_transformers() {
     let path = common::fixture("tests/fixtures/kv-fp8/llama-calculated.json");
@@ -138,6 +136,15 @@ async fn calculated_kv_scales_match_transformers() {
     let args = EngineArgs { calculate_kv_scales: true, ..common::args(&dir) };
     let refused = Engine::start(args).await.err().expect("refused without an FP8 cache").to_string();
     assert!(refused.contains("--kv-cache-dtype fp8"), "{refused}");
+    // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
+    let args = EngineArgs {
+        device: actorllm::config::DeviceArg::Cuda,
+        kv_cache_dtype: KvDtype::Fp8E4m3,
+        calculate_kv_scales: true,
+        ..common::args(&dir)
+    };
+    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    assert!(refused.contains("--calculate-kv-scales") && refused.contains("--device cpu"), "{refused}");
 }
 
 #[actix_rt::test]

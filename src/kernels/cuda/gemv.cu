@@ -43,17 +43,6 @@ template <typename T> struct MmaFull;
 MMA_FULL(__nv_bfloat16, "bf16")
 MMA_FULL(__half, "f16")
 
-// 16 bytes of weights, read once per step: not kept in L1, and L2 fetches the whole 256-byte
-// line (the block's other warps read the rest of it next). The hint took the 8B model's
-// batch-1 decode step from 5.06–5.09 to 4.82–4.88 ms on the H200.
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-    uint4 u;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-        : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-        : "l"(p));
-    return u;
-}
-
 // One 32-element chunk: weight rows g (a) and g + 8 (b), token row g (x), two mmas.
 template <typename T>
 __device__ __forceinline__ void gemv_chunk(float (&c)[4], const uint4& a, const uint4& b, const uint4& x) {

@@ -148,6 +148,38 @@ __device__ __forceinline__ void moe_ld8(const T* p, float (&v)[8]) {
     for (int i = 0; i < 8; i++) v[i] = ld(h + i);
 }
 
+// Eight consecutive weights as loaded (16 bytes of a 16-bit type, 32 of f32), streamed past
+// L1 (`ld_stream`), and widened to f32 where they are used.
+template <typename W> struct MoeRaw {
+    uint4 u;
+};
+template <> struct MoeRaw<float> {
+    uint4 u[2];
+};
+template <typename W> __device__ __forceinline__ void moe_load(const W* p, MoeRaw<W>& r) { r.u = ld_stream(p); }
+__device__ __forceinline__ void moe_load(const float* p, MoeRaw<float>& r) {
+    r.u[0] = ld_stream(p);
+    r.u[1] = ld_stream(p + 4);
+}
+template <typename W> __device__ __forceinline__ void moe_widen(const MoeRaw<W>& r, float (&v)[8]) {
+    const W* h = (const W*)&r.u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = ld(h + i);
+}
+__device__ __forceinline__ void moe_widen(const MoeRaw<float>& r, float (&v)[8]) {
+    const float* f = (const float*)r.u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = f[i];
+}
+
+// Passes of 256 elements of k whose weights a lane loads before it multiplies: four loads of
+// 16 bytes in flight, two passes of the gate/up kernel's two rows or four of one row (four
+// of two rows spill). One pass at a time left the experts' decode kernels at 44 % of the
+// bandwidth.
+template <int R> struct MoeUnroll {
+    static constexpr int U = R == 2 ? 2 : 4;
+};
+
 // Σ_k w0[k] · x_t[k] and Σ_k w1[k] · x_t[k] for the (up to MOE_TOKENS) places first ..
 // first + n, summed over the warp into every lane. k % 8 == 0. Place p's row is row p of xs,
 // or with GATHER, row sorted[p] / top_k (the token of the pair at p).
@@ -155,26 +187,39 @@ template <typename W, int R, bool GATHER>
 __device__ __forceinline__ void moe_dots(const W* w0, const W* w1, const float* xs, const int* sorted, int top_k,
                                          int first, int n, int k, float (&acc)[R][MOE_TOKENS]) {
     const int lane = threadIdx.x & 31;
-    int row[MOE_TOKENS];
-#pragma unroll
-    for (int t = 0; t < MOE_TOKENS; t++) row[t] = GATHER ? (t < n ? sorted[first + t] / top_k : 0) : first + t;
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < MOE_TOKENS; t++) acc[r][t] = 0.0f;
-    for (int k0 = lane * 8; k0 < k; k0 += 256) {
-        float a[8], b[8];
-        moe_ld8(w0 + k0, a);
-        if (R == 2) moe_ld8(w1 + k0, b);
+    constexpr int U = MoeUnroll<R>::U;
+    for (int k0 = lane * 8; k0 < k; k0 += 256 * U) {
+        MoeRaw<W> ra[U], rb[U];
 #pragma unroll
-        for (int t = 0; t < MOE_TOKENS; t++) {
-            if (t >= n) break;
-            float xv[8];
-            moe_ld8(xs + (size_t)row[t] * k + k0, xv);
+        for (int u = 0; u < U; u++)
+            if (k0 + u * 256 < k) {
+                moe_load(w0 + k0 + u * 256, ra[u]);
+                if (R == 2) moe_load(w1 + k0 + u * 256, rb[u]);
+            }
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                acc[0][t] = fmaf(a[i], xv[i], acc[0][t]);
-                if (R == 2) acc[R - 1][t] = fmaf(b[i], xv[i], acc[R - 1][t]);
+        for (int u = 0; u < U; u++) {
+            const int kk = k0 + u * 256;
+            if (kk >= k) break;
+            float a[8], b[8];
+            moe_widen(ra[u], a);
+            if (R == 2) moe_widen(rb[u], b);
+#pragma unroll
+            for (int t = 0; t < MOE_TOKENS; t++) {
+                if (t >= n) break;
+                // The row's index is read again each pass (from L1): held for every token,
+                // the indices pushed the gate/up kernel past its registers.
+                const int row = GATHER ? sorted[first + t] / top_k : first + t;
+                float xv[8];
+                moe_ld8(xs + (size_t)row * k + kk, xv);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    acc[0][t] = fmaf(a[i], xv[i], acc[0][t]);
+                    if (R == 2) acc[R - 1][t] = fmaf(b[i], xv[i], acc[R - 1][t]);
+                }
             }
         }
     }
@@ -239,10 +284,10 @@ __device__ void moe_down(const W* __restrict__ w, const float* __restrict__ inte
     }
 }
 
-// Four gate/up blocks an SM: the gathered rows' indices would take it to 90 registers, and
-// half the warps (and loads) in flight.
+// Three gate/up blocks an SM: its two passes of two rows' loads in flight take 80
+// registers (under four blocks' 64 they spilled).
 #define MOE_ENTRIES(SUF, W)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 4)                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                         \
         moe_gate_up_##SUF(const W* w, const float* x, const int* sorted, int top_k, float* inter,                \
                           const int* offsets, const int* active, const int* num_active, int n_inter, int k,      \
                           int act) {                                                                             \

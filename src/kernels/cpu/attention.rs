@@ -3,17 +3,20 @@
 //! through the block table. One path serves prefill (causal over the prompt, including any
 //! already-cached prefix) and decode (one query over the whole context).
 //!
-//! Decode tokens (and short runs of prompt tokens) are split per (token, head): scores are a
-//! first pass over K, softmax in place, then a second pass accumulates V; both inner loops
-//! run the device's SIMD family. A run of at least [`TILE_MIN`] consecutive prompt tokens
-//! of one sequence is computed in tiles instead: per KV head and block of [`TILE_ROWS`]
-//! queries, the block's keys and values are gathered once from the paged cache and the
-//! scores and the output are two small GEMMs, so that a long prompt reads each key once a
-//! block rather than once a query.
+//! Decode tokens (and short runs of prompt tokens) are split per (token, KV head), whose
+//! query heads run one after another over the keys and values the first left in cache:
+//! scores are a first pass over K, softmax in place, then a second pass accumulates V;
+//! both inner loops run the device's SIMD family. Where a step has fewer such tasks than
+//! the threads want (a decode of few sequences), each context is cut into parts of at
+//! least [`PART_MIN`] positions, joined by their softmax maxima and sums. A run of at least
+//! [`TILE_MIN`] consecutive prompt tokens of one sequence is computed in tiles instead: per
+//! KV head and block of [`TILE_ROWS`] queries, the block's keys and values are gathered once
+//! from the paged cache and the scores and the output are two small GEMMs, so that a long
+//! prompt reads each key once a block rather than once a query.
 //!
 //! An FP8 cache (`--kv-cache-dtype fp8`) is read through the same kernels: a (token, KV
-//! head) first widens its visible rows to f32 (a table lookup a byte), once for the query
-//! heads of its group, and a tile its gathered ones.
+//! head) and part first widens its visible rows to f32, once for the query heads of its
+//! group, and a tile its gathered ones.
 
 use rayon::prelude::*;
 
@@ -90,18 +93,18 @@ struct Scratch {
     k: Vec<f32>,
     v: Vec<f32>,
     widened: Vec<usize>,
-    widened_for: Option<(usize, usize)>,
+    widened_for: Option<(usize, usize, usize)>,
 }
 
 impl Scratch {
-    /// The K and V values the offsets' rows of `hd` values read, for token and KV head
-    /// `of`, and the offsets to read them at: the cache's own over an f32 cache, else the
-    /// rows widened into this scratch (once for the heads of a group).
+    /// The K and V values the offsets' rows of `hd` values read, for token, KV head and
+    /// part `of`, and the offsets to read them at: the cache's own over an f32 cache, else
+    /// the rows widened into this scratch (once for the heads of a group).
     fn rows<'a>(
         &'a mut self,
         cache: &'a CpuCache,
         hd: usize,
-        of: (usize, usize),
+        of: (usize, usize, usize),
         family: Family,
     ) -> (&'a [f32], &'a [f32], &'a [usize]) {
         match (&cache.k, &cache.v) {
@@ -163,59 +166,139 @@ pub fn attend(
     for r in &runs {
         tiled[r.clone()].iter_mut().for_each(|t| *t = true);
     }
-    // One (token, head) row of the output, unless a tile computes it.
-    let head_of = |scratch: &mut Scratch, i: usize, o: &mut [f32]| {
-        let (t, h) = (i / nh, i % nh);
-        if tiled[t] {
-            return;
-        }
-        let pos = meta.positions[t] as usize;
-        let start = s.first_visible(pos);
-        let ctx = Context {
-            table: &meta.block_tables[meta.token_seq[t] as usize],
-            block_size: bs,
-            width,
-            head_off: (h / group) * hd,
-            start,
-            len: pos + 1 - start,
+    let nkv = s.num_kv_heads;
+    let pairs = q.rows * nkv;
+    // A decode step of few sequences cuts each (token, KV head)'s context into parts, so
+    // that every thread has work and a part's keys and values stay in cache for the
+    // group's query heads; the parts' outputs are joined by their softmax sums below.
+    let longest = (0..q.rows)
+        .filter(|&t| !tiled[t])
+        .map(|t| {
+            let pos = meta.positions[t] as usize;
+            pos + 1 - s.first_visible(pos)
+        })
+        .max()
+        .unwrap_or(0);
+    let want = PARTS_PER_THREAD * rayon::current_num_threads();
+    let parts = if pairs >= want { 1 } else { want.div_ceil(pairs).min(longest / PART_MIN).max(1) };
+    // Part `part` of (token, KV head) `pair`: each query head of the group's output over
+    // the part's positions (`o`, group × head_dim) and its softmax's maximum and sum.
+    let task =
+        |scratch: &mut Scratch, (pair, part): (usize, usize), o: &mut [f32], stats: &mut [(f32, f32)]| {
+            let (t, kvh) = (pair / nkv, pair % nkv);
+            if tiled[t] {
+                return;
+            }
+            let pos = meta.positions[t] as usize;
+            let start = s.first_visible(pos);
+            let len = pos + 1 - start;
+            let chunk = len.div_ceil(parts);
+            let (lo, hi) = ((part * chunk).min(len), ((part + 1) * chunk).min(len));
+            if lo == hi {
+                stats.fill((f32::NEG_INFINITY, 0.0));
+                return;
+            }
+            let ctx = Context {
+                table: &meta.block_tables[meta.token_seq[t] as usize],
+                block_size: bs,
+                width,
+                head_off: kvh * hd,
+                start: start + lo,
+                len: hi - lo,
+            };
+            // Every row the heads read lies inside the cache (checked a block at a time, so
+            // that the SIMD loops read without bounds checks).
+            ctx.offsets(cache.shape.num_blocks, &mut scratch.offsets);
+            let mut scores = std::mem::take(&mut scratch.scores);
+            scores.clear();
+            scores.resize(ctx.len, 0.0);
+            let (k, v, offsets) = scratch.rows(cache, hd, (t, kvh, part), family);
+            for (j, (o, stats)) in o.chunks_mut(hd).zip(stats).enumerate() {
+                let h = kvh * group + j;
+                let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
+                // SAFETY: a device runs a family only where the CPU has it, head_dim is a
+                // multiple of the lanes (checked above) and every offset's row is in k and v (in
+                // the cache: its block is below num_blocks, head_off + hd <= width, and the
+                // cache holds its shape's cells; widened: one row of hd values an offset).
+                *stats = match lanes {
+                    #[cfg(target_arch = "x86_64")]
+                    16 => unsafe { simd::head16(qv, (k, v), offsets, s, &mut scores, o) },
+                    #[cfg(target_arch = "x86_64")]
+                    8 => unsafe { simd::head8(qv, (k, v), offsets, s, &mut scores, o) },
+                    #[cfg(target_arch = "aarch64")]
+                    4 => unsafe { simd::head4(qv, (k, v), offsets, s, &mut scores, o) },
+                    _ => portable_head(qv, (k, v), offsets, s, &mut scores, o),
+                };
+            }
+            scratch.scores = scores;
         };
-        let qv = &q.data[t * nh * hd + h * hd..t * nh * hd + (h + 1) * hd];
-        // Every row the heads read lies inside the cache (checked a block at a time, so
-        // that the SIMD loops read without bounds checks).
-        ctx.offsets(cache.shape.num_blocks, &mut scratch.offsets);
-        let mut scores = std::mem::take(&mut scratch.scores);
-        scores.clear();
-        scores.resize(ctx.len, 0.0);
-        let (k, v, offsets) = scratch.rows(cache, hd, (t, h / group), family);
-        // SAFETY: a device runs a family only where the CPU has it, head_dim is a multiple
-        // of the lanes (checked above) and every offset's row is in k and v (in the cache:
-        // its block is below num_blocks, head_off + hd <= width, and the cache holds its
-        // shape's cells; widened: one row of hd values an offset).
-        match lanes {
-            #[cfg(target_arch = "x86_64")]
-            16 => unsafe { simd::head16(qv, (k, v), offsets, s, &mut scores, o) },
-            #[cfg(target_arch = "x86_64")]
-            8 => unsafe { simd::head8(qv, (k, v), offsets, s, &mut scores, o) },
-            #[cfg(target_arch = "aarch64")]
-            4 => unsafe { simd::head4(qv, (k, v), offsets, s, &mut scores, o) },
-            _ => portable_head(qv, (k, v), offsets, s, &mut scores, o),
-        }
-        scratch.scores = scores;
-    };
-    // A task a (token, head), or over an FP8 cache a (token, KV head) with the query heads
-    // of its group, which widen its rows once: with a head a task, the tasks rayon split
-    // apart widened a group's rows again (a batch-1 layer of the default model's shape at a
-    // 1,000-token context took 263 µs against 160 µs so, and 78 µs over an f32 cache).
-    let per = if matches!(cache.k, KvCells::Fp8(_)) { group } else { 1 };
-    out.par_chunks_mut(per * hd).enumerate().for_each_init(Scratch::default, |scratch, (task, heads)| {
-        for (j, o) in heads.chunks_mut(hd).enumerate() {
-            head_of(scratch, task * per + j, o);
-        }
-    });
+    // A task a (token, KV head) and part: its query heads' rows are next to each other in
+    // the output (heads of a group are consecutive).
+    if parts == 1 {
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(Scratch::default, |scratch, (pair, o)| {
+            task(scratch, (pair, 0), o, &mut vec![(0.0, 0.0); group]);
+        });
+    } else {
+        let mut part_out = vec![0f32; pairs * parts * group * hd];
+        let mut part_stats = vec![(f32::NEG_INFINITY, 0f32); pairs * parts * group];
+        part_out
+            .par_chunks_mut(group * hd)
+            .zip(part_stats.par_chunks_mut(group))
+            .enumerate()
+            .for_each_init(Scratch::default, |scratch, (i, (o, stats))| {
+                task(scratch, (i / parts, i % parts), o, stats)
+            });
+        join_parts((&part_out, &part_stats), (parts, group, hd), &tiled, &mut out);
+    }
     if !runs.is_empty() {
         attend_tiled(q, cache, s, meta, &runs, family, &mut out);
     }
     CpuTensor::new(out, q.rows, nh * hd)
+}
+
+/// Decode tasks a thread wants before a (token, KV head)'s context is cut into parts.
+const PARTS_PER_THREAD: usize = 8;
+/// The fewest positions a part of a context holds (the parts' join costs a few vectors of
+/// head_dim a query head).
+const PART_MIN: usize = 64;
+
+/// Joins the parts of each (token, head)'s context into its row of `out`: each part's
+/// output (normalized by its own softmax sum) weighs by that sum, rescaled to the largest
+/// part maximum. Rows of tiled tokens are left to the tiles. `part_out` holds, for each
+/// (token, KV head) pair and part, the group's `group × hd` outputs; `part_stats` their
+/// softmax maxima and sums.
+fn join_parts(
+    (part_out, part_stats): (&[f32], &[(f32, f32)]),
+    (parts, group, hd): (usize, usize, usize),
+    tiled: &[bool],
+    out: &mut [f32],
+) {
+    let pairs = part_stats.len() / (parts * group);
+    let nkv = pairs / tiled.len();
+    for (row, o) in out.chunks_mut(hd).enumerate() {
+        let (pair, j) = (row / group, row % group);
+        if tiled[pair / nkv] {
+            continue;
+        }
+        let at = |p: usize| (pair * parts + p) * group + j;
+        let top = (0..parts)
+            .map(|p| part_stats[at(p)])
+            .filter(|&(_, sum)| sum > 0.0)
+            .fold(f32::NEG_INFINITY, |m, (max, _)| m.max(max));
+        let weights: Vec<f32> = (0..parts)
+            .map(|p| {
+                let (max, sum) = part_stats[at(p)];
+                if sum > 0.0 { sum * (max - top).exp() } else { 0.0 }
+            })
+            .collect();
+        let total: f32 = weights.iter().sum();
+        o.fill(0.0);
+        for (p, w) in weights.iter().enumerate().filter(|(_, w)| **w > 0.0) {
+            let w = w / total;
+            let part = &part_out[at(p) * hd..(at(p) + 1) * hd];
+            o.iter_mut().zip(part).for_each(|(o, x)| *o += w * x);
+        }
+    }
 }
 
 /// Prompt runs shorter than this go per (token, head).
@@ -373,10 +456,11 @@ fn exp_shifted(x: f32) -> f32 {
     f32::from_bits(((n as i32 + 127) << 23) as u32) * (p * r * r + r + 1.0)
 }
 
-/// Softmax of one row in place. The maximum and the sum are kept in 16 lanes (each in a
-/// fixed order), so that neither is a chain of dependent adds.
+/// Softmax of one row in place; returns the row's maximum and the sum of its exponentials
+/// shifted by it. The maximum and the sum are kept in 16 lanes (each in a fixed order), so
+/// that neither is a chain of dependent adds.
 #[inline(always)]
-fn softmax_in_place(scores: &mut [f32]) {
+fn softmax_in_place(scores: &mut [f32]) -> (f32, f32) {
     const L: usize = 16;
     let mut lanes = [f32::NEG_INFINITY; L];
     let (chunks, rest) = scores.as_chunks::<L>();
@@ -399,12 +483,14 @@ fn softmax_in_place(scores: &mut [f32]) {
         *x = exp_shifted(*x - max);
         sum += *x;
     }
-    let inv = 1.0 / (sums.iter().sum::<f32>() + sum);
+    let total = sums.iter().sum::<f32>() + sum;
+    let inv = 1.0 / total;
     scores.iter_mut().for_each(|s| *s *= inv);
+    (max, total)
 }
 
 /// [`softmax_in_place`] at the family's width, for callers outside its SIMD heads.
-fn softmax(scores: &mut [f32], family: Family) {
+fn softmax(scores: &mut [f32], family: Family) -> (f32, f32) {
     match family {
         // SAFETY: a device runs a family only where the CPU has it.
         #[cfg(target_arch = "x86_64")]
@@ -423,18 +509,20 @@ fn portable_head(
     s: AttnShape,
     scores: &mut [f32],
     o: &mut [f32],
-) {
+) -> (f32, f32) {
     let hd = q.len();
     for (sc, &at) in scores.iter_mut().zip(offsets) {
         *sc = q.iter().zip(&k[at..at + hd]).map(|(a, b)| a * b).sum::<f32>() * s.scale;
     }
     cap_scores(scores, s.softcap);
-    softmax_in_place(scores);
+    let stats = softmax_in_place(scores);
+    o.fill(0.0);
     for (&w, &at) in scores.iter().zip(offsets) {
         for (oi, vi) in o.iter_mut().zip(&v[at..at + hd]) {
             *oi += w * vi;
         }
     }
+    stats
 }
 
 /// The SIMD heads: one body, run 16 lanes at a time under AVX-512, 8 under AVX2 and 4
@@ -467,7 +555,7 @@ mod simd {
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
-    ) {
+    ) -> (f32, f32) {
         let hd = q.len();
         let chunks = hd / V::N;
         assert!(o.len() == hd && scores.len() == offsets.len());
@@ -497,7 +585,7 @@ mod simd {
                 *x = acc.sum() * s.scale;
             }
             cap_scores(scores, s.softcap);
-            softmax_in_place(scores);
+            let stats = softmax_in_place(scores);
             let mut c0 = 0;
             while c0 < chunks {
                 c0 += match chunks - c0 {
@@ -507,6 +595,7 @@ mod simd {
                     _ => weighted::<V, 1>(v, offsets, scores, c0, o),
                 };
             }
+            stats
         }
     }
 
@@ -552,7 +641,7 @@ mod simd {
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
-    ) {
+    ) -> (f32, f32) {
         // SAFETY: the caller's contract.
         unsafe { head::<__m512>(q, kv, offsets, s, scores, o) }
     }
@@ -570,7 +659,7 @@ mod simd {
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
-    ) {
+    ) -> (f32, f32) {
         // SAFETY: the caller's contract.
         unsafe { head::<__m256>(q, kv, offsets, s, scores, o) }
     }
@@ -581,7 +670,7 @@ mod simd {
     /// AVX-512F is available.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn softmax16(scores: &mut [f32]) {
+    pub unsafe fn softmax16(scores: &mut [f32]) -> (f32, f32) {
         softmax_in_place(scores)
     }
 
@@ -591,7 +680,7 @@ mod simd {
     /// AVX2 and FMA are available.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn softmax8(scores: &mut [f32]) {
+    pub unsafe fn softmax8(scores: &mut [f32]) -> (f32, f32) {
         softmax_in_place(scores)
     }
 
@@ -608,7 +697,7 @@ mod simd {
         s: AttnShape,
         scores: &mut [f32],
         o: &mut [f32],
-    ) {
+    ) -> (f32, f32) {
         // SAFETY: the caller's contract.
         unsafe { head::<float32x4_t>(q, kv, offsets, s, scores, o) }
     }
@@ -667,8 +756,25 @@ mod tests {
     /// of a checkpoint's kind of scales (whose references read the same rounded values).
     #[test]
     fn tiles_and_single_queries_match_the_reference() {
+        let seqs = [(37, 100), (80, 1), (0, 150), (5, 7), (300, 1)];
+        matches_the_reference(&seqs, &[0..100, 101..251], &[(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)]);
+    }
+
+    /// Decode tokens of three sequences, two at long contexts: few (token, KV head) tasks
+    /// for two threads, so each context is cut into parts (3, or 2 under a window of 600),
+    /// joined by their softmax sums; the 2-position context leaves a part empty.
+    #[test]
+    fn long_contexts_cut_into_parts_match_the_reference() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let windows = [(0, 0.0), (600, 0.0), (0, 5.0), (2, 3.0)];
+        pool.install(|| matches_the_reference(&[(1500, 1), (700, 1), (1, 1)], &[], &windows));
+    }
+
+    /// Attention over `seqs` (each a first position and a number of new tokens) against
+    /// [`reference`], over an f32 cache and three FP8 ones, under every window and soft cap
+    /// given and every family the CPU has; `runs` are the tokens expected in tiles.
+    fn matches_the_reference(seqs: &[(u32, u32)], runs: &[std::ops::Range<usize>], shapes: &[(usize, f32)]) {
         let (bs, nkv, hd, nh) = (16usize, 2usize, 64usize, 6usize);
-        let seqs: [(u32, u32); 5] = [(37, 100), (80, 1), (0, 150), (5, 7), (300, 1)];
         let mut block_tables = Vec::new();
         let mut next = 0u32;
         let (mut positions, mut token_seq, mut slots) = (Vec::new(), Vec::new(), Vec::new());
@@ -717,10 +823,10 @@ mod tests {
             lora_slots: Vec::new(),
             prompt_lens: Vec::new(),
         };
-        assert_eq!(tiled_runs(&meta), vec![0..100, 101..251]);
+        assert_eq!(tiled_runs(&meta), runs);
         let caches = [(&f32_cache, "f32"), (&fp8_cache, "fp8"), (&scaled, "scaled fp8"), (&e5m2, "e5m2")];
         for (cache, dtype) in caches {
-            for (window, softcap) in [(0, 0.0), (50, 0.0), (0, 5.0), (70, 3.0)] {
+            for &(window, softcap) in shapes {
                 let s = AttnShape { window, softcap, ..AttnShape::causal(nh, nkv, hd) };
                 let want = reference(&q, cache, s, &meta);
                 for family in Family::all_supported() {

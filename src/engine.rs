@@ -222,11 +222,13 @@ impl Engine {
         }
         let dev_name = ranks[0].0.name();
         let group = ranks[0].0.group_health();
+        // A GPU's count comes with `profiled the largest batch`, below.
+        let kv_blocks = if profile { "after profiling".to_string() } else { config.num_blocks.to_string() };
         tracing::info!(
             model = %config.model_dir.display(),
             dtype = ?config.dtype,
             weights_mib = weight_bytes >> 20,
-            kv_blocks = config.num_blocks,
+            kv_blocks = %kv_blocks,
             kv_cache_dtype = ?config.kv_cache_dtype,
             block_size = config.block_size,
             max_model_len = config.max_model_len,

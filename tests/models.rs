@@ -84,13 +84,10 @@ async fn an_fp8_kv_cache_matches_transformers_rounding_its_cache() {
     matches_golden("llama-kv-fp8-scaled", &g, KvDtype::Fp8E4m3).await;
 }
 
-/// The error of an engine started on a CUDA GPU with an FP8 cache of `kv`: refused, naming
-/// the fix, before any GPU is looked for.
-async fn refused_on_cuda(name: &str, kv: KvDtype) -> String {
-    let dir = common::scratch(name);
-    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
-    let args =
-        EngineArgs { device: actorllm::config::DeviceArg::Cuda, kv_cache_dtype: kv, ..common::args(&dir) };
+/// The error of an engine started with `args` on a CUDA GPU: refused, naming the fix,
+/// before any GPU is looked for.
+async fn refused_on_cuda(args: EngineArgs) -> String {
+    let args = EngineArgs { device: actorllm::config::DeviceArg::Cuda, ..args };
     Engine::start(args).await.err().expect("refused on a GPU").to_string()
 }
 
@@ -106,7 +103,10 @@ async fn an_e5m2_kv_cache_matches_transformers_rounding_its_cache() {
         assert_eq!(g["kv_cache_dtype"], "fp8_e5m2");
         matches_golden(&format!("{name}-kv-e5m2"), &g, KvDtype::Fp8E5m2).await;
     }
-    let refused = refused_on_cuda("kv-e5m2-on-cuda", KvDtype::Fp8E5m2).await;
+    let dir = common::scratch("kv-e5m2-on-cuda");
+    actorllm::models::random::write_golden_model(&common::model_golden("llama"), &dir).unwrap();
+    let refused =
+        refused_on_cuda(EngineArgs { kv_cache_dtype: KvDtype::Fp8E5m2, ..common::args(&dir) }).await;
     assert!(refused.contains("--kv-cache-dtype fp8") && refused.contains("--device cpu"), "{refused}");
 }
 
@@ -137,13 +137,9 @@ async fn calculated_kv_scales_match_transformers() {
     let refused = Engine::start(args).await.err().expect("refused without an FP8 cache").to_string();
     assert!(refused.contains("--kv-cache-dtype fp8"), "{refused}");
     // On a CUDA GPU it is refused, naming the fix, before any GPU is looked for.
-    let args = EngineArgs {
-        device: actorllm::config::DeviceArg::Cuda,
-        kv_cache_dtype: KvDtype::Fp8E4m3,
-        calculate_kv_scales: true,
-        ..common::args(&dir)
-    };
-    let refused = Engine::start(args).await.err().expect("refused on a GPU").to_string();
+    let args =
+        EngineArgs { kv_cache_dtype: KvDtype::Fp8E4m3, calculate_kv_scales: true, ..common::args(&dir) };
+    let refused = refused_on_cuda(args).await;
     assert!(refused.contains("--calculate-kv-scales") && refused.contains("--device cpu"), "{refused}");
 }
 

@@ -235,9 +235,10 @@ pub fn attend(
     // A task a (token, KV head) and part: its query heads' rows are next to each other in
     // the output (heads of a group are consecutive).
     if parts == 1 {
-        out.par_chunks_mut(group * hd).enumerate().for_each_init(Scratch::default, |scratch, (pair, o)| {
-            task(scratch, (pair, 0), o, &mut vec![(0.0, 0.0); group]);
-        });
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(
+            || (Scratch::default(), vec![(0.0, 0.0); group]),
+            |(scratch, stats), (pair, o)| task(scratch, (pair, 0), o, stats),
+        );
     } else {
         let mut part_out = vec![0f32; pairs * parts * group * hd];
         let mut part_stats = vec![(f32::NEG_INFINITY, 0f32); pairs * parts * group];
@@ -285,16 +286,14 @@ fn join_parts(
             .map(|p| part_stats[at(p)])
             .filter(|&(_, sum)| sum > 0.0)
             .fold(f32::NEG_INFINITY, |m, (max, _)| m.max(max));
-        let weights: Vec<f32> = (0..parts)
-            .map(|p| {
-                let (max, sum) = part_stats[at(p)];
-                if sum > 0.0 { sum * (max - top).exp() } else { 0.0 }
-            })
-            .collect();
-        let total: f32 = weights.iter().sum();
+        let weight = |p: usize| {
+            let (max, sum) = part_stats[at(p)];
+            if sum > 0.0 { sum * (max - top).exp() } else { 0.0 }
+        };
+        let total: f32 = (0..parts).map(weight).sum();
         o.fill(0.0);
-        for (p, w) in weights.iter().enumerate().filter(|(_, w)| **w > 0.0) {
-            let w = w / total;
+        for p in (0..parts).filter(|&p| weight(p) > 0.0) {
+            let w = weight(p) / total;
             let part = &part_out[at(p) * hd..(at(p) + 1) * hd];
             o.iter_mut().zip(part).for_each(|(o, x)| *o += w * x);
         }

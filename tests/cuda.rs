@@ -508,9 +508,11 @@ fn every_kernel_matches_its_cpu_twin() {
     // partial 32-element chunk, 1032 spreads its chunks over a block's warps; 97 outputs end
     // in a partial tile of 16. 97 outputs are 7 GEMV blocks, which take the 16-warp kernel
     // (gemv_wide); 6403 are 401, more than any GPU of under 200 SMs holds at two a
-    // multiprocessor, which take the 8-warp one.
+    // multiprocessor, which take the 8-warp one. k = 3584 (Gemma-2-9B's hidden size) leaves
+    // each warp of either kernel whole chunks past its unrolled loop (3 and 2). The CPU keeps
+    // x in f32 where the GPU rounds it, an error that grows as √k as the values do.
     for dt in [DType::BF16, DType::F16] {
-        for (n, k) in [(97, 72), (97, 1032), (97, 2048), (6403, 72)] {
+        for (n, k) in [(97, 72), (97, 1032), (97, 2048), (6403, 72), (97, 3584), (6403, 3584)] {
             let w = rand(n * k, 7);
             let mut bytes = Vec::new();
             dt.convert_from(DType::F32, bytemuck::cast_slice(&w), &mut bytes);
@@ -519,7 +521,8 @@ fn every_kernel_matches_its_cpu_twin() {
             let x = rand(40 * k, 8);
             let all = g.to_host(&g.linear(&g.from_host(&x, 40, k).unwrap(), &wg16, None).unwrap()).unwrap();
             let cpu = c.to_host(&c.linear(&CpuTensor::new(x.clone(), 40, k), &wc16, None).unwrap()).unwrap();
-            close(&format!("{dt:?} linear of 40 rows, n {n}, k {k}"), &all, &cpu, 2e-2);
+            let amp = ((k as f32).sqrt() / 12.0).max(1.0);
+            close_in(&format!("{dt:?} linear of 40 rows, n {n}, k {k}"), &all, &cpu, 2e-2, amp);
             for m in [1, 5, 8, 9, 16] {
                 let xm = g.from_host(&x[..m * k], m, k).unwrap();
                 let part = g.to_host(&g.linear(&xm, &wg16, None).unwrap()).unwrap();

@@ -144,8 +144,8 @@ __device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T*
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = lane & 3;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Whole chunks, U at a time with no conditions (so that all their loads issue before the
-    // first mma waits), then what is left one chunk at a time: a lane's 8 elements of the
-    // last, partial chunk lie wholly inside or past k (k % 8 == 0).
+    // first mma waits), then what is left, U at a time with conditions: a lane's 8 elements
+    // of the last, partial chunk lie wholly inside or past k (k % 8 == 0).
     const int full = k / 32, chunks = (k + 31) / 32;
     int c0 = warp;
     uint4 a[GEMV_UNROLL], b[GEMV_UNROLL];
@@ -174,13 +174,23 @@ __device__ __forceinline__ void gemv_sums(GemvRed<W>& red, const T* w0, const T*
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk<T>(c, a[u], b[u], xb[u]);
     }
-    // Every lane runs the mmas (they are warp-wide): lanes past k bring zeros.
-    for (; c0 < chunks; c0 += W) {
-        int off = c0 * 32;
-        bool in = off + q * 8 < k;
+    // What is left, fewer than U chunks (c0 + (U - 1) · W ≥ full, and chunks ≤ full + 1),
+    // the last perhaps partial: loaded all at once as above, so that the warp waits for
+    // memory once, not once a chunk. Every lane runs the mmas (they are warp-wide): chunks
+    // and lanes past k bring zeros.
+    if (c0 < chunks) {
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        uint4 a = in ? ld_stream(w0 + off) : zero, b = in ? ld_stream(w1 + off) : zero;
-        gemv_chunk<T>(c, a, b, in ? *(const uint4*)(xr + off) : zero);
+        uint4 xb[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int off = (c0 + u * W) * 32;
+            const bool in = c0 + u * W < chunks && off + q * 8 < k;
+            a[u] = in ? ld_stream(w0 + off) : zero;
+            b[u] = in ? ld_stream(w1 + off) : zero;
+            xb[u] = in ? *(const uint4*)(xr + off) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk<T>(c, a[u], b[u], xb[u]);
     }
     gemv_sums_meet<W>(red, c);
 }

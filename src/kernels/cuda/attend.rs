@@ -182,7 +182,7 @@ impl CudaDevice {
         // bound, and the kernels skip what lies past each row's own context.
         let ctx_max = self.graph.get().ctx_bound().unwrap_or(b.ctx_max);
         let kk = &cache.kernels;
-        let half_cache = cache.k.is_half();
+        let (half_cache, piped) = (cache.k.is_half(), cache.k.prefill_piped());
         let (kc, vc) = (cache.k.arg(), cache.v.arg());
         let cols = s.num_heads * s.head_dim;
         let mut out = self.tensor(q.rows, cols)?;
@@ -207,9 +207,9 @@ impl CudaDevice {
             launch.arg(&b.tiles);
             dims.push(&mut launch);
             launch.arg(&window).arg(&softcap);
-            // Over a 16-bit cache a block takes several query heads of a GQA group.
-            let hpb = if half_cache { prefill_heads(s, self.prefill_heads_max) } else { 1 };
-            let smem = if half_cache { prefill_smem_bytes(s.head_dim, hpb) } else { 0 };
+            // Over a 16-bit or FP8 cache a block takes several query heads of a GQA group.
+            let hpb = if piped { prefill_heads(s, self.prefill_heads_max) } else { 1 };
+            let smem = if piped { prefill_smem_bytes(s.head_dim, hpb, !half_cache) } else { 0 };
             let cfg = LaunchConfig {
                 grid_dim: (b.num_tiles as u32, (s.num_heads / hpb) as u32, 1),
                 block_dim: (128 * hpb as u32, 1, 1),
@@ -445,7 +445,7 @@ pub(super) fn decode_smem_per_warp(head_dim: usize) -> usize {
     2 * 2 * 16 * head_dim * 2
 }
 
-/// Query heads of one GQA group that a flash_prefill block over a 16-bit cache takes (four
+/// Query heads of one GQA group that a flash_prefill block over a 16-bit or FP8 cache takes (four
 /// warps each), so that each chunk of K and V is staged once for all of them: the largest
 /// of 4, 2 and 1 that divides the group, up to `max` ([`prefill_heads_within`]).
 pub(super) fn prefill_heads(s: AttnShape, max: usize) -> usize {
@@ -455,18 +455,21 @@ pub(super) fn prefill_heads(s: AttnShape, max: usize) -> usize {
 
 /// The most query heads a flash_prefill block may take on a GPU whose blocks can have
 /// `smem_optin` bytes of shared memory: 4 (flash.cu's kernels allow 4 × 128 threads) where
-/// their buffers fit at head_dim 128, as on sm_80 and sm_90; 2 on sm_86 and sm_89 (99 KiB).
+/// their buffers (an FP8 cache's, the larger) fit at head_dim 128, as on sm_80 and sm_90; 2
+/// on sm_86 and sm_89 (99 KiB).
 pub(super) fn prefill_heads_within(smem_optin: usize) -> usize {
-    [4, 2, 1].into_iter().find(|&h| prefill_smem_bytes(128, h) <= smem_optin).unwrap_or(1)
+    [4, 2, 1].into_iter().find(|&h| prefill_smem_bytes(128, h, true) <= smem_optin).unwrap_or(1)
 }
 
 /// Keys per chunk of flash_prefill (flash.cu's BC).
 const PREFILL_CHUNK: usize = 32;
 
 /// Shared memory of a flash_prefill block over a 16-bit cache taking `heads` query heads:
-/// two chunks of K and V rows and each warp's 16 query rows, rows padded by 8 values.
-pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize) -> usize {
-    (4 * PREFILL_CHUNK + 16 * 4 * heads) * (head_dim + 8) * 2
+/// two chunks of K and V rows and each warp's 16 query rows, rows padded by 8 values; over
+/// an FP8 cache (`fp8`), two chunks of K and V bytes besides, copied before they are widened.
+pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize, fp8: bool) -> usize {
+    let raw = if fp8 { 4 * PREFILL_CHUNK * head_dim } else { 0 };
+    (4 * PREFILL_CHUNK + 16 * 4 * heads) * (head_dim + 8) * 2 + raw
 }
 
 /// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
@@ -496,7 +499,7 @@ pub(super) fn allow_flash_smem(
         let bytes = match name.starts_with("flash_decode_") {
             true if name.starts_with("flash_decode_join_") => join_warps * decode_smem_per_warp(hd),
             true => 4 * decode_smem_per_warp(hd),
-            false => prefill_smem_bytes(hd, prefill_heads),
+            false => prefill_smem_bytes(hd, prefill_heads, name.ends_with("_fp8")),
         };
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -1,5 +1,5 @@
-// Prefill attention on tensor cores (FlashAttention-2's schedule), for models with 16-bit
-// weights: Q, K and V are rounded to bf16, scores and the output accumulate in f32 through
+// Prefill attention on tensor cores (FlashAttention-2's schedule) over an f32 cache (16-bit
+// and FP8 ones: flash_prefill_pipe, below): Q, K and V are rounded to bf16, scores and the output accumulate in f32 through
 // mma.sync m16n8k16, and the softmax is taken online in registers. (common.cuh comes first.)
 //
 // One block of 4 warps per (tile, query head). A tile is up to 64 consecutive query rows of
@@ -221,9 +221,6 @@ __device__ void flash_prefill(const float* __restrict__ q, const T* __restrict__
 
 FLASH_ENTRY(64, f32, float)
 FLASH_ENTRY(128, f32, float)
-// An FP8 cache is staged as an f32 one is, its rows widened as they are loaded.
-FLASH_ENTRY(64, fp8, kv_fp8)
-FLASH_ENTRY(128, fp8, kv_fp8)
 
 // Decode attention on tensor cores (split over partitions of the context, as
 // paged_attention_split, whose reduce kernel joins the partitions). Up to `parts_max` warps
@@ -277,12 +274,17 @@ template <> struct Frag16<__half> {
 
 template <> struct Frag16<kv_fp8> : Frag16<__half> {};
 
+// Eight FP8 elements (bytes 0..3 of lo, then of hi) as four f16 pairs.
+__device__ __forceinline__ uint4 fp8x8_half(unsigned lo, unsigned hi) {
+    __half2 h[4] = {fp8x2_half2(lo), fp8x2_half2(lo >> 16), fp8x2_half2(hi), fp8x2_half2(hi >> 16)};
+    return make_uint4(*(unsigned*)&h[0], *(unsigned*)&h[1], *(unsigned*)&h[2], *(unsigned*)&h[3]);
+}
+
 // Eight consecutive cache elements as four packed 16-bit pairs (of Frag16's type).
 __device__ __forceinline__ uint4 ld8(const __nv_bfloat16* p) { return *(const uint4*)p; }
 __device__ __forceinline__ uint4 ld8(const kv_fp8* p) {
     uint2 u = *(const uint2*)p;
-    __half2 h[4] = {fp8x2_half2(u.x), fp8x2_half2(u.x >> 16), fp8x2_half2(u.y), fp8x2_half2(u.y >> 16)};
-    return make_uint4(*(unsigned*)&h[0], *(unsigned*)&h[1], *(unsigned*)&h[2], *(unsigned*)&h[3]);
+    return fp8x8_half(u.x, u.y);
 }
 __device__ __forceinline__ uint4 ld8(const __half* p) { return *(const uint4*)p; }
 __device__ __forceinline__ uint4 ld8(const float* p) {
@@ -838,12 +840,14 @@ DECODE_JOIN_ENTRY(128, bf16, __nv_bfloat16)
 DECODE_JOIN_ENTRY(64, f16, __half)
 DECODE_JOIN_ENTRY(128, f16, __half)
 
-// Prefill attention over a 16-bit cache, pipelined: the same tiles and online softmax as
-// flash_prefill, for `blockDim.x / 128` query heads of one GQA group at once (PREFILL_HEADS,
-// chosen by the host: four warps a head, a warp per 16 rows of the tile), so that each
-// chunk's K and V rows are staged once for all of them. The rows are copied into shared
-// memory as they are (cp.async, 16 bytes at a time, no conversion) while the previous chunk
-// is being computed, into one of two buffers. V stays row-major: ldmatrix .trans hands each
+// Prefill attention over a 16-bit or FP8 cache, pipelined: the same tiles and online softmax
+// as flash_prefill, for `blockDim.x / 128` query heads of one GQA group at once
+// (PREFILL_HEADS, chosen by the host: four warps a head, a warp per 16 rows of the tile), so
+// that each chunk's K and V rows are staged once for all of them. The rows are copied into
+// shared memory as they are (cp.async, 16 bytes at a time, no conversion) while the previous
+// chunk is being computed, into one of two buffers. An FP8 cache's bytes are copied so into
+// buffers of their own, then widened by the whole block into the 16-bit ones (f16: every
+// e4m3 value is a half), once a chunk for all of the block's heads. V stays row-major: ldmatrix .trans hands each
 // lane its B fragment (two keys of one dim). The queries are rounded to the cache's type
 // into shared memory once, and their A fragments read back by ldmatrix per chunk, which
 // keeps the kernel within 128 registers (four blocks of one head, or one of four heads, an
@@ -851,18 +855,34 @@ DECODE_JOIN_ENTRY(128, f16, __half)
 // prompt has the most keys), so that the short ones fill the last wave. Dynamic shared
 // memory: prefill_smem_bytes (attend.rs).
 
-template <int HD, typename T>
-__device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
+// The 16-bit type flash_prefill_pipe computes in over a cache of C, and whether C's rows are
+// staged as raw FP8 bytes first.
+template <typename C> struct Pipe16 {
+    typedef C t;
+    static constexpr bool RAW = false;
+};
+template <> struct Pipe16<kv_fp8> {
+    typedef __half t;
+    static constexpr bool RAW = true;
+};
+
+template <int HD, typename C>
+__device__ void flash_prefill_pipe(const float* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
                                    float* __restrict__ out, void* out16, int kind, const unsigned int* positions,
                                    const unsigned int* token_seq, const unsigned int* tables,
                                    const unsigned int* table_off, const unsigned int* tiles, int heads, int kv_heads,
                                    int block_size, float scale, int window, float softcap) {
+    typedef typename Pipe16<C>::t T;
+    constexpr bool RAW = Pipe16<C>::RAW;
     typedef Frag16<T> F;
     constexpr int RS = HD + 8;   // padded rows: fragment loads and ldmatrix hit distinct banks
-    constexpr int PIECES = HD / 8;  // 16-byte pieces per row
+    constexpr int PER = 16 / sizeof(C);  // elements a 16-byte piece of a cache row holds
+    constexpr int PIECES = HD / PER;  // 16-byte pieces per row
     extern __shared__ __align__(16) unsigned char prefill_smem[];
     T* ks = reinterpret_cast<T*>(prefill_smem);  // [2][BC * RS]
     T* vs = ks + 2 * BC * RS;                     // [2][BC * RS]
+    // FP8 only, after every warp's queries: [2][K, V][BC * HD] bytes.
+    unsigned char* raw = reinterpret_cast<unsigned char*>(vs + 2 * BC * RS + (blockDim.x >> 5) * 16 * RS);
     const float NEG = __int_as_float(0xff800000);  // -inf
     int tile = gridDim.x - 1 - blockIdx.x;
     int row0 = tiles[2 * tile], nrows = tiles[2 * tile + 1];
@@ -886,12 +906,17 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
     // Issues the copies of chunk c0 into buffer `buf` (rows past the context are zeros).
     auto stage = [&](int c0, int buf) {
         for (int i = threadIdx.x; i < BC * PIECES; i += blockDim.x) {
-            int r = i / PIECES, c = (i % PIECES) * 8;
+            int r = i / PIECES, c = (i % PIECES) * PER;
             int p = c0 + r;
             bool ok = p < ctx_end;
             size_t at = ok ? ((size_t)table[p / block_size] * block_size + p % block_size) * width + kvh * HD : 0;
-            cp_async16(&ks[buf * BC * RS + r * RS + c], kc + at + c, ok);
-            cp_async16(&vs[buf * BC * RS + r * RS + c], vc + at + c, ok);
+            if constexpr (RAW) {
+                cp_async16(raw + (2 * buf) * BC * HD + r * HD + c, kc + at + c, ok);
+                cp_async16(raw + (2 * buf + 1) * BC * HD + r * HD + c, vc + at + c, ok);
+            } else {
+                cp_async16(&ks[buf * BC * RS + r * RS + c], kc + at + c, ok);
+                cp_async16(&vs[buf * BC * RS + r * RS + c], vc + at + c, ok);
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -925,6 +950,18 @@ __device__ void flash_prefill_pipe(const float* __restrict__ q, const T* __restr
             asm volatile("cp.async.wait_group 0;\n" ::);
         }
         __syncthreads();
+        if constexpr (RAW) {
+            // The chunk's FP8 rows widened into the 16-bit buffers, 16 elements a thread.
+            for (int i = threadIdx.x; i < 2 * BC * (HD / 16); i += blockDim.x) {
+                int v = i / (BC * (HD / 16)), j = i % (BC * (HD / 16));
+                int r = j / (HD / 16), c = (j % (HD / 16)) * 16;
+                uint4 u = *(const uint4*)(raw + (2 * buf + v) * BC * HD + r * HD + c);
+                T* dst = (v ? vs : ks) + buf * BC * RS + r * RS + c;
+                *(uint4*)dst = fp8x8_half(u.x, u.y);
+                *(uint4*)(dst + 8) = fp8x8_half(u.z, u.w);
+            }
+            __syncthreads();
+        }
         if (c0 < warp_end && c0 + BC > warp_lo) {
             const T* kb = ks + buf * BC * RS;
             const T* vb_ = vs + buf * BC * RS;
@@ -983,3 +1020,5 @@ FLASH_PIPE_ENTRY(64, bf16, __nv_bfloat16)
 FLASH_PIPE_ENTRY(128, bf16, __nv_bfloat16)
 FLASH_PIPE_ENTRY(64, f16, __half)
 FLASH_PIPE_ENTRY(128, f16, __half)
+FLASH_PIPE_ENTRY(64, fp8, kv_fp8)
+FLASH_PIPE_ENTRY(128, fp8, kv_fp8)

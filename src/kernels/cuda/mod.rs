@@ -180,6 +180,12 @@ impl KvBuf {
         matches!(self, KvBuf::Half(_))
     }
 
+    /// Whether prefill attention over this cache is flash.cu's flash_prefill_pipe (16-bit
+    /// and FP8 caches; an f32 one is staged through registers).
+    fn prefill_piped(&self) -> bool {
+        !matches!(self, KvBuf::F32(_))
+    }
+
     fn arg(&mut self) -> &mut dyn WeightArg {
         match self {
             KvBuf::F32(b) => b,

@@ -472,9 +472,9 @@ pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize, fp8: bool) -> us
     (4 * PREFILL_CHUNK + 16 * 4 * heads) * (head_dim + 8) * 2 + raw
 }
 
-/// flash_decode and flash_prefill over a 16-bit cache take more than the 48 KiB of shared
-/// memory a block gets without asking (up to four warps of chunk buffers, or
-/// flash_decode_join's warps; the queries of several heads). Asks for it, once per kernel,
+/// flash_decode over a 16-bit cache and flash_prefill over a 16-bit or FP8 one take more than
+/// the 48 KiB of shared memory a block gets without asking (up to four warps of chunk
+/// buffers, or flash_decode_join's warps; the queries of several heads). Asks for it, once per kernel,
 /// with flash_prefill's heads a block ([`prefill_heads_within`]) and flash_decode_join's
 /// warps (up to [`DECODE_JOIN_WARPS`]) bounded by what the GPU allows; returns both bounds.
 pub(super) fn allow_flash_smem(

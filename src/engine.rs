@@ -94,28 +94,35 @@ impl Engine {
     pub async fn start_with_architectures<A: Architectures>(
         mut args: EngineArgs,
     ) -> Result<Engine, EngineError> {
-        let cuda = match args.device {
-            DeviceArg::Cpu => false,
-            DeviceArg::Cuda => true,
-            DeviceArg::Auto => CudaDevice::available(),
-        };
-        if cuda {
-            if args.keep_quantized {
-                return Err(crate::quantization::QuantError::KeepOnGpu.into());
-            }
-            if args.kv_cache_dtype == crate::kernels::KvDtype::Fp8E5m2 {
-                return Err(crate::config::ConfigError::Fp8E5m2OnGpu.into());
-            }
-            if args.calculate_kv_scales {
-                return Err(crate::config::ConfigError::CalculateKvScalesOnGpu.into());
-            }
-            args.gpu_batch_defaults(CudaDevice::large_gpu());
+        if on_gpu(&mut args)? {
             let tp = args.tensor_parallel_size;
             let mut registry = ModelRegistry::<CudaDevice>::default();
             A::register(&mut registry);
-            args.cluster.check(tp, false).map_err(EngineError::Cluster)?;
-            Self::start_on(args, registry, move |_| {
-                CudaDevice::group(tp).map_err(|e| EngineError::Device(e.to_string()))
+            let cluster = args.cluster.clone();
+            if cluster.node_rank > 0 {
+                return Err(headless(cluster.node_rank));
+            }
+            Self::start_on(args, registry, move |setup| {
+                if cluster.nnodes == 1 {
+                    return CudaDevice::group(tp).map_err(|e| EngineError::Device(e.to_string()));
+                }
+                // The other nodes join NCCL by node 0's id, which they get on joining.
+                let nccl_id = CudaDevice::nccl_id().map_err(|e| EngineError::Device(e.to_string()))?;
+                let welcome = crate::cluster::lead::Welcome { nccl_id: Some(nccl_id.clone()) };
+                let lead = crate::cluster::lead::Lead::accept(&cluster, setup, &welcome, true)
+                    .map_err(EngineError::Cluster)?;
+                let local = cluster.local_ranks(tp);
+                tracing::info!(ranks = local, world = tp, "joining the NCCL group of every node's GPUs");
+                let devs = CudaDevice::node_group(0, local, tp, &nccl_id)
+                    .map_err(|e| EngineError::Device(e.to_string()))?;
+                Ok(devs
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, d)| {
+                        let remote = (i == 0).then(|| lead.clone() as Arc<dyn crate::kernels::RemoteRanks>);
+                        d.in_node_group(lead.clone(), remote)
+                    })
+                    .collect())
             })
             .await
         } else {
@@ -135,17 +142,15 @@ impl Engine {
         let cluster = args.cluster.clone();
         cluster.check(tp, true).map_err(EngineError::Cluster)?;
         if cluster.node_rank > 0 {
-            return Err(EngineError::Cluster(format!(
-                "--node-rank {} runs headless: start it with `actorllm serve`, which then serves no API",
-                cluster.node_rank
-            )));
+            return Err(headless(cluster.node_rank));
         }
         let family = crate::kernels::cpu::family::choose(args.cpu_kernels).map_err(EngineError::Device)?;
         tracing::info!(family = family.name(), threads = rayon::current_num_threads(), "CPU kernels");
         Self::start_on(args, registry, move |setup| {
             if cluster.nnodes > 1 {
-                let lead =
-                    crate::cluster::lead::Lead::accept(&cluster, setup).map_err(EngineError::Cluster)?;
+                let welcome = crate::cluster::lead::Welcome::default();
+                let lead = crate::cluster::lead::Lead::accept(&cluster, setup, &welcome, false)
+                    .map_err(EngineError::Cluster)?;
                 return Ok(vec![CpuDevice::in_group(0, lead.clone(), Some(lead)).with_family(family)]);
             }
             let ranks = CpuDevice::group_with_timeout(tp, cluster.timeout());
@@ -206,6 +211,8 @@ impl Engine {
         // Every rank read the same scales.
         let kv_scales = kv_scales_for(config.kv_cache_dtype, ranks[0].2.clone(), config.calculate_kv_scales);
         let ranks: Vec<(D, _)> = ranks.into_iter().map(|(dev, model, _)| (dev, model)).collect();
+        // The ranks on other nodes, which size and allocate their caches as node 0 has them.
+        let remote = ranks[0].0.remote_ranks();
         // On a GPU the KV cache takes what --gpu-memory-utilization leaves after the weights
         // and a profiling step at the largest batch (see `size_kv_cache`).
         let profile = ranks[0].0.memory_info().is_some() && args.num_gpu_blocks_override.is_none();
@@ -258,7 +265,7 @@ impl Engine {
         if profile {
             let all: Vec<_> = std::iter::once(runner_addr.clone()).chain(peers).collect();
             let kv = KvSizing { model: &model_config, elem_bytes, utilization: args.gpu_memory_utilization };
-            size_kv_cache(&all, profile_step, graphs.clone(), &mut config, kv).await?;
+            size_kv_cache(&all, remote.as_deref(), profile_step, graphs.clone(), &mut config, kv).await?;
         }
         tracing::info!(seconds = started.elapsed().as_secs_f32(), "KV cache allocated");
         if let Some(shapes) = graphs {
@@ -678,9 +685,39 @@ fn log_inapplicable(args: &EngineArgs) {
     }
 }
 
+/// Whether `args` run on a GPU (`--device auto` takes one when present), with the GPU's
+/// defaults applied to them and the settings a GPU does not take refused.
+pub(crate) fn on_gpu(args: &mut EngineArgs) -> Result<bool, EngineError> {
+    let cuda = match args.device {
+        DeviceArg::Cpu => false,
+        DeviceArg::Cuda => true,
+        DeviceArg::Auto => CudaDevice::available(),
+    };
+    if cuda {
+        if args.keep_quantized {
+            return Err(crate::quantization::QuantError::KeepOnGpu.into());
+        }
+        if args.kv_cache_dtype == crate::kernels::KvDtype::Fp8E5m2 {
+            return Err(crate::config::ConfigError::Fp8E5m2OnGpu.into());
+        }
+        if args.calculate_kv_scales {
+            return Err(crate::config::ConfigError::CalculateKvScalesOnGpu.into());
+        }
+        args.gpu_batch_defaults(CudaDevice::large_gpu());
+    }
+    args.cluster.check(args.tensor_parallel_size, !cuda).map_err(EngineError::Cluster)?;
+    Ok(cuda)
+}
+
+fn headless(node_rank: usize) -> EngineError {
+    EngineError::Cluster(format!(
+        "--node-rank {node_rank} runs headless: start it with `actorllm serve`, which then serves no API"
+    ))
+}
+
 /// A step at the largest batch the scheduler may form: `max_num_batched_tokens` tokens
 /// over `max_num_seqs` prefilling sequences, each sampling. Also the KV blocks it needs.
-fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
+pub(crate) fn profile_batch(config: &EngineConfig) -> (ExecuteBatch, usize) {
     let seqs = config.max_num_seqs.min(config.max_num_batched_tokens).max(1);
     let tokens = config.max_num_batched_tokens.max(1);
     let params = Arc::new(SamplingParams { temperature: 0.0, ..Default::default() });
@@ -797,14 +834,22 @@ struct KvSizing<'a> {
 /// fullest rank (every rank holds the same number of blocks).
 async fn size_kv_cache<D: Device>(
     runners: &[Addr<ModelRunner<D>>],
+    remote: Option<&dyn crate::kernels::RemoteRanks>,
     step: ExecuteBatch,
     graphs: Option<CaptureGraphs>,
     config: &mut EngineConfig,
     kv: KvSizing<'_>,
 ) -> Result<(), EngineError> {
+    use crate::cluster::{NodeAnswer, NodeCommand};
     let profiled = |e: String| EngineError::Device(format!("profiling step at the largest batch: {e}"));
+    let on_nodes = |c: NodeCommand| -> Result<Vec<NodeAnswer>, EngineError> {
+        remote.map_or(Ok(Vec::new()), |r| crate::cluster::command(r, &c).map_err(EngineError::Cluster))
+    };
     runners[0].send(step).await.map_err(|e| profiled(e.to_string()))?.map_err(|e| profiled(e.to_string()))?;
     tune_gemms(runners, config).await?;
+    on_nodes(NodeCommand::TuneGemms {
+        rows: gemm_tune_rows(config.max_num_seqs, config.max_num_batched_tokens),
+    })?;
     // The graphs too: their memory stays out of the cache (they are recorded again on it).
     // A failed capture is reported when they are recorded for good, unless it left the
     // device failing.
@@ -812,16 +857,24 @@ async fn size_kv_cache<D: Device>(
     if let Some(shapes) = graphs {
         capture = runners[0].send(shapes).await.map_err(|e| profiled(e.to_string()))?.err();
     }
-    let (mut left, mut memory) = (usize::MAX, (0, 0));
+    let mut memories = Vec::new();
     for r in runners {
         let released = r.send(ReleaseCache).await.map_err(|_| EngineError::Stopped)?;
-        let (free, total) = released
-            .map_err(|e| {
-                let after =
-                    capture.as_ref().map_or(String::new(), |c| format!(" (a graph capture had failed: {c})"));
-                EngineError::Device(format!("after the profiling step: {e}{after}"))
-            })?
-            .unwrap_or((0, 0));
+        memories.push(released.map_err(|e| {
+            let after =
+                capture.as_ref().map_or(String::new(), |c| format!(" (a graph capture had failed: {c})"));
+            EngineError::Device(format!("after the profiling step: {e}{after}"))
+        })?);
+    }
+    for answer in on_nodes(NodeCommand::ReleaseCache)? {
+        match answer {
+            NodeAnswer::Memory(m) => memories.extend(m),
+            other => return Err(EngineError::Cluster(format!("a node answered {other:?} to ReleaseCache"))),
+        }
+    }
+    // The cache takes what the fullest GPU of the group leaves.
+    let (mut left, mut memory) = (usize::MAX, (0, 0));
+    for (free, total) in memories.into_iter().map(|m| m.unwrap_or((0, 0))) {
         let keep = ((1.0 - kv.utilization) * total as f64) as usize;
         if free.saturating_sub(keep) < left {
             (left, memory) = (free.saturating_sub(keep), (free, total));
@@ -846,6 +899,7 @@ async fn size_kv_cache<D: Device>(
             .map_err(|_| EngineError::Stopped)?
             .map_err(|e| EngineError::Device(e.to_string()))?;
     }
+    on_nodes(NodeCommand::AllocateCache { num_blocks: config.num_blocks })?;
     Ok(())
 }
 

@@ -1,9 +1,9 @@
 //! The CUDA device against its CPU twin: every kernel on random inputs (odd sizes, GQA,
 //! block boundaries, mixed prefill and decode), then the engine on a GPU giving the same
 //! greedy tokens as on the CPU, with and without preemption. Every test here needs a CUDA
-//! GPU (one needs two) and is `#[ignore]`d, so that `cargo test` shows them as ignored
+//! GPU (two need two) and is `#[ignore]`d, so that `cargo test` shows them as ignored
 //! rather than passed on a machine without one; on a GPU host run them with
-//! `cargo test --release --test cuda -- --ignored` (add `--skip two_gpus` on one GPU).
+//! `cargo test --release --test cuda -- --ignored` (add `--skip two_gpu` on one GPU).
 //! Asked to run without a GPU, they fail.
 
 mod common;
@@ -1740,6 +1740,133 @@ async fn two_gpus_give_the_one_gpu_tokens() {
         }
         assert_eq!(outs[1], outs[0], "TP=2 against TP=1 on {}", model.path().display());
     }
+}
+
+/// The tiny model's engine flags on the GPU for the tests of groups that span nodes.
+fn group_test_args(model: &common::ScratchDir) -> EngineArgs {
+    EngineArgs {
+        device: DeviceArg::Cuda,
+        num_gpu_blocks_override: Some(512),
+        max_model_len: Some(1024),
+        ..common::args(model)
+    }
+}
+
+/// Four prompts' 24 greedy tokens from `engine`.
+async fn group_test_tokens(engine: &Engine) -> Vec<Vec<Vec<u32>>> {
+    let prompts: Vec<Vec<u32>> =
+        (0..4u32).map(|i| (0..(3 + 13 * i)).map(|j| (i * 19 + j * 7) % 250 + 3).collect()).collect();
+    let params = actorllm::SamplingParams { ignore_eos: true, ..greedy(24) };
+    let runs = prompts.iter().map(|p| run(engine, p.clone(), params.clone()));
+    futures::future::join_all(runs).await.into_iter().map(|o| o.tokens).collect()
+}
+
+/// A group's health as a node link reports it, set by the test.
+#[derive(Default)]
+struct TestHealth(std::sync::Mutex<Option<String>>);
+
+impl actorllm::kernels::GroupHealth for TestHealth {
+    fn failure(&self) -> Option<String> {
+        self.0.lock().unwrap().clone()
+    }
+    fn fail(&self, why: String) {
+        *self.0.lock().unwrap() = Some(why);
+    }
+}
+
+/// The ranks of a group that spans nodes join NCCL by node 0's unique id and wait on the
+/// device by polling the group's health. A group of one such rank gives the plain GPU's
+/// tokens, with graphs, and the engine reports the group's failure as its own.
+#[actix_rt::test]
+#[ignore = "needs a CUDA GPU: cargo test --release --test cuda -- --ignored"]
+async fn a_rank_joined_by_an_nccl_id_gives_the_plain_gpu_tokens() {
+    use actorllm::error::EngineError;
+    let _turn = gpu_turn();
+    let model = tiny_model(41);
+    let args = group_test_args(&model);
+    runners_released().await;
+    let want = group_test_tokens(&Engine::start(args.clone()).await.unwrap()).await;
+    runners_released().await;
+    let health = std::sync::Arc::new(TestHealth::default());
+    let link = health.clone();
+    let engine = Engine::start_on(args, ModelRegistry::<CudaDevice>::default(), move |_| {
+        let device = |e: actorllm::kernels::DeviceError| EngineError::Device(e.to_string());
+        let id = CudaDevice::nccl_id().map_err(device)?;
+        assert_eq!(id.len(), 128);
+        let ranks = CudaDevice::node_group(0, 1, 1, &id).map_err(device)?;
+        Ok(ranks.into_iter().map(|d| d.in_node_group(link.clone(), None)).collect())
+    })
+    .await
+    .unwrap();
+    assert_eq!(group_test_tokens(&engine).await, want);
+    assert_eq!(engine.failure(), None);
+    actorllm::kernels::GroupHealth::fail(health.as_ref(), "node 1 closed the connection".into());
+    assert_eq!(engine.failure().as_deref(), Some("node 1 closed the connection"));
+}
+
+/// Two nodes of one GPU each (needs two GPUs): node 0 in the test on GPU 0, node 1 an
+/// `actorllm serve --node-rank 1` process on GPU 1, joined by NCCL. They give one GPU's
+/// tokens; killed mid-stream, node 1 ends the stream with an error within 5 s and leaves
+/// node 0 failed, not hung in the collective it waited in.
+#[actix_rt::test]
+#[ignore = "needs 2 CUDA GPUs: cargo test --release --test cuda -- --ignored two_gpu_nodes"]
+async fn two_gpu_nodes_give_the_one_gpu_tokens() {
+    use futures::StreamExt;
+    let _turn = gpu_turn_of(2);
+    let model = tiny_model(41);
+    let args = group_test_args(&model);
+    runners_released().await;
+    let want = group_test_tokens(&Engine::start(args.clone()).await.unwrap()).await;
+    runners_released().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // The server binary where cargo built it, else beside this test's binary (a GPU host
+    // given both, with neither at its build path).
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_actorllm"));
+    let bin =
+        if built.exists() { built } else { std::env::current_exe().unwrap().with_file_name("actorllm") };
+    let mut node = std::process::Command::new(bin)
+        .args(["serve", "--model", model.path().to_str().unwrap(), "--device", "cuda"])
+        .args(["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"])
+        .args(["--master-port", &port.to_string(), "--rank-timeout", "20"])
+        .args(["--num-gpu-blocks-override", "512", "--max-model-len", "1024"])
+        .env("CUDA_VISIBLE_DEVICES", "1")
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("actorllm runs");
+    let lead = EngineArgs {
+        tensor_parallel_size: 2,
+        cluster: actorllm::cluster::ClusterArgs {
+            nnodes: 2,
+            master_port: port,
+            rank_timeout: 20.0,
+            ..Default::default()
+        },
+        ..args
+    };
+    let engine = Engine::start(lead).await.expect("the group of two GPU nodes starts");
+    assert_eq!(group_test_tokens(&engine).await, want, "two GPU nodes against one GPU");
+    let long = actorllm::SamplingParams { ignore_eos: true, ..greedy(900) };
+    let mut s = engine.add_request(engine.next_request_id("t"), vec![5, 6, 7], long).await.unwrap();
+    let (mut tokens, mut killed, mut error) = (0, None, None);
+    while let Some(ev) =
+        tokio::time::timeout(std::time::Duration::from_secs(30), s.next()).await.expect("an event in time")
+    {
+        match ev {
+            actorllm::request::TokenEvent::Token { .. } => tokens += 1,
+            actorllm::request::TokenEvent::Error { message } => error = Some(message),
+            _ => {}
+        }
+        if tokens == 5 && killed.is_none() {
+            node.kill().unwrap();
+            killed = Some(std::time::Instant::now());
+        }
+    }
+    let _ = node.wait();
+    let took = killed.expect("tokens before the kill").elapsed();
+    assert!(took < std::time::Duration::from_secs(5), "the stream ended {took:?} after the kill");
+    let error = error.expect("the stream ends with an error");
+    assert!(error.contains("node 1"), "{error}");
+    assert!(engine.failure().is_some_and(|f| f.contains("node 1")));
 }
 
 /// Each prompt's greedy tokens, each with its top logprobs.

@@ -437,9 +437,9 @@ impl<D: Device> ModelRunner<D> {
 
     /// Whether a step's sampled tokens may stay on the device until the next message: the
     /// device puts them into that step's inputs itself. Not under tensor parallelism: the
-    /// other ranks take their token ids from the host.
+    /// other ranks (threads, or nodes) take their token ids from the host.
     fn defers(&self) -> bool {
-        self.peers.is_empty() && self.dev.feeds_sampled_tokens()
+        self.peers.is_empty() && self.remote.is_none() && self.dev.feeds_sampled_tokens()
     }
 
     /// Whether `batch` may be issued before the deferred step's tokens are back: none of
@@ -723,6 +723,37 @@ impl<D: Device> ModelRunner<D> {
         Ok(())
     }
 
+    /// [`ReleaseCache`]: drops the KV cache and the sequences, and answers the device's
+    /// (free, total) memory.
+    pub fn release_cache(&mut self) -> Result<Option<(usize, usize)>, RunnerError> {
+        self.answer_deferred();
+        self.caches.clear();
+        self.seqs.clear();
+        self.dev.synchronize()?;
+        // Measured with the graphs (recorded on the profiling cache) still held: their
+        // memory stays out of the cache's budget. They go with the cache they point into.
+        let memory = self.dev.memory_info();
+        self.graphs.clear();
+        Ok(memory)
+    }
+
+    /// Fails this rank's tensor-parallel group: it left a step or command part-way.
+    pub fn fail_group(&self, why: &str) {
+        self.dev.fail_group(why);
+    }
+
+    /// [`TuneGemms`].
+    pub fn tune_gemms(&mut self, rows: &[usize]) -> Result<GemmTuning, RunnerError> {
+        self.answer_deferred();
+        Ok(self.dev.tune_gemms(rows)?)
+    }
+
+    /// [`AllocateCache`].
+    pub fn reallocate_cache(&mut self, num_blocks: usize) -> Result<(), RunnerError> {
+        self.answer_deferred();
+        Ok(self.allocate_cache(num_blocks)?)
+    }
+
     /// A rank's share of rank 0's step: adapters placed, blocks copied, then the forward.
     pub fn run_shard(&mut self, msg: &ShardStep) -> Result<(), RunnerError> {
         for (slot, adapter) in &msg.lora_loads {
@@ -758,23 +789,14 @@ impl<D: Device> Handler<ShardStep> for ModelRunner<D> {
 impl<D: Device> Handler<ReleaseCache> for ModelRunner<D> {
     type Result = Result<Option<(usize, usize)>, RunnerError>;
     fn handle(&mut self, _: ReleaseCache, _: &mut SyncContext<Self>) -> Self::Result {
-        self.answer_deferred();
-        self.caches.clear();
-        self.seqs.clear();
-        self.dev.synchronize()?;
-        // Measured with the graphs (recorded on the profiling cache) still held: their
-        // memory stays out of the cache's budget. They go with the cache they point into.
-        let memory = self.dev.memory_info();
-        self.graphs.clear();
-        Ok(memory)
+        self.release_cache()
     }
 }
 
 impl<D: Device> Handler<TuneGemms> for ModelRunner<D> {
     type Result = Result<GemmTuning, RunnerError>;
     fn handle(&mut self, msg: TuneGemms, _: &mut SyncContext<Self>) -> Self::Result {
-        self.answer_deferred();
-        Ok(self.dev.tune_gemms(&msg.rows)?)
+        self.tune_gemms(&msg.rows)
     }
 }
 
@@ -789,8 +811,7 @@ impl<D: Device> Handler<CaptureGraphs> for ModelRunner<D> {
 impl<D: Device> Handler<AllocateCache> for ModelRunner<D> {
     type Result = Result<(), RunnerError>;
     fn handle(&mut self, msg: AllocateCache, _: &mut SyncContext<Self>) -> Self::Result {
-        self.answer_deferred();
-        Ok(self.allocate_cache(msg.num_blocks)?)
+        self.reallocate_cache(msg.num_blocks)
     }
 }
 

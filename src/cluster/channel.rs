@@ -12,7 +12,7 @@ use std::time::Duration;
 pub enum Tag {
     /// Another node's greeting: its version, rank and [`super::GroupSetup`].
     Hello = 1,
-    /// Node 0's answer: accepted (empty) ...
+    /// Node 0's answer: accepted, with what the group shares ([`super::lead::Welcome`]) ...
     Welcome = 2,
     /// ... or refused, with the reason.
     Refuse = 3,
@@ -24,13 +24,28 @@ pub enum Tag {
     Result = 6,
     /// The step is done: `null`, or the node's error as a JSON string (node → node 0).
     Done = 7,
+    /// A command outside the steps ([`super::NodeCommand`], node 0 → node).
+    Command = 8,
+    /// A command's answer ([`super::NodeAnswer`], node → node 0); a node whose command
+    /// failed answers [`Tag::Done`] with its error instead.
+    Answer = 9,
 }
 
 impl Tag {
     fn from_u8(b: u8) -> Option<Tag> {
-        [Tag::Hello, Tag::Welcome, Tag::Refuse, Tag::Step, Tag::Part, Tag::Result, Tag::Done]
-            .into_iter()
-            .find(|t| *t as u8 == b)
+        [
+            Tag::Hello,
+            Tag::Welcome,
+            Tag::Refuse,
+            Tag::Step,
+            Tag::Part,
+            Tag::Result,
+            Tag::Done,
+            Tag::Command,
+            Tag::Answer,
+        ]
+        .into_iter()
+        .find(|t| *t as u8 == b)
     }
 }
 
@@ -139,6 +154,32 @@ impl Channel {
     pub fn close(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
+
+    /// The connection's socket again, for a thread that watches it or closes it while
+    /// another waits on it.
+    pub fn socket(&self) -> std::io::Result<TcpStream> {
+        self.stream.try_clone()
+    }
+}
+
+/// Whether the other end has closed `socket` (or it has failed), looking without waiting
+/// and without taking any bytes: frames that arrived stay for their reader. The socket's
+/// own settings (blocking, timeouts) are shared with that reader and are left alone.
+pub fn closed(socket: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: reads at most one byte into `byte`, which outlives the call.
+    let n = unsafe {
+        libc::recv(socket.as_raw_fd(), (&raw mut byte).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    match n {
+        0 => true,
+        n if n > 0 => false,
+        _ => {
+            let e = std::io::Error::last_os_error().kind();
+            !matches!(e, std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -151,6 +192,23 @@ mod tests {
         let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (b, _) = listener.accept().unwrap();
         (Channel::new(a, "node 0".into()).unwrap(), Channel::new(b, "node 1".into()).unwrap())
+    }
+
+    #[test]
+    fn a_closed_end_is_seen_without_taking_the_bytes_that_wait() {
+        let (a, mut b) = pair();
+        let watched = b.socket().unwrap();
+        assert!(!closed(&watched), "an idle open connection");
+        let mut a = a;
+        a.send(Tag::Step, b"[1]").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!closed(&watched), "a connection with a frame waiting");
+        a.close();
+        drop(a);
+        std::thread::sleep(Duration::from_millis(50));
+        // The frame sent before the close is still there for the reader.
+        assert_eq!(b.recv(Some(Duration::from_secs(1))).unwrap(), (Tag::Step, b"[1]".to_vec()));
+        assert!(closed(&watched));
     }
 
     #[test]

@@ -7,6 +7,14 @@
 //! On the CPU one process is one rank, and the collectives travel over that channel too:
 //! node 0 gathers every rank's part, combines them in rank order and sends the result back
 //! ([`lead::Lead`], [`worker`]), so every rank holds bit-identical sums, as in one process.
+//!
+//! On GPUs each node runs one rank per local GPU (--tensor-parallel-size / --nnodes of
+//! them, GPUs 0..), ranks numbered node by node. Node 0 makes an NCCL unique id and hands
+//! it to every node in its welcome; all ranks join one NCCL communicator by it, and the
+//! collectives go through NCCL. The channel carries the steps and the commands that size
+//! and allocate the KV cache after node 0's profiling step ([`NodeCommand`]): the cache
+//! takes what the fullest GPU of the group leaves.
+//!
 //! A node that closes its connection or does not answer within `--rank-timeout` fails the
 //! step in flight with an error naming it; node 0 then stays failed (its `/health` answers
 //! 503) until it is restarted, and the other nodes exit.
@@ -20,17 +28,45 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{EngineArgs, EngineConfig};
+use crate::kernels::RemoteRanks;
 use crate::models::config::ModelConfig;
 
 /// The protocol's version: nodes of different versions refuse each other at the handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// What node 0 sends another node: a step's inputs (an encoded
+/// [`crate::actors::model_runner::ShardStep`]), or a command.
+#[derive(Debug)]
+pub enum NodeMessage {
+    Step(Vec<u8>),
+    Command(NodeCommand),
+}
+
+/// The work outside the steps that node 0 has every node do on each of its ranks, in the
+/// order node 0 does it on its own: after the profiling step, tune the GEMMs, release the
+/// cache and report the memory left, then allocate the cache that fits every GPU.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum NodeCommand {
+    TuneGemms { rows: Vec<usize> },
+    ReleaseCache,
+    AllocateCache { num_blocks: usize },
+}
+
+/// A node's answer to a [`NodeCommand`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum NodeAnswer {
+    Done,
+    /// Each local rank's (free, total) device memory once its cache was released.
+    Memory(Vec<Option<(usize, usize)>>),
+}
 
 /// How the processes of one tensor-parallel group find each other, and how long a rank may
 /// keep the others waiting.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
     /// Nodes (processes) the tensor-parallel group spans. On the CPU each node is one rank:
-    /// --tensor-parallel-size must equal it.
+    /// --tensor-parallel-size must equal it. On GPUs each node runs
+    /// --tensor-parallel-size / --nnodes ranks, one per local GPU.
     #[arg(long, default_value_t = 1)]
     pub nnodes: usize,
     /// This node's place, 0 to --nnodes − 1. Node 0 serves the API; the others run
@@ -77,13 +113,14 @@ impl ClusterArgs {
         if !(self.rank_timeout.is_finite() && self.rank_timeout > 0.0) {
             return Err(format!("--rank-timeout {} must be a positive number of seconds", self.rank_timeout));
         }
-        if self.nnodes > 1 && !cpu {
+        if self.nnodes > 1 && !cpu && !tp.is_multiple_of(self.nnodes) {
             return Err(format!(
-                "--nnodes {} runs on the CPU (--device cpu): GPU ranks on several nodes are not served",
+                "--tensor-parallel-size {tp} over --nnodes {} on GPUs: each node runs the same number \
+                 of ranks, one per GPU, so the size must be a multiple of --nnodes",
                 self.nnodes
             ));
         }
-        if self.nnodes > 1 && tp != self.nnodes {
+        if self.nnodes > 1 && cpu && tp != self.nnodes {
             return Err(format!(
                 "--nnodes {} on the CPU runs one rank a node: --tensor-parallel-size must be {}, not {tp}",
                 self.nnodes, self.nnodes
@@ -91,6 +128,21 @@ impl ClusterArgs {
         }
         Ok(())
     }
+
+    /// The ranks (GPUs) each node runs in a group of `tp`.
+    pub fn local_ranks(&self, tp: usize) -> usize {
+        tp / self.nnodes.max(1)
+    }
+}
+
+/// Has every other node run `command` on each of its ranks; their answers in rank order.
+pub fn command(remote: &dyn RemoteRanks, command: &NodeCommand) -> Result<Vec<NodeAnswer>, String> {
+    let bytes = serde_json::to_vec(command).expect("a command serializes");
+    let answers = remote.command(&bytes).map_err(|e| format!("{command:?} on the other nodes: {e}"))?;
+    answers
+        .iter()
+        .map(|a| serde_json::from_slice(a).map_err(|e| format!("a node's answer to {command:?}: {e}")))
+        .collect()
 }
 
 /// What every rank of a group must agree on, compared at the handshake: a node started
@@ -138,5 +190,26 @@ impl GroupSetup {
             .filter(|(k, v)| b.get(*k) != Some(v))
             .map(|(k, v)| format!("{k}: {v} on node 0, {} there", b.get(k).cloned().unwrap_or_default()))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_nodes_run_an_equal_share_of_the_ranks_and_cpu_nodes_one() {
+        let two = ClusterArgs { nnodes: 2, ..ClusterArgs::default() };
+        assert_eq!(two.check(16, false), Ok(()));
+        assert_eq!(two.local_ranks(16), 8);
+        assert_eq!(two.check(2, false), Ok(()));
+        let e = two.check(3, false).unwrap_err();
+        assert!(e.contains("--tensor-parallel-size 3") && e.contains("multiple of --nnodes"), "{e}");
+        assert_eq!(two.check(2, true), Ok(()));
+        let e = two.check(4, true).unwrap_err();
+        assert!(e.contains("--tensor-parallel-size must be 2"), "{e}");
+        let e =
+            ClusterArgs { nnodes: 2, node_rank: 2, ..ClusterArgs::default() }.check(2, false).unwrap_err();
+        assert!(e.contains("--node-rank 2 must be below --nnodes 2"), "{e}");
     }
 }

@@ -317,6 +317,9 @@ impl TpRank {
 pub trait GroupHealth: Send + Sync {
     /// Why the group can no longer run, once it cannot.
     fn failure(&self) -> Option<String>;
+    /// Marks the group failed for `why` (a rank has gone or left a step part-way): no
+    /// collective can complete, and every rank waiting in one fails with the reason.
+    fn fail(&self, why: String);
 }
 
 /// The ranks of a tensor-parallel group that run in other processes (other nodes), as rank
@@ -327,6 +330,9 @@ pub trait RemoteRanks: Send + Sync {
     fn send_step(&self, step: &[u8]) -> DevResult<()>;
     /// Waits until every remote rank has run the step sent last.
     fn join_step(&self) -> DevResult<()>;
+    /// Sends an encoded command outside the steps (the cache's sizing and allocation) to
+    /// every other node, and answers each node's encoded reply, in rank order.
+    fn command(&self, command: &[u8]) -> DevResult<Vec<Vec<u8>>>;
 }
 
 #[derive(Debug, thiserror::Error)]

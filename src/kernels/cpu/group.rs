@@ -27,9 +27,6 @@ pub trait Collective: GroupHealth {
         keep: usize,
         total: usize,
     ) -> DevResult<Vec<f32>>;
-    /// Marks the group failed for `why` (a rank has gone or left a step part-way): no
-    /// collective can complete, and every rank waiting in one fails with the reason.
-    fn fail(&self, why: String);
 }
 
 fn failed(why: &str) -> DeviceError {
@@ -173,6 +170,15 @@ impl GroupHealth for CpuGroup {
     fn failure(&self) -> Option<String> {
         self.barrier.lock().unwrap_or_else(|e| e.into_inner()).broken.clone()
     }
+
+    fn fail(&self, why: String) {
+        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        if s.broken.is_none() {
+            tracing::error!(reason = %why, "the tensor-parallel group has failed");
+            s.broken = Some(why);
+        }
+        self.arrivals.notify_all();
+    }
 }
 
 impl Collective for CpuGroup {
@@ -195,15 +201,6 @@ impl Collective for CpuGroup {
     ) -> DevResult<Vec<f32>> {
         self.publish(rank, x);
         self.combine(rank, |parts| gather_cols(parts, rows, keep, total))
-    }
-
-    fn fail(&self, why: String) {
-        let mut s = self.barrier.lock().unwrap_or_else(|e| e.into_inner());
-        if s.broken.is_none() {
-            tracing::error!(reason = %why, "the tensor-parallel group has failed");
-            s.broken = Some(why);
-        }
-        self.arrivals.notify_all();
     }
 }
 

@@ -227,6 +227,10 @@ pub struct CudaDevice {
     inv_freq: std::cell::RefCell<Vec<(Vec<f32>, CudaSlice<f32>)>>,
     /// The NCCL communicator of a tensor-parallel group, with this device's rank.
     comm: Option<cudarc::nccl::Comm>,
+    /// Where the group spans nodes: its health, polled while the host waits on the device
+    /// (a rank on a lost node never joins the collective this GPU waits in), and on rank 0
+    /// the other nodes' ranks.
+    node: Option<NodeLink>,
     tp: TpRank,
     /// Where activation buffers come from: the device's pool, or a graph's own while it is
     /// captured.
@@ -280,6 +284,12 @@ pub struct CudaDevice {
     sampled: std::cell::RefCell<sample::SampledHost>,
 }
 
+/// A rank's link to a group that spans nodes ([`CudaDevice::in_node_group`]).
+struct NodeLink {
+    health: Arc<dyn super::GroupHealth>,
+    remote: Option<Arc<dyn super::RemoteRanks>>,
+}
+
 // SAFETY: the device is used from its ModelRunner's thread only (the context is bound
 // there); cudarc's handles are thread-safe to move.
 unsafe impl Send for CudaDevice {}
@@ -303,6 +313,62 @@ impl CudaDevice {
                 "--tensor-parallel-size {world} needs {world} GPUs, this machine has {count}"
             )));
         }
+        Self::need_nccl()?;
+        let ctxs = (0..world).map(CudaContext::new).collect::<Result<Vec<_>, _>>().map_err(err)?;
+        let streams = ctxs.iter().map(|c| c.default_stream()).collect();
+        let comms = cudarc::nccl::Comm::from_devices(streams).map_err(err)?;
+        ctxs.into_iter().zip(comms).map(|(ctx, comm)| Self::open(ctx, Some(comm))).collect()
+    }
+
+    /// GPUs `0..local` of this node as ranks `first_rank..first_rank + local` of a
+    /// tensor-parallel group of `world` ranks that spans nodes, joined by the NCCL unique id
+    /// node 0 made (`nccl_id`, its 128 bytes). Returns once every rank of the group has
+    /// joined.
+    pub fn node_group(
+        first_rank: usize,
+        local: usize,
+        world: usize,
+        nccl_id: &[u8],
+    ) -> Result<Vec<Self>, DeviceError> {
+        let count = Self::count();
+        if local > count {
+            return Err(DeviceError::Other(format!(
+                "each node runs {local} ranks (--tensor-parallel-size / --nnodes), one per GPU: \
+                 this machine has {count}"
+            )));
+        }
+        Self::need_nccl()?;
+        let id: [std::ffi::c_char; 128] = nccl_id
+            .iter()
+            .map(|&b| b as std::ffi::c_char)
+            .collect::<Vec<_>>()
+            .try_into()
+            .map_err(|_| DeviceError::Other(format!("an NCCL id of {} bytes, not 128", nccl_id.len())))?;
+        let id = cudarc::nccl::Id::uninit(id);
+        let ctxs = (0..local).map(CudaContext::new).collect::<Result<Vec<_>, _>>().map_err(err)?;
+        // Several ranks of one thread join inside one NCCL group: none waits for the next.
+        cudarc::nccl::group_start().map_err(err)?;
+        let comms: Vec<_> = ctxs
+            .iter()
+            .enumerate()
+            .map(|(i, ctx)| {
+                ctx.bind_to_thread().map_err(err)?;
+                cudarc::nccl::Comm::from_rank(ctx.default_stream(), first_rank + i, world, id).map_err(err)
+            })
+            .collect();
+        cudarc::nccl::group_end().map_err(err)?;
+        let comms = comms.into_iter().collect::<Result<Vec<_>, _>>()?;
+        ctxs.into_iter().zip(comms).map(|(ctx, comm)| Self::open(ctx, Some(comm))).collect()
+    }
+
+    /// A fresh NCCL unique id (node 0 of a group that spans nodes hands it to the others).
+    pub fn nccl_id() -> Result<Vec<u8>, DeviceError> {
+        Self::need_nccl()?;
+        let id = cudarc::nccl::Id::new().map_err(err)?;
+        Ok(id.internal().iter().map(|&c| c as u8).collect())
+    }
+
+    fn need_nccl() -> Result<(), DeviceError> {
         // SAFETY: only tries to open the library.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err(DeviceError::Other(
@@ -311,10 +377,47 @@ impl CudaDevice {
                     .into(),
             ));
         }
-        let ctxs = (0..world).map(CudaContext::new).collect::<Result<Vec<_>, _>>().map_err(err)?;
-        let streams = ctxs.iter().map(|c| c.default_stream()).collect();
-        let comms = cudarc::nccl::Comm::from_devices(streams).map_err(err)?;
-        ctxs.into_iter().zip(comms).map(|(ctx, comm)| Self::open(ctx, Some(comm))).collect()
+        Ok(())
+    }
+
+    /// This rank in a group that spans nodes: `health` is polled while the host waits on
+    /// the device; on rank 0, `remote` sends each step to the other nodes.
+    pub fn in_node_group(
+        mut self,
+        health: Arc<dyn super::GroupHealth>,
+        remote: Option<Arc<dyn super::RemoteRanks>>,
+    ) -> Self {
+        self.node = Some(NodeLink { health, remote });
+        self
+    }
+
+    /// Waits until the work queued on the stream so far is done. In a group that spans
+    /// nodes it polls, so that a failed group (a node lost while this GPU waits in one of
+    /// its collectives) ends the wait with its reason instead of hanging; elsewhere it
+    /// blocks.
+    fn wait_queued(&self, what: &'static str) -> DevResult<()> {
+        if self.node.is_none() {
+            return self.stream.synchronize().map_err(cuda(what));
+        }
+        let event = self.ctx.new_event(None).map_err(cuda("event"))?;
+        event.record(&self.stream).map_err(cuda("event record"))?;
+        self.wait_event(&event, what)
+    }
+
+    /// Waits for `event` as [`Self::wait_queued`] waits for the stream.
+    fn wait_event(&self, event: &cudarc::driver::CudaEvent, what: &'static str) -> DevResult<()> {
+        let Some(node) = &self.node else {
+            return event.synchronize().map_err(cuda(what));
+        };
+        loop {
+            if event.try_is_complete().map_err(cuda(what))? {
+                return Ok(());
+            }
+            if let Some(why) = node.health.failure() {
+                return Err(DeviceError::Other(format!("the tensor-parallel group has failed: {why}")));
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// How many CUDA GPUs the driver sees (0 without a driver).
@@ -378,6 +481,7 @@ impl CudaDevice {
             graph_inputs_fixed: std::cell::Cell::new(false),
             inv_freq: std::cell::RefCell::new(Vec::new()),
             comm,
+            node: None,
             tp,
             pool: std::cell::RefCell::new(Arc::default()),
             graph_pool: Arc::new(BufPool::unbounded()),

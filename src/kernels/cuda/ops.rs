@@ -220,6 +220,10 @@ impl Device for CudaDevice {
     }
 
     fn to_host(&self, t: &CudaTensor) -> DevResult<Vec<f32>> {
+        if self.node.is_some() {
+            // The copy would block behind a collective a lost node never joins.
+            self.wait_queued("device to host copy")?;
+        }
         let Some(h) = t.half.as_ref().filter(|_| t.half_only) else {
             return self.stream.clone_dtoh(&t.view()).map_err(cuda("device to host copy"));
         };
@@ -249,7 +253,21 @@ impl Device for CudaDevice {
     }
 
     fn synchronize(&self) -> DevResult<()> {
-        self.stream.synchronize().map_err(cuda("stream synchronize"))
+        self.wait_queued("stream synchronize")
+    }
+
+    fn remote_ranks(&self) -> Option<std::sync::Arc<dyn crate::kernels::RemoteRanks>> {
+        self.node.as_ref().and_then(|n| n.remote.clone())
+    }
+
+    fn group_health(&self) -> Option<std::sync::Arc<dyn crate::kernels::GroupHealth>> {
+        self.node.as_ref().map(|n| n.health.clone())
+    }
+
+    fn fail_group(&self, why: &str) {
+        if let Some(n) = &self.node {
+            n.health.fail(format!("rank {}: {why}", self.tp.rank));
+        }
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {

@@ -260,7 +260,7 @@ impl CudaDevice {
         let (Some(event), Some(buf)) = (&host.copied[slot], &host.bufs[slot]) else {
             return Err(DeviceError::Other(format!("sampling {id} has no results buffer")));
         };
-        event.synchronize().map_err(cuda("waiting for the sampled tokens"))?;
+        self.wait_event(event, "waiting for the sampled tokens")?;
         let words = buf.as_slice().map_err(cuda("reading the sampled tokens"))?;
         let (tokens, logprobs) = words[..s.words].split_at(s.rows);
         Ok(DeviceRows::decode(&s.logprobs, tokens, logprobs, s.cols))

@@ -240,6 +240,14 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, pairs: bool) -> QuantRows {
     rows
 }
 
+/// How far ahead of a weight row's loads the SIMD dot products ask for its bytes. One
+/// thread streaming a matrix reads about half the copy bandwidth, held by how many cache
+/// misses a core has in flight; 4 KB ahead (a few tiles: rows are end to end) the loads
+/// find their lines in cache. On the default model's Q4_1 file the matmuls of a decode
+/// step took 9.2–10.4 ms without it, 6.2–6.7 ms with it (two threads, AVX2).
+#[cfg_attr(not(any(target_arch = "x86_64", target_arch = "aarch64")), allow(dead_code))]
+const PREFETCH_BYTES: usize = 4096;
+
 /// The dot products of weight rows `j0..j0 + NR` with `MR` input rows: `[NR][MR]`.
 type DotFn<const NR: usize, const MR: usize> =
     unsafe fn(&QuantWeight, usize, &QuantRows, [usize; MR]) -> [[f32; MR]; NR];
@@ -460,20 +468,13 @@ mod avx2 {
         unsafe { dot_body::<NR, MR, true>(w, j0, x, rows) }
     }
 
-    /// How far ahead of a weight row's loads `dot_body` asks for its bytes. One thread
-    /// streaming a matrix reads about half the copy bandwidth, held by how many cache misses
-    /// a core has in flight; 4 KB ahead (a few tiles: rows are end to end) the loads find
-    /// their lines in cache. On the default model's Q4_1 file the matmuls of a decode
-    /// step took 9.2–10.4 ms without it, 6.2–6.7 ms with it (two threads, AVX2).
-    const PREFETCH_BYTES: usize = 4096;
-
     /// Asks for the cache lines of `bytes` bytes at `PREFETCH_BYTES` past `p` (a hint: an
     /// address past the weight's end is not read).
     #[inline(always)]
     unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
         for line in (0..bytes).step_by(64) {
             // SAFETY: a prefetch reads nothing the program sees, wherever it points.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + line).cast()) }
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::PREFETCH_BYTES + line).cast()) }
         }
     }
 
@@ -872,19 +873,30 @@ mod neon {
         }
     }
 
-    /// The integer dot product of 16 weight quants with 16 input quants.
+    /// The integer dot product of 16 weight quants with 16 input quants, in 4 lanes.
     #[inline(always)]
-    unsafe fn sum16(w: int8x16_t, x: int8x16_t) -> i32 {
+    unsafe fn sum16(w: int8x16_t, x: int8x16_t) -> int32x4_t {
         // SAFETY: NEON is there (the callers' target features).
         unsafe {
             let lo = vmull_s8(vget_low_s8(w), vget_low_s8(x));
-            vaddvq_s32(vpadalq_s16(vpaddlq_s16(lo), vmull_high_s8(w, x)))
+            vpadalq_s16(vpaddlq_s16(lo), vmull_high_s8(w, x))
+        }
+    }
+
+    /// Asks for the cache line at `p` (a hint: no address faults).
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: PRFM reads nothing the program sees and never faults.
+        unsafe {
+            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
         }
     }
 
     /// The dot products of weight rows `j0..j0 + NR` with input rows `rows`: `[NR][MR]`,
-    /// each sub-block's quants unpacked once for the `MR` inputs, its two halves' integer
-    /// sums scaled as the portable loop scales them.
+    /// each sub-block's quants unpacked once for the `MR` inputs, its halves' integer sums
+    /// scaled into vector accumulators (one horizontal sum a dot product, at the end).
+    /// Each weight row's bytes are asked for [`super::PREFETCH_BYTES`] ahead of its loads,
+    /// as the x86 kernels ask: one core streaming a matrix keeps too few misses in flight.
     ///
     /// # Safety
     /// The CPU has NEON.
@@ -895,23 +907,41 @@ mod neon {
         x: &QuantRows,
         rows: [usize; MR],
     ) -> [[f32; MR]; NR] {
-        let nb = w.k / QK;
+        let (nb, qb) = (w.k / QK, QuantWeight::qbytes(w.format));
         assert!(j0 + NR <= w.n && x.k == w.k && rows.iter().all(|&r| (r + 1) * x.k <= x.q.len()));
+        // K-quants scale a sub-block's halves apart; the others by one scale.
+        let halves = matches!(w.format, QuantFormat::Q4_K | QuantFormat::Q5_K | QuantFormat::Q6_K);
         let mut out = [[0f32; MR]; NR];
         // SAFETY: every block read is of rows j0..j0 + NR of w and rows `rows` of x
         // (asserted above); NEON is the target feature.
         unsafe {
             for (r, out) in out.iter_mut().enumerate() {
+                let mut acc = [vdupq_n_f32(0.0); MR];
+                let mut offsets = [0f32; MR];
+                let row = (j0 + r) * nb;
                 for b in 0..nb {
-                    let i = (j0 + r) * nb + b;
+                    let i = row + b;
+                    if (i * qb) % 64 < qb {
+                        prefetch(w.qs.as_ptr().wrapping_add(i * qb + super::PREFETCH_BYTES));
+                    }
                     let (w0, w1) = quants(w, i);
                     let (scale, offset) = w.sub_scales(i);
-                    for (c, out) in out.iter_mut().enumerate() {
+                    for c in 0..MR {
                         let xb = rows[c] * nb + b;
                         let xq = x.q.as_ptr().add(xb * QK);
                         let (s0, s1) = (sum16(w0, vld1q_s8(xq)), sum16(w1, vld1q_s8(xq.add(16))));
-                        *out += x.d[xb] * (scale[0] * s0 as f32 + scale[1] * s1 as f32) + offset * x.s[xb];
+                        let d = x.d[xb];
+                        acc[c] = if halves {
+                            let a = vfmaq_n_f32(acc[c], vcvtq_f32_s32(s0), d * scale[0]);
+                            vfmaq_n_f32(a, vcvtq_f32_s32(s1), d * scale[1])
+                        } else {
+                            vfmaq_n_f32(acc[c], vcvtq_f32_s32(vaddq_s32(s0, s1)), d * scale[0])
+                        };
+                        offsets[c] += offset * x.s[xb];
                     }
+                }
+                for c in 0..MR {
+                    out[c] = vaddvq_f32(acc[c]) + offsets[c];
                 }
             }
         }

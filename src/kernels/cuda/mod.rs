@@ -365,6 +365,8 @@ impl CudaDevice {
     pub fn nccl_id() -> Result<Vec<u8>, DeviceError> {
         Self::need_nccl()?;
         let id = cudarc::nccl::Id::new().map_err(err)?;
+        // c_char is i8 on x86-64 and u8 on aarch64.
+        #[allow(clippy::unnecessary_cast)]
         Ok(id.internal().iter().map(|&c| c as u8).collect())
     }
 

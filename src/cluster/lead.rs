@@ -332,6 +332,8 @@ impl RemoteRanks for Lead {
 /// collective's result.
 pub struct Follower {
     chan: Mutex<Channel>,
+    /// The same connection, watched ([`Follower::watch`]).
+    socket: TcpStream,
     broken: Mutex<Option<String>>,
     rank: usize,
     world: usize,
@@ -369,14 +371,41 @@ impl Follower {
         let welcome = chan.expect(Tag::Welcome, Some(timeout * 10))?;
         let welcome = serde_json::from_slice::<Welcome>(&welcome)
             .map_err(|e| format!("node 0's welcome does not decode: {e}"))?;
+        let socket = chan.socket().map_err(|e| format!("node 0 ({addr}): {e}"))?;
         let follower = Follower {
             chan: Mutex::new(chan),
+            socket,
             broken: Mutex::default(),
             rank: args.node_rank,
             world: args.nnodes,
             timeout,
         };
         Ok((follower, welcome))
+    }
+
+    /// Fails this node's group as soon as node 0 closes its connection, also while this
+    /// node's ranks are busy: a GPU rank waiting on the device for a collective node 0
+    /// never joins polls the group's health ([`GroupHealth::failure`]). Runs until the
+    /// group fails or the node drops it.
+    pub fn watch(self: &Arc<Self>) -> Result<(), String> {
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("cluster-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(WATCH_EVERY);
+                    let Some(node) = weak.upgrade() else { return };
+                    if node.failure().is_some() {
+                        return;
+                    }
+                    if super::channel::closed(&node.socket) {
+                        node.fail("node 0 closed the connection".into());
+                        return;
+                    }
+                }
+            })
+            .map(drop)
+            .map_err(|e| format!("the thread watching node 0: {e}"))
     }
 
     /// The next step's inputs or command, waiting as long as node 0 has none; an error
@@ -454,7 +483,7 @@ impl GroupHealth for Follower {
     fn fail(&self, why: String) {
         tracing::error!(reason = %why, "this node leaves the tensor-parallel group");
         *lock(&self.broken) = Some(why);
-        lock(&self.chan).close();
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
     }
 }
 
@@ -547,6 +576,23 @@ mod tests {
         let why = failed_within_5_s(&lead);
         assert!(why.contains("node 1") && why.contains("closed the connection"), "{why}");
         assert!(lead.send_step(b"{}").is_err());
+    }
+
+    #[test]
+    fn a_node_sees_node_0_go_while_its_ranks_are_busy() {
+        let (lead, follower, _) = pair(true, 60.0);
+        let follower = Arc::new(follower);
+        follower.watch().unwrap();
+        load(&lead, &follower);
+        assert_eq!(follower.failure(), None);
+        drop(lead);
+        let t = Instant::now();
+        while follower.failure().is_none() && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let why = follower.failure().expect("the node saw node 0 go within 5 s");
+        assert!(why.contains("node 0 closed the connection"), "{why}");
+        assert!(follower.next().is_err());
     }
 
     #[test]

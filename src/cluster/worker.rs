@@ -38,6 +38,7 @@ fn run_on<D: NodeDevice>(mut args: EngineArgs) -> Result<(), EngineError> {
     tracing::info!(node = cluster.node_rank, master = %format!("{}:{}", cluster.master_addr, cluster.master_port), "joining node 0");
     let (link, welcome) = Follower::join(&cluster, &setup).map_err(EngineError::Cluster)?;
     let link = Arc::new(link);
+    link.watch().map_err(EngineError::Cluster)?;
     let devs = D::open_ranks(&args, &cluster, &link, welcome.nccl_id);
     let runners = devs.and_then(|devs| {
         tracing::info!(node = cluster.node_rank, ranks = devs.len(), "joined: loading this node's weights");

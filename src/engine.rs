@@ -106,12 +106,13 @@ impl Engine {
                 if cluster.nnodes == 1 {
                     return CudaDevice::group(tp).map_err(|e| EngineError::Device(e.to_string()));
                 }
+                let local = cluster.local_ranks(tp);
+                CudaDevice::node_fits(local).map_err(|e| EngineError::Device(e.to_string()))?;
                 // The other nodes join NCCL by node 0's id, which they get on joining.
                 let nccl_id = CudaDevice::nccl_id().map_err(|e| EngineError::Device(e.to_string()))?;
                 let welcome = crate::cluster::lead::Welcome { nccl_id: Some(nccl_id.clone()) };
                 let lead = crate::cluster::lead::Lead::accept(&cluster, setup, &welcome, true)
                     .map_err(EngineError::Cluster)?;
-                let local = cluster.local_ranks(tp);
                 tracing::info!(ranks = local, world = tp, "joining the NCCL group of every node's GPUs");
                 let devs = CudaDevice::node_group(0, local, tp, &nccl_id)
                     .map_err(|e| EngineError::Device(e.to_string()))?;

@@ -35,6 +35,7 @@ fn run_on<D: NodeDevice>(mut args: EngineArgs) -> Result<(), EngineError> {
     let registry = ModelRegistry::<D>::default();
     let (model_config, config) = resolve_model(&mut args, &registry)?;
     let setup = GroupSetup::of(&args, &model_config, &config);
+    D::fits(&args, &cluster)?;
     tracing::info!(node = cluster.node_rank, master = %format!("{}:{}", cluster.master_addr, cluster.master_port), "joining node 0");
     let (link, welcome) = Follower::join(&cluster, &setup).map_err(EngineError::Cluster)?;
     let link = Arc::new(link);
@@ -84,6 +85,8 @@ fn run_on<D: NodeDevice>(mut args: EngineArgs) -> Result<(), EngineError> {
 trait NodeDevice: Device + Sized {
     /// Whether it is a GPU, whose group joins NCCL by node 0's id.
     const GPU: bool;
+    /// Whether this machine can run the node's ranks, checked before it joins node 0.
+    fn fits(args: &EngineArgs, cluster: &ClusterArgs) -> Result<(), EngineError>;
     /// This node's ranks: on the CPU one, whose collectives go to node 0 over `link`; on
     /// GPUs one per local GPU, joined to node 0's NCCL communicator by `nccl_id`.
     fn open_ranks(
@@ -102,6 +105,9 @@ fn same_device(node_0: &str, here: &str) -> EngineError {
 
 impl NodeDevice for CpuDevice {
     const GPU: bool = false;
+    fn fits(args: &EngineArgs, _: &ClusterArgs) -> Result<(), EngineError> {
+        crate::kernels::cpu::family::choose(args.cpu_kernels).map(drop).map_err(EngineError::Device)
+    }
     fn open_ranks(
         args: &EngineArgs,
         cluster: &ClusterArgs,
@@ -119,6 +125,10 @@ impl NodeDevice for CpuDevice {
 
 impl NodeDevice for CudaDevice {
     const GPU: bool = true;
+    fn fits(args: &EngineArgs, cluster: &ClusterArgs) -> Result<(), EngineError> {
+        let local = cluster.local_ranks(args.tensor_parallel_size);
+        CudaDevice::node_fits(local).map_err(|e| EngineError::Device(e.to_string()))
+    }
     fn open_ranks(
         args: &EngineArgs,
         cluster: &ClusterArgs,

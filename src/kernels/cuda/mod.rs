@@ -330,14 +330,7 @@ impl CudaDevice {
         world: usize,
         nccl_id: &[u8],
     ) -> Result<Vec<Self>, DeviceError> {
-        let count = Self::count();
-        if local > count {
-            return Err(DeviceError::Other(format!(
-                "each node runs {local} ranks (--tensor-parallel-size / --nnodes), one per GPU: \
-                 this machine has {count}"
-            )));
-        }
-        Self::need_nccl()?;
+        Self::node_fits(local)?;
         let id: [std::ffi::c_char; 128] = nccl_id
             .iter()
             .map(|&b| b as std::ffi::c_char)
@@ -359,6 +352,20 @@ impl CudaDevice {
         cudarc::nccl::group_end().map_err(err)?;
         let comms = comms.into_iter().collect::<Result<Vec<_>, _>>()?;
         ctxs.into_iter().zip(comms).map(|(ctx, comm)| Self::open(ctx, Some(comm))).collect()
+    }
+
+    /// Whether this machine can run `local` ranks of a group that spans nodes: as many
+    /// GPUs, and NCCL. Checked before a node joins the others, whose NCCL start would wait
+    /// for ranks that never come.
+    pub fn node_fits(local: usize) -> Result<(), DeviceError> {
+        let count = Self::count();
+        if local > count {
+            return Err(DeviceError::Other(format!(
+                "each node runs {local} ranks (--tensor-parallel-size / --nnodes), one per GPU: \
+                 this machine has {count}"
+            )));
+        }
+        Self::need_nccl()
     }
 
     /// A fresh NCCL unique id (node 0 of a group that spans nodes hands it to the others).

@@ -36,7 +36,9 @@ pub struct Welcome {
 /// How often node 0 looks at the other nodes' connections between their answers.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 
-/// Node 0 (rank 0) of a group whose other ranks are nodes 1.. (one rank each).
+/// Node 0's end of a group whose other nodes are 1..: on the CPU one rank each, whose
+/// collectives node 0 combines; on GPUs their ranks meet in NCCL, and the channel carries
+/// steps and commands only.
 pub struct Lead {
     /// Nodes 1.. in rank order.
     nodes: Vec<Mutex<Channel>>,
@@ -328,8 +330,8 @@ impl RemoteRanks for Lead {
     }
 }
 
-/// A node's end of the group (ranks 1..): its parts go to node 0, which answers with the
-/// collective's result.
+/// A node's end of the group (nodes 1..): it takes steps and commands from node 0; on the
+/// CPU its parts of each collective go to node 0, which answers with the result.
 pub struct Follower {
     chan: Mutex<Channel>,
     /// The same connection, watched ([`Follower::watch`]).

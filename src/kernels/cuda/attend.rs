@@ -464,7 +464,7 @@ pub(super) fn prefill_heads_within(smem_optin: usize) -> usize {
 /// Keys per chunk of flash_prefill (flash.cu's BC).
 const PREFILL_CHUNK: usize = 32;
 
-/// Shared memory of a flash_prefill block over a 16-bit cache taking `heads` query heads:
+/// Shared memory of a flash_prefill_pipe block taking `heads` query heads:
 /// two chunks of K and V rows and each warp's 16 query rows, rows padded by 8 values; over
 /// an FP8 cache (`fp8`), two chunks of K and V bytes besides, copied before they are widened.
 pub(super) fn prefill_smem_bytes(head_dim: usize, heads: usize, fp8: bool) -> usize {

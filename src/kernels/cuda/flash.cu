@@ -1,6 +1,7 @@
 // Prefill attention on tensor cores (FlashAttention-2's schedule) over an f32 cache (16-bit
-// and FP8 ones: flash_prefill_pipe, below): Q, K and V are rounded to bf16, scores and the output accumulate in f32 through
-// mma.sync m16n8k16, and the softmax is taken online in registers. (common.cuh comes first.)
+// and FP8 ones go to flash_prefill_pipe, below): Q, K and V are rounded to bf16, scores and
+// the output accumulate in f32 through mma.sync m16n8k16, and the softmax is taken online
+// in registers. (common.cuh comes first.)
 //
 // One block of 4 warps per (tile, query head). A tile is up to 64 consecutive query rows of
 // one sequence with consecutive positions (`tiles` holds row0, nrows pairs); each warp owns
@@ -847,11 +848,11 @@ DECODE_JOIN_ENTRY(128, f16, __half)
 // shared memory as they are (cp.async, 16 bytes at a time, no conversion) while the previous
 // chunk is being computed, into one of two buffers. An FP8 cache's bytes are copied so into
 // buffers of their own, then widened by the whole block into the 16-bit ones (f16: every
-// e4m3 value is a half), once a chunk for all of the block's heads. V stays row-major: ldmatrix .trans hands each
-// lane its B fragment (two keys of one dim). The queries are rounded to the cache's type
-// into shared memory once, and their A fragments read back by ldmatrix per chunk, which
-// keeps the kernel within 128 registers (four blocks of one head, or one of four heads, an
-// SM). The mma runs in the cache's type. Tiles are taken longest first (the last tile of a
+// e4m3 value is a half), once a chunk for all of the block's heads. V stays row-major:
+// ldmatrix .trans hands each lane its B fragment (two keys of one dim). The queries are
+// rounded to the 16-bit type into shared memory once, and their A fragments read back by
+// ldmatrix per chunk, which keeps the kernel within 128 registers (four blocks of one head,
+// or one of four heads, an SM). The mma runs in that 16-bit type. Tiles are taken longest first (the last tile of a
 // prompt has the most keys), so that the short ones fill the last wave. Dynamic shared
 // memory: prefill_smem_bytes (attend.rs).
 

@@ -4,7 +4,8 @@
 //! quants), a sub-block's 32 products are an integer dot product, and its scales are
 //! applied once to that sum. Offsets (Q4_1's m, Q4_0's −8·d, Q5_0's −16·d, Q4_K's
 //! −dmin·min) multiply the input block's sum instead of every element. Above
-//! [`WIDEN_ROWS`] input rows (a prompt) the blocks are widened to f32 for the GEMM instead.
+//! [`WIDEN_ROWS`] input rows (a prompt) the blocks are widened to f32 for the GEMM instead,
+//! unless the family's multi-row kernels take the format ([`widens`]).
 //!
 //! Weights are held as the file's blocks pulled apart, not changed: the quants of a row
 //! end to end, and the scales beside them (Q4_K's 6-bit ones unpacked to a byte each), so
@@ -202,17 +203,70 @@ struct QuantRows {
     pairs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
+    /// With `pairs`, each row's block scales in the lanes where [`groups`]' integer sums
+    /// land, 16 floats a group: d by lane, then Σ-scaled s in one lane a block (0 in the
+    /// other lanes). For the multi-row kernels, which then multiply without permutes.
+    lanes: Vec<f32>,
 }
 
-/// `x`'s rows rounded to 8 bits a block; with `pairs`, also laid out for Q4 pairs.
-fn quantize_rows(x: &[f32], m: usize, k: usize, pairs: bool) -> QuantRows {
+/// The groups of a row of `nb` blocks that the pair kernels take: quads (4 blocks: their
+/// sums land in lanes `[b, b, b+2, b+2, b+1, b+1, b+3, b+3]`), then a pair if two blocks
+/// are left (`[b; 4], [b+1; 4]`); an odd last block is not in a group.
+fn groups(nb: usize) -> usize {
+    nb / 4 + usize::from(nb % 4 >= 2)
+}
+
+/// Which block of a group each lane's sum belongs to, and whether the lane carries the
+/// block's offset (one lane a block).
+const QUAD_LANES: [(usize, bool); 8] =
+    [(0, true), (0, false), (2, true), (2, false), (1, true), (1, false), (3, true), (3, false)];
+const PAIR_LANES: [(usize, bool); 8] =
+    [(0, true), (0, false), (0, false), (0, false), (1, true), (1, false), (1, false), (1, false)];
+
+/// `x`'s rows rounded to 8 bits a block; with `pairs`, also laid out for Q4 pairs, and
+/// with `lanes` their scales for the multi-row kernels.
+fn quantize_rows(x: &[f32], m: usize, k: usize, pairs: bool, lanes: bool) -> QuantRows {
     let nb = k / QK;
-    let mut rows =
-        QuantRows { k, q: vec![0; m * k], pairs: Vec::new(), d: vec![0.0; m * nb], s: vec![0.0; m * nb] };
-    // On the calling thread: at most WIDEN_ROWS rows come here, a few microseconds of work,
-    // less than handing it to the pool and back.
-    let blocks = rows.q.chunks_exact_mut(QK).zip(&mut rows.d).zip(&mut rows.s);
-    for (((q, d), s), x) in blocks.zip(x[..m * k].chunks_exact(QK)) {
+    let ng = if pairs && lanes { groups(nb) } else { 0 };
+    let mut rows = QuantRows {
+        k,
+        q: vec![0; m * k],
+        pairs: vec![0; if pairs { m * k } else { 0 }],
+        d: vec![0.0; m * nb],
+        s: vec![0.0; m * nb],
+        lanes: vec![0.0; m * ng * 16],
+    };
+    // A prompt's rows are worth the pool's threads; a decode step's few rows (a few
+    // microseconds of work) stay on the calling thread, in one piece.
+    let min_len = if m > WIDEN_ROWS { 1 } else { m.max(1) };
+    x[..m * k]
+        .par_chunks_exact(k)
+        .zip(rows.q.par_chunks_exact_mut(k))
+        .zip(rows.d.par_chunks_exact_mut(nb))
+        .zip(rows.s.par_chunks_exact_mut(nb))
+        .with_min_len(min_len)
+        .for_each(|(((x, q), d), s)| quantize_row(x, q, d, s));
+    if pairs {
+        rows.pairs
+            .par_chunks_exact_mut(k)
+            .zip(rows.q.par_chunks_exact(k))
+            .with_min_len(min_len)
+            .for_each(|(p, q)| pair_row(q, p));
+    }
+    if ng > 0 {
+        rows.lanes
+            .par_chunks_exact_mut(ng * 16)
+            .zip(rows.d.par_chunks_exact(nb).zip(rows.s.par_chunks_exact(nb)))
+            .with_min_len(min_len)
+            .for_each(|(l, (d, s))| lane_row(d, s, l));
+    }
+    rows
+}
+
+/// One row's blocks rounded to 8 bits: quants, scales d and d·Σq.
+fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    let blocks = q.chunks_exact_mut(QK).zip(d).zip(s);
+    for (((q, d), s), x) in blocks.zip(x.chunks_exact(QK)) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         *d = amax / 127.0;
         let inv = if amax == 0.0 { 0.0 } else { 127.0 / amax };
@@ -225,19 +279,29 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, pairs: bool) -> QuantRows {
         }
         *s = *d * sum as f32;
     }
-    if !pairs {
-        return rows;
+}
+
+/// One row's quants laid out for Q4 pairs (`QuantRows::pairs`).
+fn pair_row(q: &[i8], pairs: &mut [i8]) {
+    pairs.copy_from_slice(q);
+    for (p, q) in pairs.chunks_exact_mut(2 * QK).zip(q.chunks_exact(2 * QK)) {
+        p[..16].copy_from_slice(&q[..16]);
+        p[16..32].copy_from_slice(&q[32..48]);
+        p[32..48].copy_from_slice(&q[16..32]);
+        p[48..].copy_from_slice(&q[48..]);
     }
-    rows.pairs = rows.q.clone();
-    for (pairs, q) in rows.pairs.chunks_exact_mut(k).zip(rows.q.chunks_exact(k)) {
-        for (p, q) in pairs.chunks_exact_mut(2 * QK).zip(q.chunks_exact(2 * QK)) {
-            p[..16].copy_from_slice(&q[..16]);
-            p[16..32].copy_from_slice(&q[32..48]);
-            p[32..48].copy_from_slice(&q[16..32]);
-            p[48..].copy_from_slice(&q[48..]);
+}
+
+/// One row's scales in the pair kernels' lanes (`QuantRows::lanes`).
+fn lane_row(d: &[f32], s: &[f32], lanes: &mut [f32]) {
+    let nb = d.len();
+    for (g, out) in lanes.chunks_exact_mut(16).enumerate() {
+        let (b, lanes) = (4 * g, if g < nb / 4 { &QUAD_LANES } else { &PAIR_LANES });
+        for (l, &(i, first)) in lanes.iter().enumerate() {
+            out[l] = d[b + i];
+            out[8 + l] = if first { s[b + i] } else { 0.0 };
         }
     }
-    rows
 }
 
 /// How far ahead of a weight row's loads the SIMD dot products ask for its bytes. One
@@ -251,6 +315,11 @@ const PREFETCH_BYTES: usize = 4096;
 /// The dot products of weight rows `j0..j0 + NR` with `MR` input rows: `[NR][MR]`.
 type DotFn<const NR: usize, const MR: usize> =
     unsafe fn(&QuantWeight, usize, &QuantRows, [usize; MR]) -> [[f32; MR]; NR];
+
+/// The dot products of weight rows `j0..j1` with `MR` input rows, written to
+/// `out[row · n + j]`.
+type RowsFn<const MR: usize> =
+    unsafe fn(&QuantWeight, (usize, usize), &QuantRows, [usize; MR], (*mut f32, usize));
 
 /// The portable dot products: exact integer sums a block, scaled as the SIMD ones are.
 fn dot_portable<const NR: usize, const MR: usize>(
@@ -627,6 +696,182 @@ mod avx2 {
         }
     }
 
+    /// The dot products of weight rows `j0..j1` with `MR` input rows (a step of several
+    /// sequences) over Q4_0, Q4_1, Q5_0 and Q5_1, into `out[row · n + j]`. A row's blocks
+    /// are unpacked once a group for every input row, and each group's integer sums are
+    /// scaled by lanes precomputed on both sides (`QuantRows::lanes`; the weight's d and
+    /// offsets permuted once a group): two FMAs an input row and group, no permute, and no
+    /// pass of its own for the offsets. (`dot_body`'s two-by-four tiles kept 16 input
+    /// vectors and eight accumulators in 16 registers, and spilled.) The loop over the
+    /// weight rows is inside, since a call a row would spend on its setup about what 576
+    /// features spend on their blocks. Without VNNI, a quad's products are summed in 16
+    /// bits first (below).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C (and AVX512-VNNI and AVX512-VL where VNNI); `out`
+    /// holds `rows` rows of `n`, and only this call writes their columns `j0..j1`.
+    #[inline(always)]
+    unsafe fn rows_body<const MR: usize, const VNNI: bool>(
+        w: &QuantWeight,
+        (j0, j1): (usize, usize),
+        x: &QuantRows,
+        rows: [usize; MR],
+        (out, n): (*mut f32, usize),
+    ) {
+        let (nb, f) = (w.k / QK, w.format);
+        let ng = super::groups(nb);
+        let q5 = matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1);
+        assert!(
+            matches!(f, QuantFormat::Q4_0 | QuantFormat::Q4_1) | q5
+                && j1 <= w.n
+                && x.k == w.k
+                && rows.iter().all(|&r| (r + 1) * x.k <= x.pairs.len() && (r + 1) * ng * 16 <= x.lanes.len())
+        );
+        // SAFETY: every block, scale and lane read is of rows j0..j1 of w and rows `rows` of
+        // x (asserted above); the instructions are the target features; the writes are the
+        // caller's contract.
+        let factor = if f == QuantFormat::Q5_0 { -16.0 } else { -8.0 };
+        let xp: [*const i8; MR] = std::array::from_fn(|c| x.pairs[rows[c] * x.k..].as_ptr());
+        let xl: [*const f32; MR] = std::array::from_fn(|c| x.lanes[rows[c] * ng * 16..].as_ptr());
+        for j in j0..j1 {
+            unsafe {
+                let qs = w.qs.as_ptr().add(j * nb * 16);
+                let wd = w.d.as_ptr().add(j * nb);
+                // Q4_1's and Q5_1's offsets are their m; Q4_0's and Q5_0's a multiple of d.
+                let wm = (!w.m.is_empty()).then(|| w.m.as_ptr().add(j * nb));
+                let mut acc = [_mm256_setzero_ps(); MR];
+                for g in 0..ng {
+                    let (b, pair) = (4 * g, g == nb / 4);
+                    prefetch_ahead(qs.wrapping_add(b * 16), 64);
+                    let (mut lo0, mut hi0) = nibbles(_mm256_loadu_si256(qs.add(b * 16).cast()));
+                    let (mut lo1, mut hi1) = if pair {
+                        (lo0, hi0)
+                    } else {
+                        nibbles(_mm256_loadu_si256(qs.add(b * 16 + 32).cast()))
+                    };
+                    if q5 {
+                        // As in `dot_body`: a pair's first 16 fifth bits go with the low
+                        // nibbles, the last 16 with the high ones.
+                        let bits: [u32; 4] = std::array::from_fn(|i| {
+                            if pair && i >= 2 { 0 } else { w.fifth_bits(j * nb + b + i) }
+                        });
+                        let split =
+                            |a: u32, c: u32| [(a & 0xffff) | (c << 16), (a >> 16) | (c & 0xffff_0000)];
+                        let ([l0, h0], [l1, h1]) = (split(bits[0], bits[1]), split(bits[2], bits[3]));
+                        lo0 = _mm256_or_si256(lo0, fifth_bits(l0));
+                        hi0 = _mm256_or_si256(hi0, fifth_bits(h0));
+                        lo1 = _mm256_or_si256(lo1, fifth_bits(l1));
+                        hi1 = _mm256_or_si256(hi1, fifth_bits(h1));
+                    }
+                    let dw = group_scales(wd.add(b), pair);
+                    let off = match wm {
+                        Some(m) => group_scales(m.add(b), pair),
+                        None => _mm256_mul_ps(dw, _mm256_set1_ps(factor)),
+                    };
+                    for c in 0..MR {
+                        let xv: *const __m256i = xp[c].add(b * QK).cast();
+                        let x = |i: usize| _mm256_loadu_si256(xv.add(i));
+                        let sums = if VNNI {
+                            let s0 = pair_dot::<VNNI>(lo0, x(0), hi0, x(1));
+                            if pair {
+                                s0
+                            } else {
+                                _mm256_hadd_epi32(s0, pair_dot::<VNNI>(lo1, x(2), hi1, x(3)))
+                            }
+                        } else {
+                            // Products of nibbles (31 at most with a fifth bit) and inputs
+                            // (|q| ≤ 127) summed over eight bytes stay in 16 bits: 31496 at
+                            // most, so one vpmaddwd a group where pair_dot takes two a pair.
+                            let p = |lo, x0, hi, x1| {
+                                _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1))
+                            };
+                            let p0 = p(lo0, x(0), hi0, x(1));
+                            let p = if pair { p0 } else { _mm256_hadd_epi16(p0, p(lo1, x(2), hi1, x(3))) };
+                            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+                        };
+                        let l = xl[c].add(g * 16);
+                        acc[c] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(sums),
+                            _mm256_mul_ps(dw, _mm256_loadu_ps(l)),
+                            acc[c],
+                        );
+                        acc[c] = _mm256_fmadd_ps(off, _mm256_loadu_ps(l.add(8)), acc[c]);
+                    }
+                }
+                // An odd last block, in the inputs' own order.
+                let mut tail = [0f32; MR];
+                if nb % 2 == 1 {
+                    let b = nb - 1;
+                    let (wq, _) = weight_block(w, qs, b, j * nb + b);
+                    let dw = h2f(*wd.add(b));
+                    let off = match wm {
+                        Some(m) => h2f(*m.add(b)),
+                        None => factor * dw,
+                    };
+                    for c in 0..MR {
+                        let at = rows[c] * nb + b;
+                        let xv = _mm256_loadu_si256(x.q.as_ptr().add(rows[c] * x.k + b * QK).cast());
+                        let p = _mm256_cvtepi32_ps(block_dot::<VNNI>(f, wq, wq, xv));
+                        acc[c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * x.d[at]), acc[c]);
+                        tail[c] = off * x.s[at];
+                    }
+                }
+                for c in 0..MR {
+                    *out.add(rows[c] * n + j) = hsum(acc[c]) + tail[c];
+                }
+            }
+        }
+    }
+
+    /// A group's four (or a pair's two) f16 scales at `p`, in the lanes its sums land in.
+    #[inline(always)]
+    unsafe fn group_scales(p: *const half::f16, pair: bool) -> __m256 {
+        // SAFETY: the group's scales are readable; F16C and AVX2 are there (the callers'
+        // target features).
+        unsafe {
+            if pair {
+                let v =
+                    _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned())));
+                _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+            } else {
+                let v = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(p.cast())));
+                _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3))
+            }
+        }
+    }
+
+    /// [`rows_body`] under AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows<const MR: usize>(
+        w: &QuantWeight,
+        j: (usize, usize),
+        x: &QuantRows,
+        r: [usize; MR],
+        out: (*mut f32, usize),
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows_body::<MR, false>(w, j, x, r, out) }
+    }
+
+    /// [`rows_body`] with VNNI's dot products.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn rows_vnni<const MR: usize>(
+        w: &QuantWeight,
+        j: (usize, usize),
+        x: &QuantRows,
+        r: [usize; MR],
+        out: (*mut f32, usize),
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { rows_body::<MR, true>(w, j, x, r, out) }
+    }
+
     /// [`dot`] over Q4_K super-blocks: a 32-byte load holds two sub-blocks (low nibbles,
     /// high nibbles) in the inputs' own order; four sub-blocks' sums fold into one vector as
     /// in `dot_body`, scaled by d times their 6-bit scales; the mins (dmin times 6-bit
@@ -962,6 +1207,9 @@ struct Kernels {
     w4x1: DotFn<4, 1>,
     w2x4: DotFn<2, 4>,
     w1x1: DotFn<1, 1>,
+    /// Where the family has one: weight rows `j0..j1` by 4 input rows of Q4_0, Q4_1, Q5_0
+    /// or Q5_1, written to the outputs (in place of `w2x4` for those).
+    pairs_x4: Option<RowsFn<4>>,
 }
 
 fn kernels(family: Family) -> Kernels {
@@ -980,16 +1228,32 @@ fn kernels(family: Family) -> Kernels {
                 w4x1: avx2::dot_vnni::<4, 1>,
                 w2x4: avx2::dot_vnni::<2, 4>,
                 w1x1: avx2::dot_vnni::<1, 1>,
+                pairs_x4: Some(avx2::rows_vnni::<4>),
             };
         }
-        return Kernels { w4x1: avx2::dot::<4, 1>, w2x4: avx2::dot::<2, 4>, w1x1: avx2::dot::<1, 1> };
+        return Kernels {
+            w4x1: avx2::dot::<4, 1>,
+            w2x4: avx2::dot::<2, 4>,
+            w1x1: avx2::dot::<1, 1>,
+            pairs_x4: Some(avx2::rows::<4>),
+        };
     }
     #[cfg(target_arch = "aarch64")]
     if family == Family::Neon && std::arch::is_aarch64_feature_detected!("neon") {
-        return Kernels { w4x1: neon::dot::<4, 1>, w2x4: neon::dot::<2, 4>, w1x1: neon::dot::<1, 1> };
+        return Kernels {
+            w4x1: neon::dot::<4, 1>,
+            w2x4: neon::dot::<2, 4>,
+            w1x1: neon::dot::<1, 1>,
+            pairs_x4: None,
+        };
     }
     let _ = family;
-    Kernels { w4x1: dot_portable::<4, 1>, w2x4: dot_portable::<2, 4>, w1x1: dot_portable::<1, 1> }
+    Kernels {
+        w4x1: dot_portable::<4, 1>,
+        w2x4: dot_portable::<2, 4>,
+        w1x1: dot_portable::<1, 1>,
+        pairs_x4: None,
+    }
 }
 
 /// Input rows above which the weight is widened to f32 and multiplied by the f32 GEMM (a
@@ -998,17 +1262,29 @@ fn kernels(family: Family) -> Kernels {
 /// inputs (48 KB at most for 1,536 features) stay in cache beside a task's weight rows.
 const WIDEN_ROWS: usize = 32;
 
+/// Whether the format's kernels read the inputs laid out in pairs (Q4's nibbles split).
+fn in_pairs(format: QuantFormat) -> bool {
+    matches!(format, QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q5_1)
+}
+
+/// Whether `m` input rows meet the weight widened to f32: above [`WIDEN_ROWS`], unless the
+/// family has multi-row kernels for the format (AVX2's for Q4_0, Q4_1, Q5_0 and Q5_1, which
+/// ran a 500-token prompt of the default model's Q4_1 file at 470–513 tok/s where widening
+/// ran it at 421–445).
+fn widens(family: Family, format: QuantFormat, m: usize) -> bool {
+    m > WIDEN_ROWS && !(in_pairs(format) && kernels(family).pairs_x4.is_some())
+}
+
 /// `out[m, n] = x[m, k] · Wᵀ`.
 pub fn matmul(family: Family, x: &[f32], m: usize, w: &QuantWeight, out: &mut [f32]) {
     let (n, k) = (w.n, w.k);
     assert!(x.len() >= m * k && out.len() >= m * n);
-    if m > WIDEN_ROWS {
+    if widens(family, w.format, m) {
         return super::matmul::widened(x, (m, k, n), out, |r, row| w.row_f32(r, row));
     }
-    let pairs =
-        matches!(w.format, QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q5_0 | QuantFormat::Q5_1);
-    let xq = quantize_rows(x, m, k, pairs);
     let ks = kernels(family);
+    let pairs = in_pairs(w.format);
+    let xq = quantize_rows(x, m, k, pairs, pairs && m >= 4 && ks.pairs_x4.is_some());
     // Whole groups of 4 weight rows a task, enough tasks to balance the threads.
     let chunk = n.div_ceil(rayon::current_num_threads() * 8).next_multiple_of(4);
     let out = OutPtr(out.as_mut_ptr());
@@ -1042,6 +1318,11 @@ unsafe fn tile(
         let mut i = i0;
         while i + 4 <= i1 {
             let rows = [i, i + 1, i + 2, i + 3];
+            if let Some(k) = ks.pairs_x4.filter(|_| !xq.lanes.is_empty()) {
+                k(w, (j0, j1), xq, rows, (out.0, n));
+                i += 4;
+                continue;
+            }
             let mut j = j0;
             while j + 2 <= j1 {
                 let v = (ks.w2x4)(w, j, xq, rows);
@@ -1095,6 +1376,42 @@ mod tests {
     /// Against the dequantized weight times the quantized input (what the kernels compute,
     /// to float rounding; the f32 input above [`WIDEN_ROWS`] rows), and against the f32
     /// input within what the input's 8-bit rounding can reach.
+    /// The largest quants (every nibble and fifth bit set: 15, or 31 with it) against the
+    /// largest inputs (±127 once rounded), where the multi-row kernels' 16-bit sums of eight
+    /// products are closest to overflowing: exact under every family.
+    #[test]
+    fn the_largest_quants_and_inputs_give_exact_sums() {
+        for family in Family::all_supported() {
+            for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q5_0, QuantFormat::Q5_1] {
+                let (m, n, k) = (8, 6, 7 * QK);
+                let mut blocks = vec![0xffu8; n * format.row_bytes(k)];
+                for blk in blocks.chunks_exact_mut(format.block_bytes()) {
+                    for &o in format.scale_offsets() {
+                        blk[o..o + 2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+                    }
+                }
+                let w = QuantWeight::from_blocks(format, &blocks, n, k);
+                let mut dense = Vec::new();
+                format.dequantize(&blocks, &mut dense);
+                // Rows of +1 and of -1: every input rounds to ±127 exactly.
+                let x: Vec<f32> = (0..m * k).map(|t| if (t / k) % 2 == 0 { 1.0 } else { -1.0 }).collect();
+                let mut out = vec![f32::NAN; m * n];
+                matmul(family, &x, m, &w, &mut out);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * dense[j * k + t] as f64).sum();
+                        let got = out[i * n + j] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-6 * want.abs(),
+                            "{} {format} [{i},{j}]: {got} vs {want}",
+                            family.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn quantized_matmul_matches_dequantize_then_multiply_under_every_family() {
         for family in Family::all_supported() {
@@ -1110,6 +1427,7 @@ mod tests {
                     (1, 9, 256),
                     (6, 21, 512),
                     (2, 8, 2304),
+                    (41, 9, 576),
                 ] {
                     if !k.is_multiple_of(format.block_elems()) {
                         continue;
@@ -1128,7 +1446,7 @@ mod tests {
                     assert_eq!(row, dense[(n - 1) * k..]);
 
                     let x = rand_vec(m * k, 1);
-                    let xq = quantize_rows(&x, m, k, false);
+                    let xq = quantize_rows(&x, m, k, false, false);
                     let xd: Vec<f32> =
                         xq.q.iter().enumerate().map(|(t, &q)| q as f32 * xq.d[t / QK]).collect();
                     let mut out = vec![f32::NAN; m * n];
@@ -1139,8 +1457,8 @@ mod tests {
                                 (0..k).map(|t| x[i * k + t] as f64 * dense[j * k + t] as f64).sum()
                             };
                             let got = out[i * n + j] as f64;
-                            // Above WIDEN_ROWS rows the f32 input meets the widened weight.
-                            let exact = if m > WIDEN_ROWS { dot(&x) } else { dot(&xd) };
+                            // Widened, the f32 input meets the widened weight.
+                            let exact = if widens(family, format, m) { dot(&x) } else { dot(&xd) };
                             let true_x = dot(&x);
                             let what = format!("{} {format} m={m} n={n} k={k} [{i},{j}]", family.name());
                             assert!(

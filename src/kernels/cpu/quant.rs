@@ -1256,9 +1256,10 @@ fn kernels(family: Family) -> Kernels {
     }
 }
 
-/// Input rows above which the weight is widened to f32 and multiplied by the f32 GEMM (a
-/// prompt's rows: there the arithmetic, not the bytes, sets the pace; measured on the
-/// default model, a 500-token prompt went 454–589 → 635 tok/s). Up to it, the rounded
+/// Input rows above which the weight is widened to f32 and multiplied by the f32 GEMM,
+/// where the family has no multi-row kernel for the format ([`widens`]): a prompt's rows,
+/// where the arithmetic, not the bytes, sets the pace (measured on the default model before
+/// those kernels, a 500-token prompt went 454–589 → 635 tok/s). Up to it, the rounded
 /// inputs (48 KB at most for 1,536 features) stay in cache beside a task's weight rows.
 const WIDEN_ROWS: usize = 32;
 

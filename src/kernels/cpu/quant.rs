@@ -431,6 +431,25 @@ mod avx2 {
         }
     }
 
+    /// Q5_0's or Q5_1's fifth bits of `blocks` (2 or 4) blocks from `rb` put above the
+    /// nibbles of their pairs (`[lo0, hi0, lo1, hi1]`, as [`nibbles`] splits two 32-byte
+    /// loads): a pair's first 16 bits go with the low nibbles, the last 16 with the high ones.
+    #[inline(always)]
+    unsafe fn with_fifth_bits(w: &QuantWeight, rb: usize, blocks: usize, q: [__m256i; 4]) -> [__m256i; 4] {
+        let bits: [u32; 4] = std::array::from_fn(|i| if i < blocks { w.fifth_bits(rb + i) } else { 0 });
+        let split = |a: u32, c: u32| [(a & 0xffff) | (c << 16), (a >> 16) | (c & 0xffff_0000)];
+        let ([l0, h0], [l1, h1]) = (split(bits[0], bits[1]), split(bits[2], bits[3]));
+        // SAFETY: AVX2 is there (the callers' target features).
+        unsafe {
+            [
+                _mm256_or_si256(q[0], fifth_bits(l0)),
+                _mm256_or_si256(q[1], fifth_bits(h0)),
+                _mm256_or_si256(q[2], fifth_bits(l1)),
+                _mm256_or_si256(q[3], fifth_bits(h1)),
+            ]
+        }
+    }
+
     /// 32 bits as 32 bytes: 0x10 where the bit is set (Q5_0's fifth bits, in place).
     #[inline(always)]
     unsafe fn fifth_bits(bits: u32) -> __m256i {
@@ -587,17 +606,7 @@ mod avx2 {
                     let (mut lo0, mut hi0) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16).cast()));
                     let (mut lo1, mut hi1) = nibbles(_mm256_loadu_si256(qs[r].add(b * 16 + 32).cast()));
                     if matches!(f, QuantFormat::Q5_0 | QuantFormat::Q5_1) {
-                        // A pair's first 16 fifth bits go with the low nibbles, the last 16
-                        // with the high ones.
-                        let rb = (j0 + r) * nb + b;
-                        let bits: [u32; 4] = std::array::from_fn(|i| w.fifth_bits(rb + i));
-                        let split =
-                            |a: u32, c: u32| [(a & 0xffff) | (c << 16), (a >> 16) | (c & 0xffff_0000)];
-                        let ([l0, h0], [l1, h1]) = (split(bits[0], bits[1]), split(bits[2], bits[3]));
-                        lo0 = _mm256_or_si256(lo0, fifth_bits(l0));
-                        hi0 = _mm256_or_si256(hi0, fifth_bits(h0));
-                        lo1 = _mm256_or_si256(lo1, fifth_bits(l1));
-                        hi1 = _mm256_or_si256(hi1, fifth_bits(h1));
+                        [lo0, hi0, lo1, hi1] = with_fifth_bits(w, (j0 + r) * nb + b, 4, [lo0, hi0, lo1, hi1]);
                     }
                     let dw = _mm_cvtph_ps(_mm_loadl_epi64(wd[r].add(b).cast()));
                     for c in 0..MR {
@@ -750,18 +759,8 @@ mod avx2 {
                         nibbles(_mm256_loadu_si256(qs.add(b * 16 + 32).cast()))
                     };
                     if q5 {
-                        // As in `dot_body`: a pair's first 16 fifth bits go with the low
-                        // nibbles, the last 16 with the high ones.
-                        let bits: [u32; 4] = std::array::from_fn(|i| {
-                            if pair && i >= 2 { 0 } else { w.fifth_bits(j * nb + b + i) }
-                        });
-                        let split =
-                            |a: u32, c: u32| [(a & 0xffff) | (c << 16), (a >> 16) | (c & 0xffff_0000)];
-                        let ([l0, h0], [l1, h1]) = (split(bits[0], bits[1]), split(bits[2], bits[3]));
-                        lo0 = _mm256_or_si256(lo0, fifth_bits(l0));
-                        hi0 = _mm256_or_si256(hi0, fifth_bits(h0));
-                        lo1 = _mm256_or_si256(lo1, fifth_bits(l1));
-                        hi1 = _mm256_or_si256(hi1, fifth_bits(h1));
+                        let blocks = if pair { 2 } else { 4 };
+                        [lo0, hi0, lo1, hi1] = with_fifth_bits(w, j * nb + b, blocks, [lo0, hi0, lo1, hi1]);
                     }
                     let dw = group_scales(wd.add(b), pair);
                     let off = match wm {
@@ -1272,18 +1271,18 @@ fn in_pairs(format: QuantFormat) -> bool {
 /// family has multi-row kernels for the format (AVX2's for Q4_0, Q4_1, Q5_0 and Q5_1, which
 /// ran a 500-token prompt of the default model's Q4_1 file at 470–513 tok/s where widening
 /// ran it at 421–445).
-fn widens(family: Family, format: QuantFormat, m: usize) -> bool {
-    m > WIDEN_ROWS && !(in_pairs(format) && kernels(family).pairs_x4.is_some())
+fn widens(ks: &Kernels, format: QuantFormat, m: usize) -> bool {
+    m > WIDEN_ROWS && !(in_pairs(format) && ks.pairs_x4.is_some())
 }
 
 /// `out[m, n] = x[m, k] · Wᵀ`.
 pub fn matmul(family: Family, x: &[f32], m: usize, w: &QuantWeight, out: &mut [f32]) {
     let (n, k) = (w.n, w.k);
     assert!(x.len() >= m * k && out.len() >= m * n);
-    if widens(family, w.format, m) {
+    let ks = kernels(family);
+    if widens(&ks, w.format, m) {
         return super::matmul::widened(x, (m, k, n), out, |r, row| w.row_f32(r, row));
     }
-    let ks = kernels(family);
     let pairs = in_pairs(w.format);
     let xq = quantize_rows(x, m, k, pairs, pairs && m >= 4 && ks.pairs_x4.is_some());
     // Whole groups of 4 weight rows a task, enough tasks to balance the threads.
@@ -1459,7 +1458,7 @@ mod tests {
                             };
                             let got = out[i * n + j] as f64;
                             // Widened, the f32 input meets the widened weight.
-                            let exact = if widens(family, format, m) { dot(&x) } else { dot(&xd) };
+                            let exact = if widens(&kernels(family), format, m) { dot(&x) } else { dot(&xd) };
                             let true_x = dot(&x);
                             let what = format!("{} {format} m={m} n={n} k={k} [{i},{j}]", family.name());
                             assert!(

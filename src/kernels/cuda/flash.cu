@@ -852,9 +852,9 @@ DECODE_JOIN_ENTRY(128, f16, __half)
 // ldmatrix .trans hands each lane its B fragment (two keys of one dim). The queries are
 // rounded to the 16-bit type into shared memory once, and their A fragments read back by
 // ldmatrix per chunk, which keeps the kernel within 128 registers (four blocks of one head,
-// or one of four heads, an SM). The mma runs in that 16-bit type. Tiles are taken longest first (the last tile of a
-// prompt has the most keys), so that the short ones fill the last wave. Dynamic shared
-// memory: prefill_smem_bytes (attend.rs).
+// or one of four heads, an SM). The mma runs in that 16-bit type. Tiles are taken longest
+// first (the last tile of a prompt has the most keys), so that the short ones fill the last
+// wave. Dynamic shared memory: prefill_smem_bytes (attend.rs).
 
 // The 16-bit type flash_prefill_pipe computes in over a cache of C, and whether C's rows are
 // staged as raw FP8 bytes first.

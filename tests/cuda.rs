@@ -2222,18 +2222,22 @@ fn fused_moe_matches_its_cpu_twin() {
     let (g, _turn) = gpu();
     let c = CpuDevice::default();
     let to_bf16 = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
-    for (experts, h, inter) in [(16, 256, 128), (8, 200, 72)] {
+    // 160 experts: the sort's scan crosses warps, and the router keeps five logits a lane.
+    for (experts, h, inter) in [(16, 256, 128), (8, 200, 72), (160, 64, 40)] {
         let gate_up = rand(experts * 2 * inter * h, 60);
         let down = rand(experts * h * inter, 61);
-        for bf16 in [false, true] {
-            let weight = |v: &[f32], shape: &[usize]| match bf16 {
-                false => host(v, shape),
-                true => HostTensor {
-                    dtype: DType::BF16,
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let weight = |v: &[f32], shape: &[usize]| match dt {
+                DType::F32 => host(v, shape),
+                _ => HostTensor {
+                    dtype: dt,
                     shape: shape.to_vec(),
                     data: v
                         .iter()
-                        .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                        .flat_map(|x| match dt {
+                            DType::BF16 => half::bf16::from_f32(*x).to_le_bytes(),
+                            _ => half::f16::from_f32(*x).to_le_bytes(),
+                        })
                         .collect::<Vec<u8>>()
                         .into(),
                 },
@@ -2253,7 +2257,11 @@ fn fused_moe_matches_its_cpu_twin() {
                 (600, 2, false, Activation::Silu),
             ] {
                 let spec = MoeSpec { experts, top_k, renormalize, act };
-                let mma = bf16 && moe_on_tensor_cores(rows, spec);
+                let mma = dt != DType::F32 && moe_on_tensor_cores(rows, spec);
+                if mma && dt == DType::F16 {
+                    // The reference below rounds as bf16 does; f16's GEMV rows are checked.
+                    continue;
+                }
                 let x = to_bf16(&rand(rows * h, 62 + rows as u64));
                 let logits: Vec<f32> = rand(rows * experts, 63).iter().map(|v| v * 8.0).collect();
                 let (xc, xg) = (CpuTensor::new(x.clone(), rows, h), g.from_host(&x, rows, h).unwrap());
@@ -2261,8 +2269,7 @@ fn fused_moe_matches_its_cpu_twin() {
                     CpuTensor::new(logits.clone(), rows, experts),
                     g.from_host(&logits, rows, experts).unwrap(),
                 );
-                let what =
-                    format!("fused_moe {experts}×[{h}, {inter}], bf16 {bf16}, rows {rows}, top {top_k}");
+                let what = format!("fused_moe {experts}×[{h}, {inter}], {dt:?}, rows {rows}, top {top_k}");
                 let got = g.to_host(&g.fused_moe(&xg, &lg, &gug, &dg, spec).unwrap()).unwrap();
                 if !mma {
                     let want = c.to_host(&c.fused_moe(&xc, &lc, &guc, &dc, spec).unwrap()).unwrap();
@@ -2278,6 +2285,10 @@ fn fused_moe_matches_its_cpu_twin() {
                     );
                 }
             }
+        }
+        if experts > 16 {
+            // The integer rows below take the tensor cores only with few experts.
+            continue;
         }
         // Exactly: ReLU over small integers, with at most four nonzero ±1 weights a gate/up
         // row, keeps every sum and gated product an integer that bf16 holds, so the tensor

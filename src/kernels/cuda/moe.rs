@@ -70,7 +70,6 @@ impl CudaDevice {
         let pos = self.tensor(pairs, 1)?;
         let sorted = self.tensor(pairs, 1)?;
         let active = self.tensor(experts, 1)?;
-        let num_active = self.tensor(1, 1)?;
         // Tiles of the tensor-core path: at most one partial tile per expert beyond the full ones.
         let max_tiles = pairs.div_ceil(MMA_ROWS) + experts.min(pairs);
         // The tile table, and the gathered rows in 16 bits: the tensor-core path's alone
@@ -86,9 +85,8 @@ impl CudaDevice {
         };
         let y = self.tensor(pairs, hidden)?;
         let out = self.tensor(rows, hidden)?;
-        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, na_p, mid_p, y_p, out_p] =
-            [&ids, &weights, &offsets, &pos, &sorted, &active, &num_active, &mid, &y, &out]
-                .map(|t| self.ptr(t));
+        let [ids_p, w_p, off_p, pos_p, sorted_p, active_p, mid_p, y_p, out_p] =
+            [&ids, &weights, &offsets, &pos, &sorted, &active, &mid, &y, &out].map(|t| self.ptr(t));
         // Null where the path has no such buffer (the sort then writes no tiles).
         let [tiles_p, nt_p, xs_p] = [&tiles, &num_tiles, &xs].map(|t| t.as_ref().map_or(0, |t| self.ptr(t)));
         let (x_p, logits_p) = (self.ptr(x), self.ptr(logits));
@@ -107,8 +105,8 @@ impl CudaDevice {
         // and mid [pairs, inter] (in 16 bits on the tensor-core path), out [rows, hidden];
         // the weights [experts, 2·inter, hidden] and [experts, hidden, inter] as checked at load.
         unsafe {
-            let sort_shared = (3 * experts * 4) as u32;
-            let sort_ptrs = [ids_p, off_p, pos_p, sorted_p, active_p, na_p, tiles_p, nt_p];
+            let sort_shared = (2 * experts * 4) as u32;
+            let sort_ptrs = [ids_p, off_p, pos_p, sorted_p, active_p, tiles_p, nt_p];
             let sort_ints = [np, e];
             if rows <= ROUTE_IN_THE_SORT_ROWS {
                 let mut l = self.stream.launch_builder(self.f("moe_route_sort"));
@@ -143,24 +141,17 @@ impl CudaDevice {
             } else {
                 // Blocks for every expert that could be active; the others leave at once.
                 let slots = experts.min(pairs) as u32;
+                let down_sfx = weight_suffix(down)?;
                 let mut l = self.stream.launch_builder(self.f(&format!("moe_gate_up_{sfx}")));
-                l.arg(&gate_up_p)
-                    .arg(&x_p)
-                    .arg(&sorted_p)
-                    .arg(&kk)
-                    .arg(&mid_p)
-                    .arg(&off_p)
-                    .arg(&active_p)
-                    .arg(&na_p)
-                    .arg(&i)
-                    .arg(&h)
-                    .arg(&act);
+                l.arg(&gate_up_p).arg(&x_p).arg(&sorted_p).arg(&kk).arg(&mid_p).arg(&off_p).arg(&active_p);
+                l.arg(&i).arg(&h).arg(&act);
                 l.launch(one((inter.div_ceil(8) as u32, slots), 256, 0))
                     .map_err(cuda("moe_gate_up launch"))?;
 
-                let mut l = self.stream.launch_builder(self.f(&format!("moe_down_{}", weight_suffix(down)?)));
-                l.arg(&down_p).arg(&mid_p).arg(&y_p).arg(&off_p).arg(&active_p).arg(&na_p).arg(&h).arg(&i);
-                l.launch(one((hidden.div_ceil(8) as u32, slots), 256, 0)).map_err(cuda("moe_down launch"))?;
+                let mut l = self.stream.launch_builder(self.f(&format!("moe_down_{down_sfx}")));
+                l.arg(&down_p).arg(&mid_p).arg(&y_p).arg(&off_p).arg(&active_p).arg(&h).arg(&i);
+                l.launch(one((hidden.div_ceil(8 * down_rows(down_sfx)) as u32, slots), 256, 0))
+                    .map_err(cuda("moe_down launch"))?;
             }
 
             let mut l = self.stream.launch_builder(self.f("moe_combine"));
@@ -198,12 +189,18 @@ impl CudaDevice {
     }
 }
 
-/// moe.cu's MOE_SORT_ARGS: ids, pairs, experts, offsets, pos, sorted, active, num_active,
-/// tiles, num_tiles (`ptrs` in that order without the two counts, `ints` the two counts).
-fn sort_args<'a>(l: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [CUdeviceptr; 8], ints: &'a [i32; 2]) {
-    let [ids, offsets, pos, sorted, active, num_active, tiles, num_tiles] = ptrs;
+/// moe.cu's MOE_SORT_ARGS: ids, pairs, experts, offsets, pos, sorted, active, tiles,
+/// num_tiles (`ptrs` in that order without the two counts, `ints` the two counts).
+fn sort_args<'a>(l: &mut cudarc::driver::LaunchArgs<'a>, ptrs: &'a [CUdeviceptr; 7], ints: &'a [i32; 2]) {
+    let [ids, offsets, pos, sorted, active, tiles, num_tiles] = ptrs;
     l.arg(ids).arg(&ints[0]).arg(&ints[1]).arg(offsets).arg(pos).arg(sorted);
-    l.arg(active).arg(num_active).arg(tiles).arg(num_tiles);
+    l.arg(active).arg(tiles).arg(num_tiles);
+}
+
+/// Output rows a warp of moe.cu's down kernel takes, by the weights' suffix (its
+/// MOE_DOWN_ENTRY lines).
+fn down_rows(suffix: &str) -> usize {
+    if suffix == "f32" { 1 } else { 4 }
 }
 
 fn weight_suffix(w: &CudaWeight) -> DevResult<&'static str> {
